@@ -1,0 +1,89 @@
+# decentpy developer entry points.
+#
+#   make train   a real 4-worker decentralized training run on CPU (WORKERS=4 ARGS="--epochs 5")
+#   make test    C++ tests (ctest, when cmake is present) and the Python tests
+#   make bench   kernel microbenchmarks
+#   make build   create .venv, install the dependencies, build the extension (editable install)
+#   make clean   remove build outputs (keeps .venv);  make distclean  also removes .venv
+#
+# The first run creates .venv and installs torch==2.13.0 only when no torch is importable there
+# (an unpinned torch would pull the CUDA wheels). Later runs do nothing unless csrc/, setup.py or
+# pyproject.toml changed, in which case the extension is rebuilt.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := build
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+PIP_Q   ?= -q
+WORKERS ?= 4
+ARGS    ?=
+BENCH_ARGS ?=
+TORCH_VERSION ?= 2.13.0
+NPROC   := $(shell nproc 2>/dev/null || echo 2)
+CMAKE   := $(shell command -v cmake 2>/dev/null)
+CMAKE_BUILD_DIR := build/cmake
+
+DEPS_STAMP  := $(VENV)/.deps-stamp
+BUILD_STAMP := $(VENV)/.build-stamp
+EXT_INPUTS  := $(shell find csrc -type f 2>/dev/null) $(wildcard setup.py pyproject.toml)
+
+.PHONY: build deps train test ctest pytest bench clean distclean
+
+build: $(BUILD_STAMP)
+deps: $(DEPS_STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# Order-only on the interpreter: its mtime must not trigger reinstalls.
+$(DEPS_STAMP): | $(PY)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already in $(VENV)"; \
+	else \
+	  echo "installing torch==$(TORCH_VERSION) into $(VENV)"; \
+	  $(PIP) install $(PIP_Q) "torch==$(TORCH_VERSION)"; \
+	fi
+	$(PIP) install $(PIP_Q) numpy pytest scikit-learn ninja pybind11 setuptools wheel
+	@touch $@
+
+# --no-build-isolation: build against the torch installed above, never a freshly pulled one.
+$(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
+	@echo "building decentpy (compiles decentpy._C; takes a minute or two)"
+	$(PIP) install $(PIP_Q) --no-build-isolation -e .
+	@touch $@
+
+train: $(BUILD_STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(WORKERS) examples/train_digits.py $(ARGS)
+
+test: ctest pytest
+
+pytest: $(BUILD_STAMP)
+	$(PY) -m pytest -q tests
+
+ctest: $(BUILD_STAMP)
+ifeq ($(CMAKE),)
+	@echo "cmake not found: skipping the C++ tests (ctest)"
+else
+	@if [[ ! -f CMakeLists.txt ]]; then echo "no CMakeLists.txt: skipping the C++ tests (ctest)"; exit 0; fi; \
+	set -e; mkdir -p $(CMAKE_BUILD_DIR); \
+	prefix="$$($(PY) -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"; \
+	cmake -S . -B $(CMAKE_BUILD_DIR) -DCMAKE_BUILD_TYPE=Release \
+	  -DCMAKE_PREFIX_PATH="$$prefix" -DPython_EXECUTABLE="$(abspath $(PY))" > $(CMAKE_BUILD_DIR)/configure.log 2>&1 \
+	  || { cat $(CMAKE_BUILD_DIR)/configure.log; exit 1; }; \
+	MAKEFLAGS= MFLAGS= MAKELEVEL= cmake --build $(CMAKE_BUILD_DIR) -j $(NPROC); \
+	cd $(CMAKE_BUILD_DIR) && ctest --output-on-failure
+endif
+
+bench: $(BUILD_STAMP)
+	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache bench/out $(BUILD_STAMP)
+	rm -f decentpy/_C*.so decentpy/_C*.pyd
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

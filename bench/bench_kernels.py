@@ -1,0 +1,211 @@
+"""Microbenchmark of the fused mix-and-step kernel (decentpy._C.mix_and_step) on one bucket.
+
+Workload: AdamW on a fp32 bucket with an all-reduce style mix (mix_a = w - s, mix_b = 1, the send
+buffer aliasing the comm buffer, send_scale = s). Per element the fused kernel reads p, c, g, m, v
+and writes p, m, v, send: 9 x 4 bytes.
+
+Compared with:
+  (a) the best torch sequence: p.mul_(a).add_(c, alpha=b); torch AdamW(fused=True) step
+      (foreach when fused is not supported here); torch.mul(p, s, out=send)
+  (b) the same with torch's default per-parameter AdamW (foreach=False)
+  (c) a same-run dst.copy_(src) moving the same number of bytes (read + write) as the fused kernel
+
+Usage: python bench/bench_kernels.py [--size-mb 25] [--repeats 9] [--threads N] [--device cpu|cuda|all]
+"""
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+try:
+    from decentpy import _C
+except ImportError:  # the package may be half-written: load the extension directly
+    import glob
+    import importlib.util
+
+    _here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _so = glob.glob(os.path.join(_here, "decentpy", "_C*.so"))
+    _spec = importlib.util.spec_from_file_location("decentpy._C", _so[0])
+    _C = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_C)
+
+ADAM = 2
+TARGET_A, TARGET_B, TARGET_COPY = 1.5, 4.0, 0.70
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def timer(device):
+    """Returns a function timing fn() in seconds (CUDA: events on the current stream)."""
+    if device.type == "cuda":
+        def run(fn):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+    else:
+        def run(fn):
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+    return run
+
+
+def make_torch_adamw(p, lr, wd, betas, eps, mode):
+    """mode: 'fused', 'foreach' or 'default' (foreach=False). Returns (optimizer, mode used)."""
+    kw = dict(lr=lr, weight_decay=wd, betas=betas, eps=eps)
+    if mode == "fused":
+        try:
+            opt = torch.optim.AdamW([p], fused=True, **kw)
+            opt.step()  # raises here when fused is not supported for this device
+            return opt, "fused"
+        except (RuntimeError, TypeError, ValueError):
+            mode = "foreach"
+    if mode == "foreach":
+        opt = torch.optim.AdamW([p], foreach=True, **kw)
+        opt.step()
+        return opt, "foreach"
+    opt = torch.optim.AdamW([p], foreach=False, **kw)
+    opt.step()
+    return opt, "default (foreach=False)"
+
+
+def bench_device(device, numel, repeats):
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(scale=1.0):
+        return (torch.randn(numel, generator=gen) * scale).to(device)
+
+    w, s = 0.5, 0.5  # all-reduce style: p = (w - s) p + c, send = s p
+    lr, wd, betas, eps = 1e-3, 0.01, (0.9, 0.999), 1e-8
+    step = 10
+    bc1 = 1 - betas[0] ** step
+    bc2 = (1 - betas[1] ** step) ** 0.5
+    hyper = [[lr, wd, 0.0, 0.0, 0.0, betas[0], betas[1], eps, bc1, bc2, 1.0]]
+    segments = torch.tensor([[0, numel, 0]], dtype=torch.int64, device=device)
+
+    # Fused kernel buffers.
+    p, c, g = rnd(), rnd(), rnd(1e-3)
+    m, v = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
+
+    def fused():
+        _C.mix_and_step(ADAM, p, g, [m, v], c, c, segments, hyper, w - s, 1.0, s, 1.0, True,
+                        False, False, False)
+
+    # Torch sequences.
+    def torch_seq(mode):
+        tp = torch.nn.Parameter(rnd())
+        tp.grad = rnd(1e-3)
+        tc = rnd()
+        send = torch.empty_like(tc)
+        opt, used = make_torch_adamw(tp, lr, wd, betas, eps, mode)
+
+        def fn():
+            with torch.no_grad():
+                tp.mul_(w - s).add_(tc, alpha=1.0)
+            opt.step()
+            with torch.no_grad():
+                torch.mul(tp, s, out=send)
+
+        return fn, used
+
+    seq_a, used_a = torch_seq("fused")
+    seq_b, used_b = torch_seq("default")
+
+    # Same-run copy moving the same bytes: fused moves 9 * numel * 4 bytes (5 reads + 4 writes);
+    # a copy of k elements moves 2 * k * 4 bytes.
+    bytes_moved = 9 * numel * 4
+    copy_elems = (9 * numel) // 2
+    src = torch.randn(copy_elems, generator=gen).to(device)
+    dst = torch.empty_like(src)
+    copy_bytes = 2 * copy_elems * 4
+
+    # Interleaved: each round times every variant once, so load changes hit all of them alike.
+    fns = {"fused": fused, "a": seq_a, "b": seq_b, "copy": lambda: dst.copy_(src)}
+    run = timer(device)
+    for fn in fns.values():
+        for _ in range(2):
+            run(fn)
+    samples = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            samples[k].append(run(fn))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    t_fused, t_a, t_b, t_copy = med["fused"], med["a"], med["b"], med["copy"]
+
+    gbs = lambda b, t: b / t / 1e9
+    rows = [
+        ("fused _C.mix_and_step (AdamW, comm+send)", t_fused, gbs(bytes_moved, t_fused)),
+        (f"(a) torch mix + AdamW {used_a} + mul", t_a, gbs(bytes_moved, t_a)),
+        (f"(b) torch mix + AdamW {used_b} + mul", t_b, gbs(bytes_moved, t_b)),
+        ("(c) dst.copy_(src), same bytes", t_copy, gbs(copy_bytes, t_copy)),
+    ]
+    print(f"\n[{device}] bucket {numel * 4 / 2**20:.1f} MiB fp32 ({numel} elements), "
+          f"fused moves {bytes_moved / 2**20:.0f} MiB, median of {repeats} interleaved runs")
+    print(f"{'variant':54s} {'time ms':>9s} {'GB/s':>8s}")
+    for name, t, bw in rows:
+        print(f"{name:54s} {t * 1e3:9.2f} {bw:8.1f}")
+    ra, rb = t_a / t_fused, t_b / t_fused
+    pc = gbs(bytes_moved, t_fused) / gbs(copy_bytes, t_copy)
+    ok = lambda x, tgt: "ok" if x >= tgt else "BELOW TARGET"
+    print(f"speed-up vs (a): {ra:5.2f}x   (target >= {TARGET_A}x)  {ok(ra, TARGET_A)}")
+    print(f"speed-up vs (b): {rb:5.2f}x   (target >= {TARGET_B}x)  {ok(rb, TARGET_B)}")
+    print(f"fused bandwidth: {100 * pc:5.1f}% of copy (target >= {100 * TARGET_COPY:.0f}%)  "
+          f"{ok(pc, TARGET_COPY)}")
+    if "fused" not in used_a:
+        print("note: torch AdamW(fused=True) is not supported here; (a) uses foreach.")
+    return dict(fused=t_fused, a=t_a, b=t_b, copy=t_copy)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-mb", type=float, default=25.0, help="bucket size in MiB of fp32 (default 25)")
+    ap.add_argument("--repeats", type=int, default=9, help="timed runs per variant (median; >= 7)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
+                    help="cpu, cuda, or all (cpu + cuda when available; default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    numel = int(args.size_mb * 2**20) // 4
+    info = _C.build_info()
+    print(f"machine: {cpu_model()}, {os.cpu_count()} logical cores, torch threads "
+          f"{torch.get_num_threads()}, torch {torch.__version__}, python {platform.python_version()}")
+    print(f"decentpy._C: cpu kernels {info.get('cpu_kernel_isa', '?')} "
+          f"(fp32 width {info['vector_width_fp32']}), cuda kernels {info['cuda_kernels']} "
+          f"{info['cuda_archs']}, openmp {info['openmp']}, {info['compiler']}")
+    devices = []
+    if args.device in ("cpu", "all"):
+        devices.append(torch.device("cpu"))
+    if args.device in ("cuda", "all") and torch.cuda.is_available():
+        if info["cuda_kernels"]:
+            devices.append(torch.device("cuda"))
+            print(f"gpu: {torch.cuda.get_device_name()}")
+        else:
+            print("cuda: available but decentpy was built without CUDA kernels; skipped")
+    elif args.device == "cuda":
+        print("cuda: not available", file=sys.stderr)
+        return 1
+    for d in devices:
+        bench_device(d, numel, max(args.repeats, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

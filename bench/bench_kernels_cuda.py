@@ -1,0 +1,242 @@
+"""Microbenchmark of the CUDA fused mix-and-step and scale-copy kernels.
+
+For each kernel (mix_and_step for SGD-momentum, Adam, AdamW, AccumAdamW, all with comm + send;
+and scale_copy), each dtype (fp32, bf16) and each bucket size (25 MiB, 256 MiB of parameters):
+
+- achieved bandwidth: bytes the kernel must move (every read and every write counted once) /
+  median time, against a device-to-device copy (`dst.copy_(src)`) moving the same number of
+  bytes (reads + writes) in the same run;
+- speedup over torch's own sequence on the same flat bucket: mix `p.mul_(a).add_(c, alpha=b)`,
+  then the optimizer step (`torch.optim.*(fused=True)` and, separately, `foreach=True`), then
+  `torch.mul(p, s, out=send)`. AccumAdamW has no torch counterpart: its baseline is AdamW's
+  sequence (which moves less: no accumulator).
+
+Targets: >= 85% of the copy bandwidth, >= 2x torch's sequence.
+
+Timing: CUDA events around each run on the current stream, warmup, median of --runs (>= 20).
+
+    python bench/bench_kernels_cuda.py [--sizes-mib 25 256] [--dtypes fp32 bf16] [--runs 30]
+
+Exits 0 with "no CUDA device, skipping" when there is no GPU.
+"""
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+NONE, SGD, ADAM, ACCUM_ADAM = 0, 1, 2, 3
+COPY_TARGET = 0.85
+SPEEDUP_TARGET = 2.0
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_ext():
+    try:
+        from decentpy import _C
+    except Exception as e:  # noqa: BLE001
+        return None, f"decentpy._C not importable ({e})"
+    try:
+        info = _C.build_info()
+    except Exception as e:  # noqa: BLE001
+        return None, f"decentpy._C.build_info() failed ({e})"
+    if not info.get("cuda_kernels", False):
+        return None, "decentpy._C was built without CUDA kernels"
+    return _C, ""
+
+
+def time_ms(fn, runs, warmup):
+    """Median milliseconds of fn() on the current stream, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def copy_ms(total_bytes, runs, warmup):
+    """A device copy moving total_bytes (half read, half written)."""
+    n = total_bytes // 2
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), runs, warmup)
+    del src, dst
+    return ms
+
+
+def hyper_row(lr=1e-3, wd=0.01, momentum=0.0, beta1=0.9, beta2=0.999, eps=1e-8, step=10,
+              accum_scale=0.25):
+    bc1 = 1.0 - beta1 ** step
+    bc2s = (1.0 - beta2 ** step) ** 0.5
+    return [lr, wd, momentum, 0.0, 0.0, beta1, beta2, eps, bc1, bc2s, accum_scale]
+
+
+# name -> (kind, number of fp32 state buffers read, written, decoupled, accum_boundary, hyper)
+CASES = {
+    "SGD-momentum": (SGD, 1, 1, False, False, hyper_row(lr=1e-2, momentum=0.9)),
+    "Adam": (ADAM, 2, 2, False, False, hyper_row()),
+    "AdamW": (ADAM, 2, 2, True, False, hyper_row()),
+    "AccumAdamW": (ACCUM_ADAM, 3, 1, True, False, hyper_row()),
+    "AccumAdamW@boundary": (ACCUM_ADAM, 3, 3, True, True, hyper_row()),
+}
+
+
+def torch_sequence(name, p, c, g, send, impl, a, b, s):
+    """torch's own mix -> step -> send sequence on the same flat bucket; None if unsupported."""
+    param = torch.nn.Parameter(p.clone())
+    param.grad = g.clone()
+    kw = {"fused": True} if impl == "fused" else {"foreach": True}
+    try:
+        if name == "SGD-momentum":
+            opt = torch.optim.SGD([param], lr=1e-2, momentum=0.9, weight_decay=0.01, **kw)
+        elif name == "Adam":
+            opt = torch.optim.Adam([param], lr=1e-3, weight_decay=0.01, **kw)
+        else:  # AdamW, and the stand-in for AccumAdamW
+            opt = torch.optim.AdamW([param], lr=1e-3, weight_decay=0.01, **kw)
+        opt.step()  # create the state (and check the implementation is supported)
+    except Exception:  # noqa: BLE001 - e.g. fused SGD / bf16 unsupported in this torch
+        return None
+
+    def run():
+        with torch.no_grad():
+            param.mul_(a).add_(c, alpha=b)
+        opt.step()
+        torch.mul(param.detach(), s, out=send)
+
+    return run
+
+
+def bench_one(_C, name, dtype, nbytes, runs, warmup, rows):
+    kind, st_read, st_write, decoupled, boundary, hyper = CASES[name]
+    esize = torch.finfo(dtype).bits // 8
+    numel = nbytes // esize
+    dev = "cuda"
+    p = torch.randn(numel, device=dev).to(dtype)
+    c = torch.randn(numel, device=dev).to(dtype)
+    g = torch.randn(numel, device=dev).to(dtype)
+    send = torch.empty_like(p)
+    nstates = {SGD: 1, ADAM: 2, ACCUM_ADAM: 3}[kind]
+    states = [torch.zeros(numel, device=dev, dtype=torch.float32) for _ in range(nstates)]
+    if kind != SGD:
+        states[1].fill_(1e-4)
+    segs = torch.tensor([[0, numel, 0]], dtype=torch.int64, device=dev)
+    a, b, s = 0.5, 0.5, 1.0
+
+    def ours():
+        _C.mix_and_step(kind, p, g, states, c, send, segs, [hyper], a, b, s, 1.0, decoupled,
+                        False, boundary, False)
+
+    # reads p, c, g; writes p, send; state reads / writes (fp32)
+    moved = 5 * numel * esize + (st_read + st_write) * numel * 4
+    t_ours = time_ms(ours, runs, warmup)
+    t_copy = copy_ms(moved, runs, warmup)
+    res = {"kernel": f"mix_and_step {name}", "dtype": dtype, "MiB": nbytes >> 20,
+           "ms": t_ours, "GBs": moved / t_ours / 1e6, "copyGBs": moved / t_copy / 1e6}
+    res["pct"] = t_copy / t_ours
+    base = "AdamW" if name.startswith("AccumAdamW") else name
+    for impl in ("fused", "foreach"):
+        fn = torch_sequence(base, p, c, g, torch.empty_like(p), impl, a, b, s)
+        if fn is None:
+            res[impl] = None
+        else:
+            res[impl] = time_ms(fn, runs, warmup) / t_ours
+        del fn
+    rows.append(res)
+    del p, c, g, send, states
+    torch.cuda.empty_cache()
+
+
+def bench_scale_copy(_C, dtype, nbytes, runs, warmup, rows):
+    esize = torch.finfo(dtype).bits // 8
+    numel = nbytes // esize
+    src = torch.randn(numel, device="cuda").to(dtype)
+    dst = torch.empty_like(src)
+    moved = 2 * numel * esize
+    t_ours = time_ms(lambda: _C.scale_copy_(dst, src, 0.5), runs, warmup)
+    t_copy = copy_ms(moved, runs, warmup)
+    t_torch = time_ms(lambda: torch.mul(src, 0.5, out=dst), runs, warmup)
+    rows.append({"kernel": "scale_copy", "dtype": dtype, "MiB": nbytes >> 20, "ms": t_ours,
+                 "GBs": moved / t_ours / 1e6, "copyGBs": moved / t_copy / 1e6,
+                 "pct": t_copy / t_ours, "fused": t_torch / t_ours, "foreach": None,
+                 "speedup_target": False})  # torch.mul is one pass too: ~1x expected
+    del src, dst
+    torch.cuda.empty_cache()
+
+
+def fmt_x(v):
+    return "   n/a" if v is None else f"{v:5.2f}x"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[25, 256])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--kernels", nargs="+", default=list(CASES) + ["scale_copy"])
+    args = ap.parse_args()
+    args.runs = max(args.runs, 20)
+
+    if not torch.cuda.is_available():
+        print("no CUDA device, skipping")
+        return 0
+    _C, why = load_ext()
+    if _C is None:
+        print(f"{why}; skipping the kernel benchmark")
+        return 0
+
+    props = torch.cuda.get_device_properties(0)
+    print(f"device: {torch.cuda.get_device_name(0)} ({props.multi_processor_count} SMs, "
+          f"{props.total_memory / 2**30:.0f} GiB)")
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"decentpy kernels for {_C.build_info().get('cuda_archs', '?')}")
+    print(f"median of {args.runs} runs after {args.warmup} warmup; GB/s = bytes moved (reads + "
+          f"writes) / time; copy = dst.copy_(src) of the same bytes in the same run")
+    print()
+
+    rows = []
+    for mib in args.sizes_mib:
+        for dname in args.dtypes:
+            dtype = DTYPES[dname]
+            for k in args.kernels:
+                if k == "scale_copy":
+                    bench_scale_copy(_C, dtype, mib << 20, args.runs, args.warmup, rows)
+                elif k in CASES:
+                    bench_one(_C, k, dtype, mib << 20, args.runs, args.warmup, rows)
+                else:
+                    print(f"unknown kernel {k!r}", file=sys.stderr)
+                    return 2
+
+    hdr = (f"{'kernel':34} {'dtype':6} {'MiB':>5} {'time ms':>9} {'GB/s':>8} {'copy GB/s':>10} "
+           f"{'%copy':>6} {'vs fused':>9} {'vs foreach':>10}")
+    print(hdr)
+    print("-" * len(hdr))
+    ok_bw = ok_sp = True
+    for r in rows:
+        dn = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[r["dtype"]]
+        print(f"{r['kernel']:34} {dn:6} {r['MiB']:5d} {r['ms']:9.4f} {r['GBs']:8.0f} "
+              f"{r['copyGBs']:10.0f} {100 * r['pct']:5.1f}% {fmt_x(r['fused']):>9} "
+              f"{fmt_x(r['foreach']):>10}")
+        ok_bw &= r["pct"] >= COPY_TARGET
+        if r.get("speedup_target", True):
+            sp = [v for v in (r["fused"], r["foreach"]) if v is not None]
+            ok_sp &= all(v >= SPEEDUP_TARGET for v in sp)
+    print()
+    print(f"target: >= {100 * COPY_TARGET:.0f}% of copy bandwidth: "
+          f"{'met' if ok_bw else 'NOT met'}")
+    print(f"target: >= {SPEEDUP_TARGET:.0f}x torch's sequence (mix, optimizer step, send; "
+          f"mix_and_step rows): {'met' if ok_sp else 'NOT met'}")
+    print("(scale_copy's 'vs fused' column is torch.mul(src, a, out=dst), a single pass too)")
+    print("(AccumAdamW rows compare with AdamW's torch sequence, which has no accumulator)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

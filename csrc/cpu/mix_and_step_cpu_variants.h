@@ -1,0 +1,21 @@
+// Internal: entry points of the ISA-specific CPU kernel variants (see mix_and_step_cpu.cpp).
+#pragma once
+
+#include "kernels/mix_and_step.h"
+
+namespace decentpy {
+namespace cpu_detail {
+namespace isa_avx2 {
+bool available();  // compiled in and supported by this CPU
+void mix_and_step_entry(const MixStepArgs& args);
+void scale_copy_entry(const ScaleCopyArgs& args);
+int vec_width();  // fp32 lanes of at::vec::Vectorized<float> in this variant
+}  // namespace isa_avx2
+namespace isa_avx512 {
+bool available();
+void mix_and_step_entry(const MixStepArgs& args);
+void scale_copy_entry(const ScaleCopyArgs& args);
+int vec_width();
+}  // namespace isa_avx512
+}  // namespace cpu_detail
+}  // namespace decentpy

@@ -1,0 +1,189 @@
+// Internal helpers shared by the CUDA kernels of csrc/cuda (not part of the public interface).
+//
+// - storage <-> fp32 conversion for float / __nv_bfloat16 / __half (round to nearest even),
+// - 16-byte vector loads/stores of kVec<T> = 16 / sizeof(T) elements, unpacked to fp32,
+// - the per-device SM count (queried once per device, cached) and the grid size.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/cuda_check.h"
+#include "kernels/mix_and_step.h"
+
+namespace decentpy {
+namespace cuda {
+namespace detail {
+
+constexpr int kThreads = 256;        // threads per block
+constexpr int kMaxBlocksPerSm = 8;   // cap on resident blocks per SM used for the grid
+constexpr int kVecBytes = 16;
+
+template <typename T>
+constexpr int kVec = kVecBytes / static_cast<int>(sizeof(T));
+
+// ---- conversions --------------------------------------------------------------------------
+template <typename T>
+__device__ __forceinline__ float to_f32(T x);
+template <>
+__device__ __forceinline__ float to_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+// x rounded to the storage type T and back (identity for float).
+template <typename T>
+__device__ __forceinline__ float round_to(float x) { return to_f32<T>(from_f32<T>(x)); }
+
+// ---- 16-byte vectors ------------------------------------------------------------------------
+// ptr must be 16-byte aligned. Plain (coherent) loads: `comm` may alias `send`.
+__device__ __forceinline__ void load16(const float* ptr, float (&f)[4]) {
+  const float4 v = *reinterpret_cast<const float4*>(ptr);
+  f[0] = v.x; f[1] = v.y; f[2] = v.z; f[3] = v.w;
+}
+__device__ __forceinline__ void load16(const __nv_bfloat16* ptr, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(ptr);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    __nv_bfloat162 h;
+    *reinterpret_cast<uint32_t*>(&h) = w[k];
+    const float2 t = __bfloat1622float2(h);
+    f[2 * k] = t.x; f[2 * k + 1] = t.y;
+  }
+}
+__device__ __forceinline__ void load16(const __half* ptr, float (&f)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(ptr);
+  const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    __half2 h;
+    *reinterpret_cast<uint32_t*>(&h) = w[k];
+    const float2 t = __half22float2(h);
+    f[2 * k] = t.x; f[2 * k + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ void store16(float* ptr, const float (&f)[4]) {
+  *reinterpret_cast<float4*>(ptr) = make_float4(f[0], f[1], f[2], f[3]);
+}
+__device__ __forceinline__ void store16(__nv_bfloat16* ptr, const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * k], f[2 * k + 1]);
+    w[k] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  *reinterpret_cast<uint4*>(ptr) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ void store16(__half* ptr, const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __half2 h = __floats2half2_rn(f[2 * k], f[2 * k + 1]);
+    w[k] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  *reinterpret_cast<uint4*>(ptr) = make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// N fp32 values (N a multiple of 4) from/to a 16-byte aligned pointer.
+template <int N>
+__device__ __forceinline__ void load_f32(const float* ptr, float (&f)[N]) {
+  static_assert(N % 4 == 0, "N must be a multiple of 4");
+#pragma unroll
+  for (int k = 0; k < N / 4; ++k) {
+    const float4 v = reinterpret_cast<const float4*>(ptr)[k];
+    f[4 * k] = v.x; f[4 * k + 1] = v.y; f[4 * k + 2] = v.z; f[4 * k + 3] = v.w;
+  }
+}
+template <int N>
+__device__ __forceinline__ void store_f32(float* ptr, const float (&f)[N]) {
+  static_assert(N % 4 == 0, "N must be a multiple of 4");
+#pragma unroll
+  for (int k = 0; k < N / 4; ++k) {
+    reinterpret_cast<float4*>(ptr)[k] = make_float4(f[4 * k], f[4 * k + 1], f[4 * k + 2], f[4 * k + 3]);
+  }
+}
+
+// ---- host helpers ---------------------------------------------------------------------------
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Vector split of [0, numel): elements [0, head) and [head + nvec*vec, numel) take the scalar path,
+// vector k covers [head + k*vec, head + (k+1)*vec). `anchor` (element size `anchor_size`) decides
+// head; then every pointer in `ptrs` (element sizes `sizes`, nullptr entries ignored) must be
+// 16-byte aligned at element `head`, else everything is scalar (head = 0, nvec = 0).
+struct VecSplit {
+  int64_t head = 0;
+  int64_t nvec = 0;
+};
+inline VecSplit vec_split(int64_t numel, int vec, const void* anchor, int anchor_size,
+                          const void* const* ptrs, const int* sizes, int nptrs) {
+  VecSplit s;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(anchor);
+  if (a % static_cast<uintptr_t>(anchor_size) != 0) return s;  // not even element-aligned
+  const int64_t head = static_cast<int64_t>(((16u - (a & 15u)) & 15u) / static_cast<uintptr_t>(anchor_size));
+  if (head >= numel) return s;
+  for (int k = 0; k < nptrs; ++k) {
+    if (ptrs[k] == nullptr) continue;
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptrs[k]) + static_cast<uintptr_t>(head * sizes[k]);
+    if ((p & 15u) != 0) return s;
+  }
+  s.head = head;
+  s.nvec = (numel - head) / vec;
+  return s;
+}
+
+// Number of SMs of the current device, queried once per device.
+inline int sm_count_current_device() {
+  constexpr int kMaxDevices = 128;
+  static std::atomic<int> cache[kMaxDevices];  // zero-initialised (static storage)
+  int dev = 0;
+  DECENTPY_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev >= 0 && dev < kMaxDevices) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
+  int n = 0;
+  DECENTPY_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+  if (n < 1) n = 1;
+  if (dev >= 0 && dev < kMaxDevices) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// Resident blocks per SM of `kernel` at kThreads threads (queried once per kernel by the caller),
+// clamped to [1, kMaxBlocksPerSm].
+template <typename Kernel>
+inline int query_blocks_per_sm(Kernel kernel) {
+  int n = 0;
+  DECENTPY_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0));
+  if (n < 1) n = 1;
+  if (n > kMaxBlocksPerSm) n = kMaxBlocksPerSm;
+  return n;
+}
+
+// Grid for `work` independent items (one per thread per grid-stride iteration): enough blocks to
+// fill the chip once, fewer for small work.
+inline unsigned grid_for(int64_t work, int blocks_per_sm) {
+  const int64_t full = static_cast<int64_t>(sm_count_current_device()) * blocks_per_sm;
+  int64_t need = (work + kThreads - 1) / kThreads;
+  if (need < 1) need = 1;
+  return static_cast<unsigned>(need < full ? need : full);
+}
+
+}  // namespace detail
+}  // namespace cuda
+}  // namespace decentpy

@@ -1,0 +1,471 @@
+// Fused mix-and-step CUDA kernel (contract and per-element equations: kernels/mix_and_step.h).
+//
+// One pass over a bucket: read p (+comm, grad, optimizer state), write p (+state, send).
+// - Templated on the storage type T (float, __nv_bfloat16, __half), the optimizer kind, and the
+//   booleans that change the memory traffic: has comm, has send, several groups (segment lookup),
+//   and a kind variant (SGD: has a momentum buffer; AccumAdam: accumulation boundary, the only
+//   step that writes M and V). Other flags (decoupled, momentum_init, nesterov, wd != 0,
+//   momentum != 0) are launch- or group-uniform branches, not per-element divergence.
+// - skip_update launches the None kernel: mix and send only, state and grad untouched / unread.
+// - fp32 math; sqrt and division are the IEEE round-to-nearest intrinsics (also under fast math).
+// - 16-byte vector loads/stores (4 x fp32, 8 x bf16/fp16) on the aligned middle of the buffers, a
+//   scalar path for the unaligned head, the tail, and everything when the buffers are not
+//   co-aligned; grid-stride loops over a grid that fills the chip once.
+// - Groups: with one group there is no lookup at all. Otherwise each vector binary-searches the
+//   (sorted) device segment table, with a per-thread cache of the last segment; a vector whose
+//   elements lie in different segments is processed element by element.
+// - send is computed from p as stored (rounded to T): with send_scale == 1 it equals p bit for bit.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/cuda_check.h"
+#include "cuda/kernel_utils.cuh"
+#include "cuda/mix_and_step_cuda.h"
+
+namespace decentpy {
+namespace cuda {
+namespace {
+
+using detail::kThreads;
+using detail::kVec;
+
+// Per-group hyper-parameters, with the derived constants computed once on the host.
+struct Hyp {
+  float lr;
+  float wd;
+  float momentum;
+  float one_minus_dampening;
+  int32_t nesterov;
+  float b1, one_minus_b1;
+  float b2, one_minus_b2;
+  float eps;
+  float step_size;   // lr / bias_correction1
+  float bc2_sqrt;    // bias_correction2_sqrt
+  float accum_scale;
+  float decay;       // 1 - lr * wd (decoupled weight decay)
+};
+
+// Kernel argument (passed by value, __grid_constant__: lives in the constant bank, no copy).
+struct KArgs {
+  void* param;
+  const void* grad;
+  const void* comm;  // may alias send
+  void* send;
+  float* s0;
+  float* s1;
+  float* s2;
+  const Segment* segs;
+  int64_t num_segments;
+  int64_t numel;
+  int64_t head;  // elements [0, head) take the scalar path
+  int64_t nvec;  // vectors [head + k*VEC, head + (k+1)*VEC), k < nvec
+  float mix_a, mix_b, send_scale, grad_scale;
+  int32_t decoupled;
+  int32_t momentum_init;
+  int32_t num_groups;
+  Hyp hyp[kMaxGroups];
+};
+
+// Per-thread cache of the last segment found: [begin, end) -> group.
+struct SegCache {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int group = 0;
+};
+
+// Segment holding element i: the last segment whose begin <= i (segments sorted, cover [0, numel)).
+__device__ __forceinline__ void find_segment(const KArgs& a, int64_t i, SegCache& c) {
+  const Segment* __restrict__ segs = a.segs;
+  int64_t lo = 0, hi = a.num_segments - 1;
+  while (lo < hi) {  // invariant: answer in [lo, hi]
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (__ldg(&segs[mid].begin) <= i) lo = mid; else hi = mid - 1;
+  }
+  c.begin = __ldg(&segs[lo].begin);
+  c.end = __ldg(&segs[lo].end);
+  int64_t g = __ldg(&segs[lo].group);
+  // Memory safety only: the binding validates the table; a bad group index is clamped.
+  if (g < 0) g = 0;
+  if (g >= a.num_groups) g = a.num_groups - 1;
+  c.group = static_cast<int>(g);
+  if (c.end <= c.begin || i < c.begin || i >= c.end) {
+    // Malformed table (gap / empty segment): use the group for this element only.
+    c.begin = i;
+    c.end = i + 1;
+  }
+}
+
+// The optimizer update of one element (fp32). g: scaled gradient; m, v, acc: state0..2.
+template <OptKind K, bool VAR>
+__device__ __forceinline__ void update(float& p, float g, float& m, float& v, float& acc,
+                                       const Hyp& h, int32_t decoupled, int32_t momentum_init) {
+  if constexpr (K == OptKind::SGD) {
+    if (h.wd != 0.f) g = fmaf(h.wd, p, g);
+    if constexpr (VAR) {  // the bucket has a momentum buffer
+      if (h.momentum != 0.f) {
+        const float buf = momentum_init ? g : fmaf(h.momentum, m, h.one_minus_dampening * g);
+        m = buf;
+        g = h.nesterov ? fmaf(h.momentum, buf, g) : buf;
+      }
+    }
+    p = fmaf(-h.lr, g, p);
+  } else if constexpr (K == OptKind::Adam || K == OptKind::AccumAdam) {
+    if (h.wd != 0.f) {
+      if (decoupled) p *= h.decay; else g = fmaf(h.wd, p, g);
+    }
+    if constexpr (K == OptKind::AccumAdam) acc = fmaf(h.accum_scale, g, acc);
+    const float mt = fmaf(h.b1, m, h.one_minus_b1 * g);
+    const float vt = fmaf(h.b2, v, h.one_minus_b2 * (g * g));
+    const float denom = __fdiv_rn(__fsqrt_rn(vt), h.bc2_sqrt) + h.eps;
+    p -= __fdiv_rn(h.step_size * mt, denom);
+    if constexpr (K == OptKind::Adam) {
+      m = mt;
+      v = vt;
+    } else if constexpr (VAR) {  // AccumAdam at the accumulation boundary
+      m = fmaf(h.b1, m, h.one_minus_b1 * acc);
+      v = fmaf(h.b2, v, h.one_minus_b2 * (acc * acc));
+      acc = 0.f;
+    }
+  }
+}
+
+template <OptKind K> constexpr bool kReadsGrad = K != OptKind::None;
+template <OptKind K, bool VAR> constexpr bool kUsesS0 = (K == OptKind::SGD && VAR) || K == OptKind::Adam || K == OptKind::AccumAdam;
+template <OptKind K> constexpr bool kUsesS1 = K == OptKind::Adam || K == OptKind::AccumAdam;
+template <OptKind K> constexpr bool kUsesS2 = K == OptKind::AccumAdam;
+// Whether state0/1 are written back (AccumAdam: only at the boundary).
+template <OptKind K, bool VAR> constexpr bool kWritesS01 = K == OptKind::Adam || (K == OptKind::AccumAdam && VAR);
+
+// One element, scalar loads/stores (head, tail, unaligned buffers, straddling vectors).
+template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
+__device__ __forceinline__ void process_one(const KArgs& a, int64_t i, SegCache& cache) {
+  T* __restrict__ param = static_cast<T*>(a.param);
+  float p = detail::to_f32<T>(param[i]);
+  if constexpr (HC) {
+    const T* comm = static_cast<const T*>(a.comm);
+    p = fmaf(a.mix_b, detail::to_f32<T>(comm[i]), a.mix_a * p);
+  }
+  if constexpr (K != OptKind::None) {
+    int grp = 0;
+    if constexpr (MULTI) {
+      if (!(i >= cache.begin && i < cache.end)) find_segment(a, i, cache);
+      grp = cache.group;
+    }
+    const Hyp& h = a.hyp[grp];
+    const T* __restrict__ grad = static_cast<const T*>(a.grad);
+    const float g = detail::to_f32<T>(grad[i]) * a.grad_scale;
+    float m = 0.f, v = 0.f, acc = 0.f;
+    if constexpr (kUsesS0<K, VAR>) m = a.s0[i];
+    if constexpr (kUsesS1<K>) v = a.s1[i];
+    if constexpr (kUsesS2<K>) acc = a.s2[i];
+    update<K, VAR>(p, g, m, v, acc, h, a.decoupled, a.momentum_init);
+    if constexpr (K == OptKind::SGD && VAR) a.s0[i] = m;
+    if constexpr (kWritesS01<K, VAR>) { a.s0[i] = m; a.s1[i] = v; }
+    if constexpr (kUsesS2<K>) a.s2[i] = acc;
+  }
+  const T pt = detail::from_f32<T>(p);
+  param[i] = pt;
+  if constexpr (HS) {
+    T* send = static_cast<T*>(a.send);
+    send[i] = detail::from_f32<T>(a.send_scale * detail::to_f32<T>(pt));
+  }
+}
+
+template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
+__global__ void __launch_bounds__(kThreads)
+mix_step_kernel(const __grid_constant__ KArgs a) {
+  constexpr int VEC = kVec<T>;
+  T* __restrict__ param = static_cast<T*>(a.param);
+  const T* __restrict__ grad = static_cast<const T*>(a.grad);
+  const T* comm = static_cast<const T*>(a.comm);  // not __restrict__: may alias send
+  T* send = static_cast<T*>(a.send);
+  float* __restrict__ s0 = a.s0;
+  float* __restrict__ s1 = a.s1;
+  float* __restrict__ s2 = a.s2;
+
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  SegCache cache;
+
+  // ---- vector path ----
+  for (int64_t k = tid; k < a.nvec; k += stride) {
+    const int64_t base = a.head + k * VEC;
+    int grp = 0;
+    if constexpr (MULTI && K != OptKind::None) {
+      if (!(base >= cache.begin && base + VEC <= cache.end)) {
+        if (!(base >= cache.begin && base < cache.end)) find_segment(a, base, cache);
+        if (base + VEC > cache.end) {  // the vector straddles segments: element by element
+#pragma unroll 1
+          for (int e = 0; e < VEC; ++e) process_one<T, K, HC, HS, MULTI, VAR>(a, base + e, cache);
+          continue;
+        }
+      }
+      grp = cache.group;
+    }
+
+    float p[VEC];
+    detail::load16(param + base, p);
+    if constexpr (HC) {
+      float c[VEC];
+      detail::load16(comm + base, c);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) p[e] = fmaf(a.mix_b, c[e], a.mix_a * p[e]);
+    }
+    if constexpr (K != OptKind::None) {
+      const Hyp& h = a.hyp[grp];
+      float g[VEC];
+      detail::load16(grad + base, g);
+      float m[VEC], v[VEC], acc[VEC];
+      if constexpr (kUsesS0<K, VAR>) detail::load_f32<VEC>(s0 + base, m);
+      if constexpr (kUsesS1<K>) detail::load_f32<VEC>(s1 + base, v);
+      if constexpr (kUsesS2<K>) detail::load_f32<VEC>(s2 + base, acc);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        if constexpr (!kUsesS0<K, VAR>) m[e] = 0.f;
+        if constexpr (!kUsesS1<K>) v[e] = 0.f;
+        if constexpr (!kUsesS2<K>) acc[e] = 0.f;
+        update<K, VAR>(p[e], g[e] * a.grad_scale, m[e], v[e], acc[e], h, a.decoupled, a.momentum_init);
+      }
+      if constexpr (K == OptKind::SGD && VAR) detail::store_f32<VEC>(s0 + base, m);
+      if constexpr (kWritesS01<K, VAR>) {
+        detail::store_f32<VEC>(s0 + base, m);
+        detail::store_f32<VEC>(s1 + base, v);
+      }
+      if constexpr (kUsesS2<K>) detail::store_f32<VEC>(s2 + base, acc);
+    }
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) p[e] = detail::round_to<T>(p[e]);  // p as stored
+    detail::store16(param + base, p);
+    if constexpr (HS) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) p[e] = a.send_scale * p[e];
+      detail::store16(send + base, p);
+    }
+  }
+
+  // ---- scalar path: [0, head) and [head + nvec*VEC, numel) ----
+  const int64_t tail_begin = a.head + a.nvec * VEC;
+  const int64_t nscalar = a.head + (a.numel - tail_begin);
+  for (int64_t t = tid; t < nscalar; t += stride) {
+    const int64_t i = t < a.head ? t : tail_begin + (t - a.head);
+    process_one<T, K, HC, HS, MULTI, VAR>(a, i, cache);
+  }
+}
+
+template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
+void launch_typed(const KArgs& a, cudaStream_t stream) {
+  auto kernel = mix_step_kernel<T, K, HC, HS, MULTI, VAR>;
+  static std::atomic<int> blocks_per_sm{0};  // one per instantiation
+  int bps = blocks_per_sm.load(std::memory_order_relaxed);
+  if (bps == 0) {
+    bps = detail::query_blocks_per_sm(kernel);
+    blocks_per_sm.store(bps, std::memory_order_relaxed);
+  }
+  const int64_t nscalar = a.numel - a.nvec * kVec<T>;
+  const int64_t work = a.nvec > nscalar ? a.nvec : nscalar;
+  const unsigned grid = detail::grid_for(work, bps);
+  kernel<<<grid, kThreads, 0, stream>>>(a);
+  DECENTPY_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T, OptKind K, bool HC, bool HS>
+void launch_mv(const KArgs& a, bool multi, bool variant, cudaStream_t stream) {
+  if constexpr (K == OptKind::None) {
+    if constexpr (HC || HS) launch_typed<T, K, HC, HS, false, false>(a, stream);
+  } else if constexpr (K == OptKind::Adam) {
+    if (multi) launch_typed<T, K, HC, HS, true, false>(a, stream);
+    else launch_typed<T, K, HC, HS, false, false>(a, stream);
+  } else {
+    if (multi) {
+      if (variant) launch_typed<T, K, HC, HS, true, true>(a, stream);
+      else launch_typed<T, K, HC, HS, true, false>(a, stream);
+    } else {
+      if (variant) launch_typed<T, K, HC, HS, false, true>(a, stream);
+      else launch_typed<T, K, HC, HS, false, false>(a, stream);
+    }
+  }
+}
+
+template <typename T, OptKind K>
+void launch_kind(const KArgs& a, bool has_comm, bool has_send, bool multi, bool variant,
+                 cudaStream_t stream) {
+  if (has_comm) {
+    if (has_send) launch_mv<T, K, true, true>(a, multi, variant, stream);
+    else launch_mv<T, K, true, false>(a, multi, variant, stream);
+  } else {
+    if (has_send) launch_mv<T, K, false, true>(a, multi, variant, stream);
+    else launch_mv<T, K, false, false>(a, multi, variant, stream);
+  }
+}
+
+template <typename T>
+void launch_dtype(const KArgs& a, OptKind kind, bool has_comm, bool has_send, bool multi,
+                  bool variant, cudaStream_t stream) {
+  switch (kind) {
+    case OptKind::None: launch_kind<T, OptKind::None>(a, has_comm, has_send, false, false, stream); break;
+    case OptKind::SGD: launch_kind<T, OptKind::SGD>(a, has_comm, has_send, multi, variant, stream); break;
+    case OptKind::Adam: launch_kind<T, OptKind::Adam>(a, has_comm, has_send, multi, false, stream); break;
+    case OptKind::AccumAdam: launch_kind<T, OptKind::AccumAdam>(a, has_comm, has_send, multi, variant, stream); break;
+  }
+}
+
+int elem_size(DType d) {
+  switch (d) {
+    case DType::Float32: return 4;
+    case DType::BFloat16: return 2;
+    case DType::Float16: return 2;
+  }
+  throw std::invalid_argument("decentpy mix_and_step (CUDA): unknown param dtype " +
+                              std::to_string(static_cast<int>(d)));
+}
+
+void require(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(std::string("decentpy mix_and_step (CUDA): ") + what);
+}
+
+}  // namespace
+
+void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const int esize = elem_size(args.param_dtype);
+  require(args.numel >= 0, "numel must be >= 0");
+  if (args.numel == 0) return;
+  require(args.param != nullptr, "param is required");
+  require(args.send == nullptr || args.send != args.param, "send must not alias param");
+  const int k = static_cast<int>(args.kind);
+  require(k >= 0 && k <= 3, "unknown optimizer kind");
+
+  // skip_update (non-finite gradients): mix and send only, grad and state untouched.
+  const OptKind kind = args.skip_update ? OptKind::None : args.kind;
+  const bool has_comm = args.comm != nullptr;
+  const bool has_send = args.send != nullptr;
+  if (kind == OptKind::None && !has_comm && !has_send) return;  // nothing to do
+
+  bool multi = false;
+  bool variant = false;
+  if (kind != OptKind::None) {
+    require(args.grad != nullptr, "grad is required unless kind == None or skip_update");
+    require(args.num_groups >= 1 && args.num_groups <= kMaxGroups, "num_groups must be in [1, kMaxGroups]");
+    multi = args.num_groups > 1;
+    if (multi) require(args.segments != nullptr && args.num_segments >= 1,
+                       "several groups need a device segment table");
+    if (kind == OptKind::SGD) {
+      bool any_momentum = false;
+      for (int g = 0; g < args.num_groups; ++g) any_momentum |= args.groups[g].momentum != 0.f;
+      require(!any_momentum || args.state0 != nullptr, "SGD with momentum needs state0 (momentum buffer)");
+      variant = args.state0 != nullptr && any_momentum;
+    } else if (kind == OptKind::Adam) {
+      require(args.state0 != nullptr && args.state1 != nullptr, "Adam needs state0 (exp_avg) and state1 (exp_avg_sq)");
+    } else {
+      require(args.state0 != nullptr && args.state1 != nullptr && args.state2 != nullptr,
+              "AccumAdam needs state0 (M), state1 (V) and state2 (acc)");
+      variant = args.accum_boundary != 0;
+    }
+  }
+
+  KArgs a{};
+  a.param = args.param;
+  a.grad = kind != OptKind::None ? args.grad : nullptr;
+  a.comm = args.comm;
+  a.send = args.send;
+  a.s0 = nullptr;
+  a.s1 = nullptr;
+  a.s2 = nullptr;
+  if (kind == OptKind::SGD && variant) a.s0 = args.state0;
+  if (kind == OptKind::Adam || kind == OptKind::AccumAdam) { a.s0 = args.state0; a.s1 = args.state1; }
+  if (kind == OptKind::AccumAdam) a.s2 = args.state2;
+  a.segs = multi ? args.segments : nullptr;
+  a.num_segments = multi ? args.num_segments : 0;
+  a.numel = args.numel;
+  a.mix_a = args.mix_a;
+  a.mix_b = args.mix_b;
+  a.send_scale = args.send_scale;
+  a.grad_scale = args.grad_scale;
+  a.decoupled = args.decoupled_weight_decay != 0;
+  a.momentum_init = args.momentum_init != 0;
+  a.num_groups = kind != OptKind::None ? args.num_groups : 0;
+  for (int g = 0; g < kMaxGroups; ++g) {
+    const GroupHyper& s = args.groups[g];
+    Hyp& h = a.hyp[g];
+    h.lr = s.lr;
+    h.wd = s.weight_decay;
+    h.momentum = s.momentum;
+    h.one_minus_dampening = 1.f - s.dampening;
+    h.nesterov = s.nesterov != 0;
+    h.b1 = s.beta1;
+    h.one_minus_b1 = 1.f - s.beta1;
+    h.b2 = s.beta2;
+    h.one_minus_b2 = 1.f - s.beta2;
+    h.eps = s.eps;
+    h.step_size = s.lr / s.bias_correction1;
+    h.bc2_sqrt = s.bias_correction2_sqrt;
+    h.accum_scale = s.accum_scale;
+    h.decay = 1.f - s.lr * s.weight_decay;
+  }
+
+  // Vector split, anchored on param; every buffer the kernel touches must be co-aligned.
+  const void* ptrs[6] = {a.grad, a.comm, a.send, a.s0, a.s1, a.s2};
+  const int sizes[6] = {esize, esize, esize, 4, 4, 4};
+  const int vec = detail::kVecBytes / esize;
+  const detail::VecSplit split = detail::vec_split(a.numel, vec, a.param, esize, ptrs, sizes, 6);
+  a.head = split.head;
+  a.nvec = split.nvec;
+
+  switch (args.param_dtype) {
+    case DType::Float32: launch_dtype<float>(a, kind, has_comm, has_send, multi, variant, stream); break;
+    case DType::BFloat16: launch_dtype<__nv_bfloat16>(a, kind, has_comm, has_send, multi, variant, stream); break;
+    case DType::Float16: launch_dtype<__half>(a, kind, has_comm, has_send, multi, variant, stream); break;
+  }
+}
+
+// ---- compiled_archs -------------------------------------------------------------------------
+#define DECENTPY_STR2(...) #__VA_ARGS__
+#define DECENTPY_STR(...) DECENTPY_STR2(__VA_ARGS__)
+
+namespace {
+std::string make_arch_string() {
+#if defined(DECENTPY_CUDA_ARCHS)
+  // nvcc splits an unquoted -D value at commas, so pass the list quoted, as one argv entry
+  // -DDECENTPY_CUDA_ARCHS="sm_80,sm_90,compute_90" (a string literal), or with '+' / ';' / ':'
+  // separators unquoted (-DDECENTPY_CUDA_ARCHS=sm_80+sm_90); both give "sm_80,sm_90".
+  const std::string s = DECENTPY_STR(DECENTPY_CUDA_ARCHS);
+  std::string out;
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\' || ch == ' ') continue;
+    out += (ch == '+' || ch == ';' || ch == ':') ? ',' : ch;
+  }
+  return out.empty() ? std::string("unknown") : out;
+#elif defined(__CUDA_ARCH_LIST__)
+  // nvcc's list of the virtual architectures compiled, e.g. "800,900".
+  const std::string s = DECENTPY_STR(__CUDA_ARCH_LIST__);
+  std::string out, num;
+  auto flush = [&]() {
+    if (num.empty()) return;
+    int v = std::stoi(num);
+    if (!out.empty()) out += ',';
+    out += "sm_" + std::to_string(v / 10);
+    num.clear();
+  };
+  for (char ch : s) {
+    if (ch >= '0' && ch <= '9') num += ch; else flush();
+  }
+  flush();
+  return out.empty() ? std::string("unknown") : out;
+#else
+  return "unknown";
+#endif
+}
+}  // namespace
+
+const char* compiled_archs() {
+  static const std::string archs = make_arch_string();
+  return archs.c_str();
+}
+
+}  // namespace cuda
+}  // namespace decentpy

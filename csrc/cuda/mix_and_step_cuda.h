@@ -1,0 +1,16 @@
+// CUDA launchers of the fused mix-and-step and scale-copy kernels (contract: kernels/mix_and_step.h).
+//
+// Plain C++ header: no CUDA and no torch headers, so the torch binding (a CppExtension compiled by
+// g++) can include it. The implementations live in csrc/cuda/*.cu (nvcc, linked with cudart).
+//
+// Both launchers enqueue on `stream` (a cudaStream_t; nullptr is the legacy default stream) on the
+// CURRENT CUDA device: the caller sets the device of the tensors first (c10::DeviceGuard). They
+// check the launch with cudaGetLastError() and throw std::runtime_error (CUDA errors) or
+// std::invalid_argument (bad arguments). They do not synchronize.
+#pragma once
+#include "kernels/mix_and_step.h"
+namespace decentpy { namespace cuda {
+void launch_mix_and_step(const MixStepArgs& args, void* stream);   // stream is a cudaStream_t
+void launch_scale_copy(const ScaleCopyArgs& args, void* stream);
+const char* compiled_archs();   // e.g. "sm_80,sm_90,compute_90", from __CUDA_ARCH_LIST__ or a macro set at compile time
+} }

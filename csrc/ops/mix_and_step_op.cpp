@@ -1,0 +1,293 @@
+#include "ops/mix_and_step_op.h"
+
+#include <ATen/MemoryOverlap.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <string>
+
+#include "cpu/mix_and_step_cpu.h"
+#include "kernels/mix_and_step.h"
+#ifdef DECENTPY_WITH_CUDA
+#include "cuda/mix_and_step_cuda.h"
+#endif
+
+namespace decentpy {
+namespace {
+
+static_assert(sizeof(Segment) == 3 * sizeof(int64_t), "Segment must match an int64 [nseg, 3] row");
+
+const char* kind_name(int64_t kind) {
+  switch (kind) {
+    case 0: return "None";
+    case 1: return "SGD";
+    case 2: return "Adam";
+    case 3: return "AccumAdam";
+    default: return "?";
+  }
+}
+
+DType to_dtype(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::Float32;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kHalf: return DType::Float16;
+    default:
+      TORCH_CHECK(false, what, " has dtype ", t.scalar_type(),
+                  "; valid dtypes are float32, bfloat16 and float16");
+  }
+  return DType::Float32;
+}
+
+void check_device_supported(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() || t.device().is_cuda(), what, " is on ", t.device(),
+              "; decentpy kernels run on CPU and CUDA tensors");
+}
+
+// A tensor that must match param: same dtype, numel and device, contiguous.
+void check_like_param(const at::Tensor& t, const at::Tensor& param, const char* what,
+                      const char* ref = "param") {
+  TORCH_CHECK(t.defined(), what, " is undefined");
+  TORCH_CHECK(t.scalar_type() == param.scalar_type(), what, " has dtype ", t.scalar_type(),
+              " but ", ref, " has dtype ", param.scalar_type(), "; they must match");
+  TORCH_CHECK(t.numel() == param.numel(), what, " has ", t.numel(), " elements (sizes ",
+              t.sizes(), ") but ", ref, " has ", param.numel(), "; they must match");
+  TORCH_CHECK(t.device() == param.device(), what, " is on ", t.device(), " but ", ref, " is on ",
+              param.device(), "; they must be on the same device");
+  TORCH_CHECK(t.is_contiguous(), what, " (sizes ", t.sizes(), ", strides ", t.strides(),
+              ") must be contiguous");
+}
+
+void check_no_overlap(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
+  const auto st = at::get_overlap_status(a, b);
+  TORCH_CHECK(st == at::MemOverlapStatus::No, an, " must not share memory with ", bn,
+              " (they overlap", st == at::MemOverlapStatus::Full ? " fully" : " partially", ")");
+}
+
+void bump(const at::Tensor& t) {
+  if (t.defined() && !t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+}
+
+void* cuda_stream_of(const at::Tensor& t) {
+  return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(t.device()).native_handle();
+}
+
+}  // namespace
+
+void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+                  const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
+                  const c10::optional<at::Tensor>& send, const at::Tensor& segments,
+                  const std::vector<std::vector<double>>& hyper, double mix_a, double mix_b,
+                  double send_scale, double grad_scale, bool decoupled_weight_decay,
+                  bool momentum_init, bool accum_boundary, bool skip_update) {
+  TORCH_CHECK(kind >= 0 && kind <= 3, "mix_and_step: kind must be 0 (None), 1 (SGD), 2 (Adam) or ",
+              "3 (AccumAdam), got ", kind);
+  const OptKind k = static_cast<OptKind>(kind);
+  TORCH_CHECK(param.defined(), "mix_and_step: param is undefined");
+  const DType dt = to_dtype(param, "mix_and_step: param");
+  check_device_supported(param, "mix_and_step: param");
+  TORCH_CHECK(param.dim() == 1, "mix_and_step: param must be 1-D (a flat bucket), got sizes ",
+              param.sizes());
+  TORCH_CHECK(param.is_contiguous(), "mix_and_step: param must be contiguous, got strides ",
+              param.strides());
+
+  const bool needs_grad = k != OptKind::None && !skip_update;
+  const at::Tensor g = grad.has_value() ? *grad : at::Tensor();
+  const at::Tensor c = comm.has_value() ? *comm : at::Tensor();
+  const at::Tensor s = send.has_value() ? *send : at::Tensor();
+  TORCH_CHECK(!needs_grad || g.defined(), "mix_and_step: grad is required for kind ",
+              kind_name(kind), " unless skip_update is set");
+  if (g.defined()) {
+    check_like_param(g, param, "mix_and_step: grad");
+    check_no_overlap(g, "mix_and_step: grad", param, "param");
+  }
+  if (c.defined()) {
+    check_like_param(c, param, "mix_and_step: comm");
+    check_no_overlap(c, "mix_and_step: comm", param, "param");
+  }
+  if (s.defined()) {
+    check_like_param(s, param, "mix_and_step: send");
+    check_no_overlap(s, "mix_and_step: send", param, "param (send the parameter itself by passing "
+                     "send=None)");
+    if (c.defined()) {
+      const auto st = at::get_overlap_status(s, c);
+      TORCH_CHECK(st == at::MemOverlapStatus::No || (st == at::MemOverlapStatus::Full &&
+                                                     s.data_ptr() == c.data_ptr()),
+                  "mix_and_step: send must either be exactly comm or not overlap it (partial "
+                  "overlap)");
+    }
+  }
+
+  size_t want_lo = 0, want_hi = 0;
+  switch (k) {
+    case OptKind::None: want_lo = want_hi = 0; break;
+    case OptKind::SGD: want_lo = 0; want_hi = 1; break;
+    case OptKind::Adam: want_lo = want_hi = 2; break;
+    case OptKind::AccumAdam: want_lo = want_hi = 3; break;
+  }
+  TORCH_CHECK(states.size() >= want_lo && states.size() <= want_hi, "mix_and_step: kind ",
+              kind_name(kind), " takes ",
+              k == OptKind::SGD ? std::string("0 or 1 state tensors ([] or [momentum_buffer])")
+              : k == OptKind::Adam ? std::string("2 state tensors ([exp_avg, exp_avg_sq])")
+              : k == OptKind::AccumAdam ? std::string("3 state tensors ([exp_avg, exp_avg_sq, grad_acc])")
+              : std::string("no state tensors"),
+              ", got ", states.size());
+  for (size_t i = 0; i < states.size(); ++i) {
+    const at::Tensor& t = states[i];
+    const std::string what = "mix_and_step: states[" + std::to_string(i) + "]";
+    TORCH_CHECK(t.defined(), what, " is undefined");
+    TORCH_CHECK(t.scalar_type() == at::kFloat, what, " has dtype ", t.scalar_type(),
+                "; optimizer state must be float32");
+    TORCH_CHECK(t.numel() == param.numel(), what, " has ", t.numel(),
+                " elements but param has ", param.numel());
+    TORCH_CHECK(t.device() == param.device(), what, " is on ", t.device(), " but param is on ",
+                param.device());
+    TORCH_CHECK(t.is_contiguous(), what, " must be contiguous, got strides ", t.strides());
+    check_no_overlap(t, what.c_str(), param, "param");
+  }
+
+  TORCH_CHECK(hyper.size() <= static_cast<size_t>(kMaxGroups), "mix_and_step: hyper has ",
+              hyper.size(), " rows (parameter groups); at most ", kMaxGroups,
+              " groups may share one bucket");
+  TORCH_CHECK(k == OptKind::None || !hyper.empty(), "mix_and_step: hyper is empty; kind ",
+              kind_name(kind), " needs at least one parameter group row");
+
+  MixStepArgs a;
+  a.kind = k;
+  a.param_dtype = dt;
+  a.numel = param.numel();
+  a.param = param.data_ptr();
+  a.grad = g.defined() ? g.data_ptr() : nullptr;
+  a.comm = c.defined() ? c.data_ptr() : nullptr;
+  a.send = s.defined() ? s.data_ptr() : nullptr;
+  a.state0 = states.size() > 0 ? states[0].data_ptr<float>() : nullptr;
+  a.state1 = states.size() > 1 ? states[1].data_ptr<float>() : nullptr;
+  a.state2 = states.size() > 2 ? states[2].data_ptr<float>() : nullptr;
+  a.mix_a = static_cast<float>(mix_a);
+  a.mix_b = static_cast<float>(mix_b);
+  a.send_scale = static_cast<float>(send_scale);
+  a.grad_scale = static_cast<float>(grad_scale);
+  a.decoupled_weight_decay = decoupled_weight_decay ? 1 : 0;
+  a.momentum_init = momentum_init ? 1 : 0;
+  a.accum_boundary = accum_boundary ? 1 : 0;
+  a.skip_update = skip_update ? 1 : 0;
+  a.num_groups = static_cast<int32_t>(hyper.size());
+  for (size_t i = 0; i < hyper.size(); ++i) {
+    const auto& r = hyper[i];
+    TORCH_CHECK(r.size() == static_cast<size_t>(kHyperFields), "mix_and_step: hyper[", i,
+                "] has ", r.size(), " values; expected ", kHyperFields,
+                " [lr, weight_decay, momentum, dampening, nesterov, beta1, beta2, eps, "
+                "bias_correction1, bias_correction2_sqrt, accum_scale]");
+    GroupHyper& h = a.groups[i];
+    h.lr = static_cast<float>(r[0]);
+    h.weight_decay = static_cast<float>(r[1]);
+    h.momentum = static_cast<float>(r[2]);
+    h.dampening = static_cast<float>(r[3]);
+    h.nesterov = r[4] != 0.0 ? 1 : 0;
+    h.beta1 = static_cast<float>(r[5]);
+    h.beta2 = static_cast<float>(r[6]);
+    h.eps = static_cast<float>(r[7]);
+    h.bias_correction1 = static_cast<float>(r[8]);
+    h.bias_correction2_sqrt = static_cast<float>(r[9]);
+    h.accum_scale = static_cast<float>(r[10]);
+    if (k == OptKind::SGD && needs_grad) {
+      TORCH_CHECK(h.momentum == 0.f || states.size() == 1, "mix_and_step: hyper[", i,
+                  "] has momentum ", h.momentum,
+                  " but no momentum buffer was given (states must be [momentum_buffer])");
+    }
+    if ((k == OptKind::Adam || k == OptKind::AccumAdam) && needs_grad) {
+      TORCH_CHECK(h.bias_correction1 != 0.f && h.bias_correction2_sqrt != 0.f,
+                  "mix_and_step: hyper[", i, "] has a zero bias correction (bias_correction1=",
+                  h.bias_correction1, ", bias_correction2_sqrt=", h.bias_correction2_sqrt,
+                  "); steps are 1-based");
+    }
+  }
+
+  // Segments.
+  TORCH_CHECK(segments.defined(), "mix_and_step: segments is undefined");
+  const bool uses_segments = needs_grad && param.numel() > 0;
+  if (uses_segments || segments.numel() > 0) {
+    TORCH_CHECK(segments.scalar_type() == at::kLong, "mix_and_step: segments has dtype ",
+                segments.scalar_type(), "; expected int64 rows (begin, end, group)");
+    TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3,
+                "mix_and_step: segments must have shape [nseg, 3], got ", segments.sizes());
+    TORCH_CHECK(segments.is_contiguous(), "mix_and_step: segments must be contiguous");
+    TORCH_CHECK(segments.device() == param.device(), "mix_and_step: segments is on ",
+                segments.device(), " but param is on ", param.device());
+  }
+  if (uses_segments) {
+    const int64_t nseg = segments.size(0);
+    TORCH_CHECK(nseg >= 1, "mix_and_step: segments is empty; it must cover [0, ", param.numel(),
+                ")");
+    if (segments.device().is_cpu()) {
+      const int64_t* sp = segments.data_ptr<int64_t>();
+      int64_t expect = 0;
+      for (int64_t i = 0; i < nseg; ++i) {
+        const int64_t b = sp[3 * i], e = sp[3 * i + 1], grp = sp[3 * i + 2];
+        TORCH_CHECK(b == expect && e >= b, "mix_and_step: segments[", i, "] = (", b, ", ", e,
+                    ", ", grp, ") does not continue at ", expect,
+                    "; segments must be sorted, disjoint and cover [0, ", param.numel(), ")");
+        TORCH_CHECK(grp >= 0 && grp < static_cast<int64_t>(hyper.size()), "mix_and_step: segments[",
+                    i, "] uses group ", grp, " but hyper has ", hyper.size(), " rows");
+        expect = e;
+      }
+      TORCH_CHECK(expect == param.numel(), "mix_and_step: segments end at ", expect,
+                  " but param has ", param.numel(), " elements");
+    }
+    a.segments = reinterpret_cast<const Segment*>(segments.data_ptr<int64_t>());
+    a.num_segments = nseg;
+  }
+
+  if (param.numel() == 0) return;
+
+  if (param.device().is_cpu()) {
+    mix_and_step_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(param.device());
+    decentpy::cuda::launch_mix_and_step(a, cuda_stream_of(param));
+#else
+    TORCH_CHECK(false, "decentpy was built without CUDA kernels (no nvcc at build time, or "
+                "DECENTPY_NO_CUDA=1); cannot run mix_and_step on ", param.device(),
+                ". Rebuild with nvcc available.");
+#endif
+  }
+  bump(param);
+  if (needs_grad) for (const auto& t : states) bump(t);
+  if (s.defined()) bump(s);
+}
+
+void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha) {
+  TORCH_CHECK(dst.defined() && src.defined(), "scale_copy_: dst and src must be tensors");
+  const DType dt = to_dtype(dst, "scale_copy_: dst");
+  check_device_supported(dst, "scale_copy_: dst");
+  TORCH_CHECK(dst.is_contiguous(), "scale_copy_: dst (sizes ", dst.sizes(), ", strides ",
+              dst.strides(), ") must be contiguous");
+  check_like_param(src, dst, "scale_copy_: src", "dst");
+  const auto st = at::get_overlap_status(dst, src);
+  TORCH_CHECK(st == at::MemOverlapStatus::No ||
+                  (st == at::MemOverlapStatus::Full && dst.data_ptr() == src.data_ptr()),
+              "scale_copy_: dst must either be src or not overlap it (partial overlap)");
+  ScaleCopyArgs a;
+  a.dtype = dt;
+  a.numel = dst.numel();
+  a.dst = dst.data_ptr();
+  a.src = src.data_ptr();
+  a.alpha = static_cast<float>(alpha);
+  if (a.numel == 0) return;
+  if (dst.device().is_cpu()) {
+    scale_copy_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(dst.device());
+    decentpy::cuda::launch_scale_copy(a, cuda_stream_of(dst));
+#else
+    TORCH_CHECK(false, "decentpy was built without CUDA kernels (no nvcc at build time, or "
+                "DECENTPY_NO_CUDA=1); cannot run scale_copy_ on ", dst.device(),
+                ". Rebuild with nvcc available.");
+#endif
+  }
+  bump(dst);
+}
+
+}  // namespace decentpy

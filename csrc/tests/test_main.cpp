@@ -1,0 +1,221 @@
+// C++ unit tests of the kernel layer (no gtest): bucket plan, aligned offsets, and the CPU
+// mix-and-step kernel for every OptKind on fp32 against a scalar double-precision re-computation.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <stdexcept>
+#include <vector>
+
+#include "bucket/bucket_plan.h"
+#include "cpu/mix_and_step_cpu.h"
+#include "kernels/mix_and_step.h"
+
+static int g_failures = 0;
+static int g_checks = 0;
+
+#define CHECK(cond)                                                          \
+  do {                                                                       \
+    ++g_checks;                                                              \
+    if (!(cond)) {                                                           \
+      ++g_failures;                                                          \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+    }                                                                        \
+  } while (0)
+
+#define CHECK_NEAR(a, b, rtol, atol)                                                        \
+  do {                                                                                      \
+    ++g_checks;                                                                             \
+    const double va_ = (a), vb_ = (b);                                                      \
+    if (!(std::fabs(va_ - vb_) <= (atol) + (rtol) * std::fabs(vb_))) {                      \
+      ++g_failures;                                                                         \
+      if (g_failures < 20)                                                                  \
+        std::fprintf(stderr, "%s:%d: CHECK_NEAR failed: %s = %.9g vs %s = %.9g\n", __FILE__, \
+                     __LINE__, #a, va_, #b, vb_);                                           \
+    }                                                                                       \
+  } while (0)
+
+using namespace decentpy;
+using Buckets = std::vector<std::vector<int64_t>>;
+
+static void test_assign_buckets() {
+  CHECK((assign_buckets({10, 10, 10, 10}, {0, 0, 0, 0}, 20) == Buckets{{0, 1}, {2, 3}}));
+  CHECK((assign_buckets({30, 1, 1}, {0, 0, 0}, 20) == Buckets{{0}, {1, 2}}));
+  CHECK((assign_buckets({8, 4, 8, 4, 4, 1}, {0, 1, 0, 1, 1, 2}, 12) ==
+         Buckets{{0, 2}, {1, 3, 4}, {5}}));
+  CHECK((assign_buckets({1, 1, 1}, {2, 1, 0}, 100) == Buckets{{0}, {1}, {2}}));
+  CHECK((assign_buckets({1, 2, 3}, {0, 1, 0}, 0) == Buckets{{0}, {1}, {2}}));
+  CHECK(assign_buckets({}, {}, 10).empty());
+  bool threw = false;
+  try {
+    assign_buckets({1, 2}, {0}, 10);
+  } catch (const std::invalid_argument&) {
+    threw = true;
+  }
+  CHECK(threw);
+}
+
+static void test_aligned_offsets() {
+  auto r = aligned_offsets({3, 5, 32, 1}, 4, 128);
+  CHECK((r.first == std::vector<int64_t>{0, 32, 64, 96}));
+  CHECK(r.second == 128);
+  r = aligned_offsets({3, 5}, 2, 128);
+  CHECK((r.first == std::vector<int64_t>{0, 64}));
+  CHECK(r.second == 128);
+  r = aligned_offsets({}, 4, 128);
+  CHECK(r.first.empty() && r.second == 0);
+  r = aligned_offsets({3, 3}, 4, 0);
+  CHECK((r.first == std::vector<int64_t>{0, 3}) && r.second == 6);
+}
+
+// Scalar double re-computation of the contract.
+static void reference(const MixStepArgs& a, std::vector<double>& p, const std::vector<double>& g,
+                      const std::vector<double>& c, std::vector<double>& s0,
+                      std::vector<double>& s1, std::vector<double>& s2, std::vector<double>& send) {
+  for (int64_t i = 0; i < a.numel; ++i) {
+    double x = p[i];
+    if (a.comm) x = double(a.mix_a) * x + double(a.mix_b) * c[i];
+    if (a.kind != OptKind::None && !a.skip_update) {
+      const Segment* sg = a.segments;
+      while (!(i >= sg->begin && i < sg->end)) ++sg;
+      const GroupHyper& h = a.groups[sg->group];
+      double gg = g[i] * double(a.grad_scale);
+      if (a.kind == OptKind::SGD) {
+        gg += double(h.weight_decay) * x;
+        if (a.state0 && h.momentum != 0.f) {
+          s0[i] = a.momentum_init ? gg : double(h.momentum) * s0[i] + (1.0 - double(h.dampening)) * gg;
+          gg = h.nesterov ? gg + double(h.momentum) * s0[i] : s0[i];
+        }
+        x -= double(h.lr) * gg;
+      } else {
+        if (a.decoupled_weight_decay) x *= 1.0 - double(h.lr) * double(h.weight_decay);
+        else gg += double(h.weight_decay) * x;
+        const double b1 = h.beta1, b2 = h.beta2;
+        double mt, vt;
+        if (a.kind == OptKind::Adam) {
+          s0[i] = b1 * s0[i] + (1 - b1) * gg;
+          s1[i] = b2 * s1[i] + (1 - b2) * gg * gg;
+          mt = s0[i];
+          vt = s1[i];
+        } else {
+          s2[i] += double(h.accum_scale) * gg;
+          mt = b1 * s0[i] + (1 - b1) * gg;
+          vt = b2 * s1[i] + (1 - b2) * gg * gg;
+        }
+        x -= (double(h.lr) / h.bias_correction1) * mt /
+             (std::sqrt(vt) / h.bias_correction2_sqrt + double(h.eps));
+        if (a.kind == OptKind::AccumAdam && a.accum_boundary) {
+          s0[i] = b1 * s0[i] + (1 - b1) * s2[i];
+          s1[i] = b2 * s1[i] + (1 - b2) * s2[i] * s2[i];
+          s2[i] = 0;
+        }
+      }
+    }
+    p[i] = x;
+    if (a.send) send[i] = double(a.send_scale) * x;
+  }
+}
+
+static void run_kind(OptKind kind, int64_t n, bool comm, bool send, bool alias, int variant) {
+  std::mt19937 rng(static_cast<unsigned>(n * 31 + int(kind) * 7 + variant));
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto vec = [&](float scale, bool pos) {
+    std::vector<float> v(n);
+    for (auto& x : v) x = pos ? std::fabs(nd(rng)) * scale : nd(rng) * scale;
+    return v;
+  };
+  std::vector<float> p = vec(1, false), g = vec(0.5f, false), c = vec(1, false);
+  std::vector<float> s0 = vec(0.1f, false), s1 = vec(0.01f, true), s2 = vec(0.2f, false);
+  std::vector<float> sendbuf(n, 0.f);
+
+  MixStepArgs a;
+  a.kind = kind;
+  a.param_dtype = DType::Float32;
+  a.numel = n;
+  a.param = p.data();
+  a.grad = g.data();
+  a.comm = comm ? c.data() : nullptr;
+  a.send = send ? (alias ? static_cast<void*>(c.data()) : sendbuf.data()) : nullptr;
+  const bool sgd_buf = kind == OptKind::SGD && variant != 1;
+  a.state0 = (kind == OptKind::SGD && !sgd_buf) || kind == OptKind::None ? nullptr : s0.data();
+  a.state1 = (kind == OptKind::Adam || kind == OptKind::AccumAdam) ? s1.data() : nullptr;
+  a.state2 = kind == OptKind::AccumAdam ? s2.data() : nullptr;
+  a.mix_a = 0.7f;
+  a.mix_b = 0.3f;
+  a.send_scale = 0.5f;
+  a.grad_scale = 0.25f;
+  a.decoupled_weight_decay = variant & 1;
+  a.momentum_init = variant == 2;
+  a.accum_boundary = variant >= 1;
+  std::vector<Segment> segs;
+  int64_t cuts[] = {0, n / 3, n / 3 + 1, (3 * n) / 4, n};
+  for (int k = 1; k < 5; ++k) cuts[k] = std::min(n, std::max(cuts[k], cuts[k - 1]));
+  for (int k = 0; k < 4; ++k)
+    if (cuts[k + 1] > cuts[k]) segs.push_back({cuts[k], cuts[k + 1], k % 3});
+  a.segments = segs.data();
+  a.num_segments = static_cast<int64_t>(segs.size());
+  a.num_groups = 3;
+  for (int gi = 0; gi < 3; ++gi) {
+    GroupHyper& h = a.groups[gi];
+    h.lr = 0.05f * (gi + 1);
+    h.weight_decay = 0.01f * gi;
+    h.momentum = gi == 1 ? 0.f : 0.9f;
+    h.dampening = 0.1f * gi;
+    h.nesterov = gi == 2;
+    h.beta1 = 0.9f - 0.05f * gi;
+    h.beta2 = 0.999f - 0.01f * gi;
+    h.eps = 1e-8f;
+    h.bias_correction1 = 1.f - std::pow(h.beta1, 3.f);
+    h.bias_correction2_sqrt = std::sqrt(1.f - std::pow(h.beta2, 3.f));
+    h.accum_scale = 0.25f;
+  }
+
+  auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+  std::vector<double> rp = to_d(p), rg = to_d(g), rc = to_d(c), r0 = to_d(s0), r1 = to_d(s1),
+                      r2 = to_d(s2), rsend(n, 0.0);
+  reference(a, rp, rg, rc, r0, r1, r2, rsend);
+
+  mix_and_step_cpu(a);
+
+  for (int64_t i = 0; i < n; ++i) {
+    CHECK_NEAR(p[i], rp[i], 3e-6, 1e-6);
+    if (a.state0) CHECK_NEAR(s0[i], r0[i], 3e-6, 1e-7);
+    if (a.state1) CHECK_NEAR(s1[i], r1[i], 3e-6, 1e-9);
+    if (a.state2) CHECK_NEAR(s2[i], r2[i], 3e-6, 1e-7);
+    if (send) CHECK_NEAR(alias ? c[i] : sendbuf[i], rsend[i], 3e-6, 1e-6);
+  }
+}
+
+static void test_mix_and_step() {
+  const OptKind kinds[] = {OptKind::None, OptKind::SGD, OptKind::Adam, OptKind::AccumAdam};
+  const int64_t sizes[] = {1, 7, 31, 1000, 100003};
+  for (OptKind k : kinds)
+    for (int64_t n : sizes)
+      for (int variant = 0; variant < 3; ++variant) {
+        run_kind(k, n, true, true, variant == 0, variant);
+        run_kind(k, n, variant != 1, false, false, variant);
+      }
+}
+
+static void test_scale_copy() {
+  std::vector<float> src(1037), dst(1037);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = 0.5f * float(i) - 3.f;
+  ScaleCopyArgs a;
+  a.numel = static_cast<int64_t>(src.size());
+  a.src = src.data();
+  a.dst = dst.data();
+  a.alpha = 0.25f;
+  scale_copy_cpu(a);
+  for (size_t i = 0; i < src.size(); ++i) CHECK(dst[i] == 0.25f * src[i]);
+}
+
+int main() {
+  test_assign_buckets();
+  test_aligned_offsets();
+  test_mix_and_step();
+  test_scale_copy();
+  std::printf("decentpy_cpp_tests: %d checks, %d failures (cpu kernels: %s)\n", g_checks,
+              g_failures, cpu_kernel_isa());
+  return g_failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,50 @@
+"""decentpy: decentralized data-parallel training for PyTorch.
+
+Each worker keeps its own model and averages parameters with a few peers chosen by a topology,
+while its optimizer steps inside the backward pass, bucket by bucket, with communication hidden
+behind compute. Hot paths live in the compiled extension ``decentpy._C``.
+"""
+
+import logging
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from .version import __version__
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+from . import _C  # noqa: E402  (the compiled extension; fails loudly when not built)
+from . import optim  # noqa: E402
+from .config import show_config  # noqa: E402
+from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
+from .join import Join, Joinable, JoinHook  # noqa: E402
+from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
+from .topology import (  # noqa: E402
+    CustomTopology,
+    Group,
+    Topology,
+    TopologyError,
+    available_topologies,
+    make_topology,
+    register_topology,
+)
+
+__all__ = [
+    "__version__",
+    "DecentralizedDataParallel",
+    "Join",
+    "Joinable",
+    "JoinHook",
+    "ReduceScatterBucketer",
+    "OPTIM_FN_TYPE",
+    "LR_SCHEDULER_FN_TYPE",
+    "Topology",
+    "CustomTopology",
+    "Group",
+    "TopologyError",
+    "available_topologies",
+    "make_topology",
+    "register_topology",
+    "optim",
+    "show_config",
+]

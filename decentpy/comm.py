@@ -1,0 +1,104 @@
+"""Communication of bucket exchanges over ``torch.distributed``.
+
+A group of two ranks is a *peer exchange* (send my bucket, receive the peer's) on the default
+process group; a larger group is an in-place all-reduce on a sub-group created once, collectively,
+at construction. Every wait is bounded, and a timeout names the bucket and the peers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .topology import Group, Topology
+
+logger = logging.getLogger(__name__)
+
+
+class PeerTimeoutError(RuntimeError):
+    """A peer did not complete an exchange within the timeout (it may have died)."""
+
+
+class Exchange:
+    """An in-flight exchange of one bucket: wait on it before reading or writing its buffers."""
+
+    def __init__(self, works: List[dist.Work], bucket: int, ranks: Tuple[int, ...], rank: int) -> None:
+        self._works = works
+        self.bucket = bucket
+        self.ranks = ranks
+        self.rank = rank
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        peers = [r for r in self.ranks if r != self.rank]
+        for work in self._works:
+            try:
+                ok = work.wait(timeout)
+            except RuntimeError as exc:  # gloo raises on timeout or on a closed connection
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: exchange of bucket {self.bucket} with peer(s) {peers} failed or did not "
+                    f"complete within {timeout.total_seconds():.0f} s ({exc}); a peer may have died"
+                ) from exc
+            if ok is False:
+                raise PeerTimeoutError(
+                    f"rank {self.rank}: exchange of bucket {self.bucket} with peer(s) {peers} did not complete "
+                    f"within {timeout.total_seconds():.0f} s; a peer may have died"
+                )
+        self._works = []
+
+
+class TorchCommunicator:
+    """Exchanges over ``torch.distributed`` (gloo on CPU, NCCL, MPI)."""
+
+    def __init__(self, topology: Topology, timeout: datetime.timedelta) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = timeout
+        self._subgroups: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
+        # new_group is collective over the default group: every rank creates every group, in the
+        # same (schedule) order. decentpy's traffic never uses the default group itself, so it
+        # cannot interleave with the user's collectives (torch DDP beside it, Join's all-reduces).
+        groups = topology.unique_groups()
+        self._p2p_group: Optional[dist.ProcessGroup] = None
+        if any(len(g.ranks) == 2 for g in groups):
+            self._p2p_group = dist.new_group(list(range(self.world_size)))
+        for group in groups:
+            if len(group.ranks) > 2 and group.ranks not in self._subgroups:
+                self._subgroups[group.ranks] = dist.new_group(list(group.ranks))
+        logger.debug("rank %d: %d sub-groups", self.rank, len(self._subgroups))
+
+    def launch(self, bucket: int, group: Group, send: Tensor, recv: Tensor) -> Optional[Exchange]:
+        """Start the exchange of ``bucket`` within ``group``.
+
+        Pairs: ``send`` goes to the peer, the peer's bucket lands in ``recv``. Larger groups:
+        ``recv`` (which holds the scaled send values) is all-reduced in place.
+        """
+        ranks = group.ranks
+        if len(ranks) == 1:
+            return None
+        if len(ranks) == 2:
+            peer = ranks[0] if ranks[1] == self.rank else ranks[1]
+            pg = self._p2p_group
+            ops = [dist.P2POp(dist.isend, send, peer, group=pg, tag=bucket),
+                   dist.P2POp(dist.irecv, recv, peer, group=pg, tag=bucket)]
+            works = dist.batch_isend_irecv(ops)
+        else:
+            works = [dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=self._subgroups[ranks], async_op=True)]
+        return Exchange(list(works), bucket, ranks, self.rank)
+
+
+def default_timeout() -> datetime.timedelta:
+    """The default process group's timeout (torch's default when it cannot be read)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        opts = getattr(pg, "options", None)
+        t = getattr(opts, "_timeout", None) or getattr(opts, "timeout", None)
+        if isinstance(t, datetime.timedelta):
+            return t
+    except Exception:  # pragma: no cover - depends on torch internals
+        pass
+    return dist.default_pg_timeout

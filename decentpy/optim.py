@@ -1,0 +1,433 @@
+"""Fused optimizers and the ``optim_fn`` helpers.
+
+The optimizers are ordinary :class:`torch.optim.Optimizer` subclasses (so LR schedulers,
+``state_dict`` and ``param_groups`` behave as users expect), whose update is one pass of the
+compiled ``mix_and_step`` kernel. Used standalone, :meth:`step` updates each parameter in place.
+Inside :class:`~decentpy.DecentralizedDataParallel` the wrapper calls :meth:`bucket_step`, which
+mixes the bucket with the received parameters, steps, and writes the next send buffer in the
+same pass over the bucket's flat buffers.
+
+Optimizer state is kept in float32 whatever the parameter dtype (bf16/fp16 parameters get fp32
+moments), and for a bucket it lives in one flat block per state name with per-parameter views,
+so ``state_dict()`` still has the usual per-parameter entries.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from . import _C
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "OptKind",
+    "FusedOptimizer",
+    "SGD",
+    "Adam",
+    "AdamW",
+    "AccumAdam",
+    "AccumAdamW",
+    "fuse_torch_optimizer",
+    "split_decay_groups",
+    "optim_fn_sgd",
+    "optim_fn_adam",
+    "optim_fn_adamw",
+    "optim_fn_accum_adam",
+    "optim_fn_accum_adamw",
+    "lr_scheduler_fn_cosine_with_warmup",
+]
+
+
+class OptKind:
+    """Kernel selector, mirrors ``decentpy::OptKind`` in csrc/kernels/mix_and_step.h."""
+
+    NONE = 0
+    SGD = 1
+    ADAM = 2
+    ACCUM_ADAM = 3
+
+
+MAX_GROUPS_PER_BUCKET = 8  # decentpy::kMaxGroups
+
+
+def _flat_alias(t: Tensor) -> Tensor:
+    """A 1-D alias of a dense tensor in memory order (channels_last included)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not torch._prims_common.is_non_overlapping_and_dense_or_false(t):
+        raise ValueError(
+            f"fused optimizers need dense parameters; got sizes {tuple(t.shape)} strides {t.stride()}"
+        )
+    return t.as_strided((t.numel(),), (1,))
+
+
+class FusedOptimizer(Optimizer):
+    """Base class of the fused optimizers: one kernel pass per bucket (or per tensor standalone)."""
+
+    kind: int = OptKind.NONE
+    decoupled_weight_decay: bool = False
+    state_names: Tuple[str, ...] = ()
+
+    def __init__(self, params: Any, defaults: Dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        # Flat per-bucket state: name -> fp32 block, set up lazily by bucket_step.
+        self._flat_state: Dict[str, Tensor] = {}
+        self._flat_layout_key: Optional[Tuple[int, int]] = None
+        self._shared_step: Optional[Tensor] = None
+
+    # -- what subclasses provide -----------------------------------------------------------
+    def _hyper_row(self, group: Dict[str, Any], step: int) -> List[float]:
+        raise NotImplementedError
+
+    def _uses_state(self) -> Tuple[str, ...]:
+        """State buffers the kernel needs now (SGD without momentum needs none)."""
+        return self.state_names
+
+    def _flags(self, step: int) -> Tuple[bool, bool]:
+        """(momentum_init, accum_boundary) for the 1-based ``step``."""
+        return False, False
+
+    # -- shared machinery ------------------------------------------------------------------
+    def _check_lr(self, group: Dict[str, Any]) -> float:
+        lr = group["lr"]
+        return float(lr.item() if isinstance(lr, Tensor) else lr)
+
+    def _state_tensor(self, p: Tensor, name: str) -> Tensor:
+        st = self.state[p]
+        if name not in st:
+            st[name] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return st[name]
+
+    def _step_tensor(self, p: Tensor) -> Tensor:
+        st = self.state[p]
+        if "step" not in st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+        return st["step"]
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        """Standalone update: one kernel call per parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                step_t = self._step_tensor(p)
+                step_t += 1
+                step = int(step_t.item())
+                states = [_flat_alias(self._state_tensor(p, n)) for n in self._uses_state_for(group)]
+                grad = p.grad
+                if grad.stride() != p.stride():
+                    grad = torch.empty_like(p).copy_(grad)  # same memory order as p
+                momentum_init, accum_boundary = self._flags(step)
+                segments = torch.tensor([[0, p.numel(), 0]], dtype=torch.int64, device=p.device)
+                _C.mix_and_step(
+                    self.kind, _flat_alias(p), _flat_alias(grad), states, None, None, segments,
+                    [self._hyper_row(group, step)], 1.0, 0.0, 1.0, 1.0,
+                    self.decoupled_weight_decay, momentum_init, accum_boundary, False,
+                )
+        self._opt_called = True
+        return loss
+
+    def _uses_state_for(self, group: Dict[str, Any]) -> Tuple[str, ...]:
+        return self._uses_state()
+
+    # -- bucket path (used by DecentralizedDataParallel) -----------------------------------
+    def _ensure_flat_state(self, params: Sequence[Tensor], offsets: Sequence[int], total: int,
+                           device: torch.device) -> List[Tensor]:
+        """Flat fp32 state blocks for a bucket, with per-parameter views put in ``self.state``.
+
+        Existing per-parameter values (e.g. from ``load_state_dict``) are copied in, so a
+        checkpoint restores the exact state.
+        """
+        names = self._uses_state()
+        key = (id(params[0]), total)
+        if self._flat_layout_key == key and all(n in self._flat_state for n in names):
+            return [self._flat_state[n] for n in names]
+        steps = [self.state[p]["step"] for p in params if "step" in self.state.get(p, {})]
+        start = float(steps[0].item()) if steps else 0.0
+        self._shared_step = torch.tensor(start, dtype=torch.float32)
+        for name in names:
+            block = torch.zeros(total, dtype=torch.float32, device=device)
+            for p, off in zip(params, offsets):
+                view = block.as_strided(p.size(), p.stride(), off)
+                old = self.state[p].get(name)
+                if old is not None:
+                    view.copy_(old)
+                self.state[p][name] = view
+            self._flat_state[name] = block
+        for p in params:
+            self.state[p]["step"] = self._shared_step
+        self._flat_layout_key = key
+        return [self._flat_state[n] for n in names]
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._flat_layout_key = None  # re-link the loaded values into flat blocks on next use
+
+    def hyper_rows(self, step: int) -> List[List[float]]:
+        if len(self.param_groups) > MAX_GROUPS_PER_BUCKET:
+            raise ValueError(
+                f"a bucket may mix at most {MAX_GROUPS_PER_BUCKET} parameter groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        return [self._hyper_row(g, step) for g in self.param_groups]
+
+    @torch.no_grad()
+    def bucket_step(
+        self,
+        params: Sequence[Tensor],
+        offsets: Sequence[int],
+        param_block: Tensor,
+        grad_block: Tensor,
+        segments: Tensor,
+        comm: Optional[Tensor],
+        send: Optional[Tensor],
+        mix_a: float,
+        mix_b: float,
+        send_scale: float,
+        grad_scale: float,
+        skip_update: bool,
+    ) -> None:
+        """Mix, step and fill the send buffer for one bucket in one kernel pass."""
+        states = self._ensure_flat_state(params, offsets, param_block.numel(), param_block.device)
+        assert self._shared_step is not None
+        step = int(self._shared_step.item()) + (0 if skip_update else 1)
+        momentum_init, accum_boundary = self._flags(step)
+        _C.mix_and_step(
+            self.kind, param_block, grad_block, states, comm, send, segments,
+            self.hyper_rows(max(step, 1)), mix_a, mix_b, send_scale, grad_scale,
+            self.decoupled_weight_decay, momentum_init, accum_boundary, skip_update,
+        )
+        if not skip_update:
+            self._shared_step += 1
+        self._opt_called = True  # tells LR schedulers that this optimizer has stepped
+
+
+class SGD(FusedOptimizer):
+    """SGD with momentum, dampening, Nesterov and weight decay (torch.optim.SGD semantics)."""
+
+    kind = OptKind.SGD
+    state_names = ("momentum_buffer",)
+
+    def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False) -> None:
+        if lr < 0.0:
+            raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+        if momentum < 0.0:
+            raise ValueError(f"invalid momentum {momentum}: must be >= 0")
+        if weight_decay < 0.0:
+            raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum > 0 and zero dampening")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov))
+
+    def _uses_state(self) -> Tuple[str, ...]:
+        return self.state_names if any(g["momentum"] != 0 for g in self.param_groups) else ()
+
+    def _uses_state_for(self, group: Dict[str, Any]) -> Tuple[str, ...]:
+        return self.state_names if group["momentum"] != 0 else ()
+
+    def _flags(self, step: int) -> Tuple[bool, bool]:
+        return step == 1, False
+
+    def _hyper_row(self, group: Dict[str, Any], step: int) -> List[float]:
+        return [self._check_lr(group), float(group["weight_decay"]), float(group["momentum"]),
+                float(group["dampening"]), float(bool(group["nesterov"])), 0.9, 0.999, 1e-8, 1.0, 1.0, 1.0]
+
+
+class Adam(FusedOptimizer):
+    """Adam (torch.optim.Adam semantics; coupled L2 weight decay)."""
+
+    kind = OptKind.ADAM
+    state_names = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0) -> None:
+        _check_adam_args(lr, betas, eps, weight_decay)
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _bias_step(self, group: Dict[str, Any], step: int) -> int:
+        return step
+
+    def _hyper_row(self, group: Dict[str, Any], step: int) -> List[float]:
+        b1, b2 = group["betas"]
+        k = self._bias_step(group, step)
+        return [self._check_lr(group), float(group["weight_decay"]), 0.0, 0.0, 0.0, float(b1), float(b2),
+                float(group["eps"]), 1.0 - b1 ** k, math.sqrt(1.0 - b2 ** k),
+                1.0 / float(group.get("accum_iter", 1))]
+
+
+class AdamW(Adam):
+    """AdamW (torch.optim.AdamW semantics; decoupled weight decay, default 1e-2)."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+class AccumAdam(Adam):
+    """Adam whose moments move once per ``accum_iter`` steps, from the averaged gradient.
+
+    Tames the variance of small local batches in decentralized training (see DESIGN.md). Step t
+    uses bias corrections of block k = ceil(t / accum_iter).
+    """
+
+    kind = OptKind.ACCUM_ADAM
+    state_names = ("exp_avg", "exp_avg_sq", "accum_grad")
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, accum_iter: int = 4) -> None:
+        _check_adam_args(lr, betas, eps, weight_decay)
+        if int(accum_iter) != accum_iter or accum_iter < 1:
+            raise ValueError(f"invalid accum_iter {accum_iter}: must be an integer >= 1")
+        FusedOptimizer.__init__(self, params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                                   weight_decay=weight_decay, accum_iter=int(accum_iter)))
+        if len({int(g["accum_iter"]) for g in self.param_groups}) != 1:
+            raise ValueError("all parameter groups of one AccumAdam must share accum_iter")
+
+    def _accum_iter(self) -> int:
+        return int(self.param_groups[0]["accum_iter"])
+
+    def _bias_step(self, group: Dict[str, Any], step: int) -> int:
+        return -(-step // int(group["accum_iter"]))
+
+    def _flags(self, step: int) -> Tuple[bool, bool]:
+        return False, step % self._accum_iter() == 0
+
+
+class AccumAdamW(AccumAdam):
+    """AccumAdam with decoupled weight decay."""
+
+    decoupled_weight_decay = True
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, accum_iter: int = 4) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, accum_iter=accum_iter)
+
+
+def _check_adam_args(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float) -> None:
+    if lr < 0.0:
+        raise ValueError(f"invalid learning rate {lr}: must be >= 0")
+    if eps < 0.0:
+        raise ValueError(f"invalid eps {eps}: must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"invalid betas {betas}: need two values in [0, 1)")
+    if weight_decay < 0.0:
+        raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
+
+
+# -- converting torch's own optimizers ---------------------------------------------------------
+
+_GROUP_KEYS = {
+    torch.optim.SGD: (SGD, ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
+    torch.optim.Adam: (Adam, ("lr", "betas", "eps", "weight_decay")),
+    torch.optim.AdamW: (AdamW, ("lr", "betas", "eps", "weight_decay")),
+}
+
+
+def fuse_torch_optimizer(opt: Optimizer) -> Optimizer:
+    """Return a fused equivalent of a fresh torch SGD/Adam/AdamW, or ``opt`` itself.
+
+    Only exact equivalents are converted: options the kernel does not implement (amsgrad,
+    maximize, capturable, differentiable, an optimizer that already has state, Adam with
+    ``decoupled_weight_decay``) keep the optimizer as it is, stepped by the generic path.
+    """
+    entry = _GROUP_KEYS.get(type(opt))  # exact type: subclasses may change the maths
+    if entry is None or len(opt.state) > 0:
+        return opt
+    cls, keys = entry
+    for g in opt.param_groups:
+        if g.get("amsgrad") or g.get("maximize") or g.get("capturable") or g.get("differentiable"):
+            return opt
+        if type(opt) is torch.optim.Adam and g.get("decoupled_weight_decay"):
+            return opt
+        if isinstance(g.get("lr"), Tensor):
+            return opt
+    groups = [dict({k: g[k] for k in keys}, params=list(g["params"])) for g in opt.param_groups]
+    fused = cls(groups)  # type: ignore[arg-type]
+    logger.debug("using fused %s for %s", cls.__name__, type(opt).__name__)
+    return fused
+
+
+# -- optim_fn helpers ---------------------------------------------------------------------------
+
+def split_decay_groups(named_params: Sequence[Tuple[str, Tensor]], weight_decay: float) -> List[Dict[str, Any]]:
+    """Weight decay on weights (matrices, conv kernels) only; none on biases and norm parameters.
+
+    A parameter with one dimension (bias, norm scale/shift) gets no decay; so does any whose name
+    says it is a bias or belongs to a norm layer. (The reference helpers invert this.)
+    """
+    decay, no_decay = [], []
+    for name, p in named_params:
+        parts = name.lower().split(".")
+        owner = parts[-2] if len(parts) > 1 else ""
+        if p.dim() <= 1 or parts[-1] == "bias" or any(h in owner for h in ("bn", "norm", "ln")):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups: List[Dict[str, Any]] = []
+    if decay:
+        groups.append({"params": decay, "weight_decay": weight_decay})
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def optim_fn_sgd(params: List[Tuple[str, Tensor]], lr: float = 0.1, momentum: float = 0.9,
+                 weight_decay: float = 1e-4, nesterov: bool = False, dampening: float = 0.0) -> Optimizer:
+    """Fused SGD with weight decay on weights only."""
+    return SGD(split_decay_groups(params, weight_decay), lr=lr, momentum=momentum, dampening=dampening,
+               nesterov=nesterov)
+
+
+def optim_fn_adam(params: List[Tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
+                  weight_decay: float = 1.0 / 32768, eps: float = 1e-8) -> Optimizer:
+    """Fused Adam with weight decay on weights only (same signature as decent-dp's helper)."""
+    return Adam(split_decay_groups(params, weight_decay), lr=lr, betas=(beta1, beta2), eps=eps)
+
+
+def optim_fn_adamw(params: List[Tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9, beta2: float = 0.999,
+                   weight_decay: float = 0.1, eps: float = 1e-8) -> Optimizer:
+    """Fused AdamW with weight decay on weights only."""
+    return AdamW(split_decay_groups(params, weight_decay), lr=lr, betas=(beta1, beta2), eps=eps)
+
+
+def optim_fn_accum_adam(params: List[Tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9,
+                        beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1.0 / 32768,
+                        accum_iter: int = 4) -> Optimizer:
+    """Fused AccumAdam with weight decay on weights only."""
+    return AccumAdam(split_decay_groups(params, weight_decay), lr=lr, betas=(beta1, beta2), eps=eps,
+                     accum_iter=accum_iter)
+
+
+def optim_fn_accum_adamw(params: List[Tuple[str, Tensor]], lr: float = 1e-3, beta1: float = 0.9,
+                         beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.1,
+                         accum_iter: int = 4) -> Optimizer:
+    """Fused AccumAdamW with weight decay on weights only."""
+    return AccumAdamW(split_decay_groups(params, weight_decay), lr=lr, betas=(beta1, beta2), eps=eps,
+                      accum_iter=accum_iter)
+
+
+def lr_scheduler_fn_cosine_with_warmup(optimizer: Optimizer, t_max: int, t_warmup: int,
+                                       cosine_eta_min: float = 1e-6, warmup_decay: float = 0.01) -> LRScheduler:
+    """Linear warm-up for ``t_warmup`` steps, then cosine annealing over ``t_max`` steps."""
+    main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t_max, eta_min=cosine_eta_min)
+    warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=warmup_decay, total_iters=t_warmup)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers=[warm, main], milestones=[t_warmup])

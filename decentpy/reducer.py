@@ -1,0 +1,282 @@
+"""The gossip reducer: owns the buckets, the autograd hooks and the in-flight exchanges.
+
+Like c10d's ``Reducer`` for DDP, one object sees every gradient become ready. When all gradients
+of a bucket are in (and every earlier bucket is done, so that all ranks launch their collectives
+in the same order), the bucket is processed: wait for the exchange launched last iteration, mix,
+step and launch the next exchange -- while autograd keeps computing the earlier layers.
+The first backward only records the gradient-ready order; at its end the buckets are built and
+stepped, so the first iteration gets its update too.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from . import _C
+from .bucket import Bucket, BucketPlan, check_optimizer, make_bucket
+from .comm import TorchCommunicator
+from .grad_scaling import BucketGradScaling
+from .optim import OptKind, fuse_torch_optimizer
+from .topology import Group, Topology
+
+logger = logging.getLogger(__name__)
+
+OptimFn = Callable[[List[Tuple[str, Tensor]]], Optimizer]
+SchedulerFn = Callable[[Optimizer], LRScheduler]
+
+_NO_HYPER = [[0.0] * 11]
+
+
+def mix_coefficients(group: Group) -> Tuple[float, float]:
+    """(a, b) of ``p = a*p + b*comm`` for the group's exchange (pair: comm is the peer's bucket;
+    larger group: comm is the all-reduced sum of s*p over the group)."""
+    w = group.weight
+    if len(group.ranks) == 2:
+        return w, 1.0 - w
+    s = group.neighbour_weight()
+    return w - s, 1.0
+
+
+class GossipReducer:
+    """Bucket-by-bucket mix-and-step inside backward, with exchanges overlapping compute."""
+
+    def __init__(self, params: List[Tensor], names: List[str], optim_fn: OptimFn,
+                 scheduler_fn: Optional[SchedulerFn], topology: Topology, comm: TorchCommunicator,
+                 grad_scaling: BucketGradScaling, bucket_cap_bytes: int, param_as_bucket_view: bool,
+                 timeout: datetime.timedelta) -> None:
+        self.params = params
+        self.names = names
+        self.optim_fn = optim_fn
+        self.scheduler_fn = scheduler_fn
+        self.topology = topology
+        self.comm = comm
+        self.grad_scaling = grad_scaling
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.param_as_bucket_view = param_as_bucket_view
+        self.timeout = timeout
+        self.rank = dist.get_rank()
+
+        self.step = 0                       # iterations completed (schedule index of the next mix)
+        self.buckets: List[Bucket] = []
+        self.accumulate = False             # gradient accumulation (no_sync)
+        self.enabled = True                 # False while joined workers shadow others (Join)
+        self.adaptive_factor = 1.0          # p <- (1-f) p + f mix(p)
+        self._bucket_of: List[int] = [-1] * len(params)
+        self._slot_of: List[int] = [-1] * len(params)
+        self._trace: List[int] = []
+        self._traced_seen: List[bool] = [False] * len(params)
+        self._callback_queued = False
+        self._prepared = False
+        self._next_bucket = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _make_hook(self, index: int) -> Callable[[Tensor], None]:
+        def hook(_: Tensor) -> None:
+            self._on_grad_ready(index)
+        return hook
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def prepare(self) -> None:
+        """Called by a training-mode forward: the next backward is one iteration."""
+        if self._callback_queued:
+            return  # a forward inside backward (e.g. checkpoint recomputation) changes nothing
+        self._prepared = True
+        self._next_bucket = 0
+        self._trace = []
+        self._traced_seen = [False] * len(self.params)
+        for b in self.buckets:
+            b.reset_iteration()
+
+    @torch.no_grad()
+    def _on_grad_ready(self, index: int) -> None:
+        if self.accumulate or not self.enabled:
+            return
+        if not self._prepared:
+            raise RuntimeError(self._twice_message(index))
+        if not self._callback_queued:
+            self._callback_queued = True
+            self.grad_scaling.begin_iteration()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if not self.buckets:
+            if self._traced_seen[index]:
+                raise RuntimeError(self._twice_message(index))
+            self._traced_seen[index] = True
+            self._trace.append(index)
+            return
+        b = self.buckets[self._bucket_of[index]]
+        slot = self._slot_of[index]
+        if b.seen[slot]:
+            raise RuntimeError(self._twice_message(index))
+        b.seen[slot] = True
+        b.pending -= 1
+        if b.pending == 0:
+            self._process_ready_in_order()
+
+    def _twice_message(self, index: int) -> str:
+        return (f"parameter '{self.names[index]}' received a gradient twice in one training iteration (two "
+                "backward passes over one forward, reentrant checkpointing, or a backward without a "
+                "training-mode forward of the wrapper); decentpy steps each parameter once per iteration. "
+                "Run forward and backward once per iteration, use non-reentrant checkpointing, or wrap "
+                "extra backward passes in ddp.no_sync()")
+
+    def _process_ready_in_order(self) -> None:
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+            self._process(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _end_of_backward(self) -> None:
+        with torch.no_grad():
+            try:
+                if not self.buckets:
+                    self._build_buckets(self._trace)
+                while self._next_bucket < len(self.buckets):  # buckets with unused parameters
+                    self._process(self.buckets[self._next_bucket])
+                    self._next_bucket += 1
+                self.grad_scaling.end_iteration()
+                self.step += 1
+            finally:
+                self._callback_queued = False
+                self._prepared = False
+
+    # -- buckets -----------------------------------------------------------------------------
+    def _build_buckets(self, traced: Sequence[int]) -> None:
+        unused = [i for i in reversed(range(len(self.params))) if i not in set(traced)]
+        order = list(traced) + unused
+        self._check_same_order(order)
+        plan = BucketPlan.build(self.params, order, self.bucket_cap_bytes)
+        self.build_from_plan(plan)
+        logger.info("rank %d: %d buckets (%s), %d parameters without gradient in the first iteration",
+                    self.rank, len(self.buckets), ", ".join(str(b.numel) for b in self.buckets), len(unused))
+
+    def _check_same_order(self, order: List[int]) -> None:
+        mine = [(i, tuple(self.params[i].shape)) for i in order]
+        everyone: List[Optional[list]] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        ref = everyone[0]
+        for r, other in enumerate(everyone):
+            if other != ref:
+                pos = next(k for k, (x, y) in enumerate(zip(other, ref)) if x != y) if other and ref else 0
+                i = order[pos] if pos < len(order) else order[-1]
+                raise RuntimeError(
+                    f"gradient-ready order differs between rank 0 and rank {r} at position {pos} (this rank: "
+                    f"'{self.names[i]}'); every rank must run the same model and backward, since buckets are "
+                    "exchanged in that order")
+
+    def build_from_plan(self, plan: BucketPlan) -> None:
+        self.buckets = []
+        for bi, indices in enumerate(plan.buckets):
+            params = [self.params[i] for i in indices]
+            names = [self.names[i] for i in indices]
+            opt = self.optim_fn(list(zip(names, params)))
+            check_optimizer(opt, params, names, f"for bucket {bi}")
+            opt = fuse_torch_optimizer(opt)
+            sched = self.scheduler_fn(opt) if self.scheduler_fn is not None else None
+            bucket = make_bucket(bi, params, names, opt, sched, self.param_as_bucket_view)
+            for slot, i in enumerate(indices):
+                self._bucket_of[i] = bi
+                self._slot_of[i] = slot
+            self.buckets.append(bucket)
+
+    @property
+    def plan(self) -> Optional[BucketPlan]:
+        if not self.buckets:
+            return None
+        index = {id(p): i for i, p in enumerate(self.params)}
+        return BucketPlan([[index[id(p)] for p in b.params] for b in self.buckets])
+
+    # -- the per-bucket work -----------------------------------------------------------------
+    def wait_exchange(self, b: Bucket) -> None:
+        if b.work is not None:
+            work, b.work = b.work, None
+            work.wait(self.timeout)  # type: ignore[attr-defined]
+            b.comm_valid = True
+
+    def wait_all(self) -> None:
+        for b in self.buckets:
+            self.wait_exchange(b)
+
+    def _process(self, b: Bucket, local_step: bool = True) -> None:
+        """Wait, mix, step (unless ``local_step`` is False: a joined worker), launch the next exchange."""
+        if b.processed:
+            return
+        b.processed = True
+        self.wait_exchange(b)
+        k = self.step
+        group = self.topology.group_of(self.rank, k)
+        comm: Optional[Tensor] = None
+        a, c = 1.0, 0.0
+        if not b.skip_mix and len(group.ranks) > 1:
+            if not b.comm_valid:
+                raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {k}")
+            comm = b.comm
+            a, c = mix_coefficients(group)
+            f = self.adaptive_factor
+            a, c = (1.0 - f) + f * a, f * c
+        nxt = self.topology.group_of(self.rank, k + 1)
+        send: Optional[Tensor] = None
+        send_scale = 1.0
+        if len(nxt.ranks) > 2:
+            send, send_scale = b.comm, nxt.neighbour_weight()
+
+        if local_step:
+            b.adopt_grads()
+            factor, skip = self.grad_scaling.bucket_factor(b.grad_block)
+        else:
+            factor, skip = 1.0, True
+
+        b.gather_params()
+        if b.fused:
+            b.optimizer.bucket_step(b.params, b.offsets,  # type: ignore[attr-defined]
+                                    b.param_block, b.grad_block, b.segments, comm, send, a, c, send_scale,
+                                    factor, skip)
+            b.scatter_params()
+        else:
+            _C.mix_and_step(OptKind.NONE, b.param_block, None, [], comm, None, b.segments, _NO_HYPER, a, c,
+                            1.0, 1.0, False, False, False, True)
+            b.scatter_params()
+            if not skip:
+                if factor != 1.0:
+                    b.grad_block.mul_(factor)
+                b.optimizer.step()
+                b.gather_params()
+            if send is not None:
+                _C.scale_copy_(send, b.param_block, send_scale)
+        if local_step and not skip and b.scheduler is not None:
+            b.scheduler.step()
+        b.grad_block.zero_()
+        b.comm_valid = False
+        b.skip_mix = False
+        if len(nxt.ranks) > 1:
+            b.work = self.comm.launch(b.index, nxt, b.param_block, b.comm)
+
+    @torch.no_grad()
+    def shadow_iteration(self) -> None:
+        """One iteration of a joined rank: every bucket waits, mixes and re-sends, in order."""
+        if not self.buckets:
+            raise RuntimeError(
+                f"rank {self.rank} joined before its first training iteration; every rank needs at least one "
+                "iteration (which fixes the bucket layout) before it runs out of data")
+        self.prepare()
+        for b in self.buckets:
+            self._process(b, local_step=False)
+        self.step += 1
+        self._prepared = False
+
+    # -- whole-model operations --------------------------------------------------------------
+    def mark_equal(self) -> None:
+        """All workers hold the same parameters: the next mix is the identity."""
+        for b in self.buckets:
+            b.skip_mix = True

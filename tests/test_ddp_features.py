@@ -1,0 +1,295 @@
+"""Wrapper features on gloo workers: mixing, global_avg, checkpoints, accumulation, layouts, AMP.
+
+Each test spawns its workers once and checks against the plain-PyTorch reference or against
+quantities recomputed from gathered parameters, never against decentpy itself.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_workers
+from reference import (assert_close_params, batch, decentpy_optim_fn, loss_fn, make_cnn, make_mlp,
+                       simulate)
+
+
+def _params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+
+def _gather(t: torch.Tensor) -> List[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return out
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().double().reshape(-1) for p in model.parameters()])
+
+
+# --- mixing preserves the global mean; global_avg makes workers equal ------------------------------
+
+def mixing_worker(rank: int, world: int, topo: str) -> dict:
+    from decentpy import DecentralizedDataParallel
+
+    model = make_mlp(0)
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("sgd_plain"), topology=topo, local_world_size=2)
+    x, y = batch(rank, 0)
+    loss_fn(ddp(x), y).backward()  # builds buckets, first exchange in flight
+    out = {}
+    # Make workers differ, then gossip with a zero learning rate: only mixing moves parameters.
+    ddp.global_avg(will_revert=False)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(rank)
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+    for b in ddp._reducer.buckets:
+        for grp in b.optimizer.param_groups:
+            grp["lr"] = 0.0
+    ddp._reducer.mark_equal()  # the first mix after the perturbation is the identity again
+    means, dists = [], []
+    for k in range(1, 7):
+        flat = _flat(model)
+        means.append(torch.stack(_gather(flat)).mean(0))
+        dists.append(ddp.consensus_distance())
+        loss_fn(ddp(x), y).backward()
+    ddp.consensus_distance()
+    flat = _flat(model)
+    means.append(torch.stack(_gather(flat)).mean(0))
+    allp = torch.stack(_gather(flat))
+    out["means"] = means
+    out["dists"] = dists
+    out["manual_dist"] = float(((allp - allp.mean(0)) ** 2).sum(1).mean().sqrt())
+    out["final_dist"] = ddp.consensus_distance()
+    ddp.global_avg(will_revert=False)
+    out["after_avg"] = _flat(model)
+    out["mean_before_avg"] = allp.mean(0)
+    return out
+
+
+@pytest.mark.parametrize("topo", ["complete", "ring", "one-peer-exp", "alternating-exp-ring"])
+def test_mixing_preserves_mean_and_global_avg_equalises(topo: str) -> None:
+    res = run_workers(mixing_worker, 4, topo, timeout=120)
+    r0 = res[0]
+    for m in r0["means"][1:]:
+        assert torch.allclose(m, r0["means"][0], atol=1e-5, rtol=0), "mixing changed the global mean"
+    # Consensus distance: matches a direct computation, and gossip shrinks it.
+    assert r0["final_dist"] == pytest.approx(r0["manual_dist"], rel=1e-6)
+    assert r0["dists"][-1] < 0.7 * r0["dists"][0]
+    for r in res:
+        assert torch.allclose(r["after_avg"], r0["mean_before_avg"], atol=1e-6)
+        assert torch.equal(r["after_avg"], res[0]["after_avg"]), "global_avg left workers unequal"
+
+
+# --- checkpoint / resume -----------------------------------------------------------------------------
+
+def checkpoint_worker(rank: int, world: int, path: str, topo: str, opt: str) -> dict:
+    from decentpy import DecentralizedDataParallel
+    from decentpy.optim import lr_scheduler_fn_cosine_with_warmup
+
+    def sched(o):
+        return lr_scheduler_fn_cosine_with_warmup(o, t_max=10, t_warmup=2)
+
+    def make():
+        return DecentralizedDataParallel(make_mlp(0 if rank == 0 else 7), decentpy_optim_fn(opt),
+                                         lr_scheduler_fn=sched, topology=topo, local_world_size=2,
+                                         bucket_size_in_mb=0.0002)
+
+    ddp = make()
+    for k in range(8):
+        x, y = batch(rank, k)
+        loss_fn(ddp(x), y).backward()
+        if k == 3:
+            torch.save(ddp.state_dict(), f"{path}/ckpt{rank}.pt")
+    ddp.consensus_distance()
+    straight = _params(ddp.module)
+
+    resumed = make()  # different random init on ranks != 0 before loading
+    resumed.load_state_dict(torch.load(f"{path}/ckpt{rank}.pt", weights_only=False))
+    for k in range(4, 8):
+        x, y = batch(rank, k)
+        loss_fn(resumed(x), y).backward()
+    resumed.consensus_distance()
+    return {"straight": straight, "resumed": _params(resumed.module), "lr": resumed.get_lr(), "lr0": ddp.get_lr()}
+
+
+@pytest.mark.parametrize("topo,opt", [("ring", "accum_adam"), ("alternating-exp-ring", "sgd")])
+def test_checkpoint_resume_continues_identical_trajectory(topo: str, opt: str) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        res = run_workers(checkpoint_worker, 4, d, topo, opt, timeout=120)
+    for r in res:
+        for n in r["straight"]:
+            assert torch.equal(r["straight"][n], r["resumed"][n]), f"resumed run diverged at '{n}'"
+        assert r["lr"] == r["lr0"]
+
+
+# --- gradient accumulation, channels_last, bf16, param_as_bucket_view=False -------------------------
+
+def accumulation_worker(rank: int, world: int, mode: str) -> dict:
+    from decentpy import DecentralizedDataParallel
+
+    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="ring")
+    for k in range(4):
+        for mb in range(3):
+            x, y = batch(rank, 3 * k + mb)
+            if mb < 2:
+                if mode == "no_sync":
+                    with ddp.no_sync():
+                        loss_fn(ddp(x), y).backward()
+                else:
+                    ddp.set_accumulate_grad(True)
+                    loss_fn(ddp(x), y).backward()
+                    ddp.set_accumulate_grad(False)
+            else:
+                loss_fn(ddp(x), y).backward()
+    ddp.consensus_distance()
+    return _params(ddp.module)
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "set_accumulate_grad"])
+def test_gradient_accumulation_matches_summed_gradients(mode: str) -> None:
+    from decentpy.topology import make_topology
+
+    got = run_workers(accumulation_worker, 4, mode, timeout=120)
+    want = simulate(4, make_topology("ring", 4, 1).mixing_matrix, "adam", 4, micro_batches=3)
+    assert_close_params(got, want, rtol=2e-5, atol=2e-5, what=f"accumulation ({mode})")
+
+
+def layout_worker(rank: int, world: int, variant: str) -> dict:
+    from decentpy import DecentralizedDataParallel
+
+    kind = "mlp" if variant in ("bf16", "no_view") else "cnn"
+    model = make_cnn(0) if kind == "cnn" else make_mlp(0)
+    if variant == "channels_last":
+        model = model.to(memory_format=torch.channels_last)
+    if variant == "bf16":
+        model = model.to(torch.bfloat16)
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("adamw"), topology="one-peer-exp",
+                                    param_as_bucket_view=(variant != "no_view"), bucket_size_in_mb=0.0003)
+    layouts_ok = True
+    for k in range(5):
+        x, y = batch(rank, k, kind)
+        if variant == "channels_last":
+            x = x.to(memory_format=torch.channels_last)
+        if variant == "bf16":
+            x, y = x.bfloat16(), y.bfloat16()
+        loss_fn(ddp(x).float(), y.float()).backward()
+        if variant == "channels_last":
+            for p in model.parameters():
+                if p.dim() == 4:
+                    layouts_ok &= p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
+                    layouts_ok &= p.grad.stride() == p.stride()
+    ddp.consensus_distance()
+    views = [b.param_block.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
+             for b in ddp._reducer.buckets for p in b.params]
+    return {"params": _params(model), "layouts_ok": layouts_ok, "views": views}
+
+
+@pytest.mark.parametrize("variant", ["channels_last", "bf16", "no_view"])
+def test_layouts_and_dtypes_match_reference(variant: str) -> None:
+    from decentpy.topology import make_topology
+
+    res = run_workers(layout_worker, 4, variant, timeout=120)
+    kind = "cnn" if variant == "channels_last" else "mlp"
+    want = simulate(4, make_topology("one-peer-exp", 4, 1).mixing_matrix, "adamw", 5, kind=kind)
+    tol = 3e-2 if variant == "bf16" else 2e-5
+    assert_close_params([r["params"] for r in res], want, rtol=tol, atol=tol, what=variant)
+    for r in res:
+        assert r["layouts_ok"], "channels_last parameters or their gradients lost their layout"
+        assert all(r["views"]) == (variant != "no_view")
+
+
+# --- GradScaler: non-finite gradients skip the update and are never sent; clipping -----------------
+
+def amp_worker(rank: int, world: int) -> dict:
+    from decentpy import DecentralizedDataParallel
+
+    model = make_mlp(0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("sgd"), topology="complete", scaler=scaler,
+                                    grad_clip_norm=0.5)
+    scales = []
+    for k in range(5):
+        x, y = batch(rank, k)
+        if rank == 1 and k == 2:
+            x = x.clone()
+            x[0, 0] = float("inf")  # this worker's gradients become non-finite at step 2
+        loss = loss_fn(ddp(x), y)
+        scaler.scale(loss).backward()
+        scales.append(scaler.get_scale())
+    ddp.consensus_distance()
+    finite = all(torch.isfinite(p).all().item() for p in model.parameters())
+    return {"params": _params(model), "finite": finite, "scales": scales}
+
+
+def test_grad_scaler_skips_nonfinite_worker_and_clips_per_bucket() -> None:
+    from decentpy.topology import make_topology
+
+    res = run_workers(amp_worker, 4, timeout=120)
+
+    def clip(rank: int, k: int, grads: List[torch.Tensor]) -> None:
+        norm = float(torch.sqrt(sum((g ** 2).sum() for g in grads)))  # one bucket: per-bucket clip
+        if norm > 0.5:
+            for g in grads:
+                g.mul_(0.5 / (norm + 1e-6))
+
+    def skipped(rank: int, k: int) -> bool:
+        return rank == 1 and k == 2
+
+    want = simulate(4, make_topology("complete", 4, 1).mixing_matrix, "sgd", 5, grad_hook=clip, skip=skipped)
+    for r in res:
+        assert r["finite"], "a worker received or kept non-finite parameters"
+    assert_close_params([r["params"] for r in res], want, rtol=2e-5, atol=2e-5, what="GradScaler + clipping")
+    assert res[1]["scales"][2] == res[1]["scales"][1] / 2, "scale did not back off after the overflow"
+    assert res[0]["scales"][1] == 2 * res[0]["scales"][0], "scale did not grow after clean steps"
+
+
+# --- eval, world size 1 --------------------------------------------------------------------------------
+
+def eval_worker(rank: int, world: int) -> dict:
+    from decentpy import DecentralizedDataParallel
+
+    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="ring")
+    x, y = batch(rank, 0)
+    loss_fn(ddp(x), y).backward()
+    before = ddp.step_count
+    ddp.eval()
+    with torch.no_grad():
+        for _ in range(3):
+            ddp(x)
+    ddp(x).sum()  # an eval forward with grad enabled, no backward
+    after = ddp.step_count
+    ddp.train()
+    loss_fn(ddp(x), y).backward()
+    return {"before": before, "after": after, "final": ddp.step_count, "training": ddp.training}
+
+
+def test_eval_forwards_do_not_advance_or_communicate() -> None:
+    res = run_workers(eval_worker, 2, timeout=60)
+    for r in res:
+        assert (r["before"], r["after"], r["final"], r["training"]) == (1, 1, 2, True)
+
+
+def single_worker(rank: int, world: int, topo: str) -> dict:
+    from decentpy import DecentralizedDataParallel
+
+    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology=topo)
+    for k in range(3):
+        x, y = batch(0, k)
+        loss_fn(ddp(x), y).backward()
+    ddp.global_avg()
+    return {"params": _params(ddp.module), "dist": ddp.consensus_distance()}
+
+
+@pytest.mark.parametrize("topo", ["complete", "ring", "one-peer-exp", "alternating-exp-ring"])
+def test_world_size_one_is_plain_local_training(topo: str) -> None:
+    res = run_workers(single_worker, 1, topo, timeout=60)
+    want = simulate(1, lambda k: torch.ones(1, 1), "adam", 3)
+    assert_close_params([res[0]["params"]], want, rtol=2e-5, atol=2e-5, what=f"world size 1 ({topo})")
+    assert res[0]["dist"] == 0.0

@@ -1,0 +1,447 @@
+"""CUDA fused mix-and-step and scale-copy kernels against a float64 re-computation.
+
+Runs only on a machine with a CUDA device and a decentpy build with CUDA kernels; elsewhere the
+whole module is skipped (it still collects on a CPU-only install).
+
+The reference (`reference_mix_and_step`) re-computes the per-element equations of
+csrc/kernels/mix_and_step.h in float64 on the GPU, from the same (storage-dtype) inputs and the
+same float32 scalars the kernel receives. fp32 results are compared at ~1e-6 relative; bf16 / fp16
+results against the reference rounded to the storage dtype, within 2 ulp. `send` is checked as
+send_scale * (p as stored).
+"""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+
+try:  # collect fine on a CPU-only install / without a built extension
+    from decentpy import _C
+except Exception:  # pragma: no cover - depends on the install
+    _C = None
+
+
+def _cuda_kernels_available():
+    if _C is None or not torch.cuda.is_available():
+        return False
+    try:
+        return bool(_C.build_info().get("cuda_kernels", False))
+    except Exception:
+        return False
+
+
+if not _cuda_kernels_available():
+    pytest.skip(
+        "needs a CUDA device and decentpy._C built with CUDA kernels",
+        allow_module_level=True,
+    )
+
+DEV = torch.device("cuda")
+NONE, SGD, ADAM, ACCUM_ADAM = 0, 1, 2, 3
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SIZES = [1, 3, 7, 1000003, 2**20 + 5]
+# Hyper row layout of the binding.
+HYPER_FIELDS = [
+    "lr", "weight_decay", "momentum", "dampening", "nesterov", "beta1", "beta2", "eps",
+    "bias_correction1", "bias_correction2_sqrt", "accum_scale",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference (float64). Shareable: depends on torch only.
+# ---------------------------------------------------------------------------------------------
+
+def _f32(x):
+    """A Python scalar as the kernel sees it (rounded to float32), as float."""
+    return float(torch.tensor(float(x), dtype=torch.float32))
+
+
+def reference_mix_and_step(kind, param, grad, states, comm, has_send, segments, hyper,
+                           mix_a, mix_b, send_scale, grad_scale, decoupled_weight_decay,
+                           momentum_init, accum_boundary, skip_update):
+    """Float64 re-computation of csrc/kernels/mix_and_step.h.
+
+    Arguments mirror decentpy._C.mix_and_step (segments: list of (begin, end, group) rows).
+    Returns (p, states, send) as float64 tensors (send None when has_send is false); p is
+    un-rounded, send = send_scale * (p rounded to param's dtype).
+    """
+    dev = param.device
+    numel = param.numel()
+    p = param.double().clone()
+    if comm is not None:
+        p = _f32(mix_a) * p + _f32(mix_b) * comm.double()
+    out_states = [s.double().clone() for s in states]
+    if kind != NONE and not skip_update:
+        # Per-element hyper-parameters (float32 values as the kernel receives them).
+        hyp = torch.tensor(hyper, dtype=torch.float32, device=dev).double()
+        lengths = torch.tensor([e - b for b, e, _ in segments], dtype=torch.int64, device=dev)
+        gidx = torch.tensor([g for _, _, g in segments], dtype=torch.int64, device=dev)
+        assert int(lengths.sum()) == numel
+        grp = torch.repeat_interleave(gidx, lengths)
+        H = {name: hyp[grp, k] for k, name in enumerate(HYPER_FIELDS)}
+        g = grad.double() * _f32(grad_scale)
+        lr, wd = H["lr"], H["weight_decay"]
+        if kind == SGD:
+            g = g + wd * p
+            if out_states:
+                mom, damp = H["momentum"], H["dampening"]
+                buf = out_states[0]
+                new_buf = g.clone() if momentum_init else mom * buf + (1.0 - damp) * g
+                has = mom != 0
+                out_states[0] = torch.where(has, new_buf, buf)
+                g_mom = torch.where(H["nesterov"] != 0, g + mom * new_buf, new_buf)
+                g = torch.where(has, g_mom, g)
+            p = p - lr * g
+        else:
+            if decoupled_weight_decay:
+                p = p * (1.0 - lr * wd)
+            else:
+                g = g + wd * p
+            b1, b2, eps = H["beta1"], H["beta2"], H["eps"]
+            bc1, bc2s = H["bias_correction1"], H["bias_correction2_sqrt"]
+            m, v = out_states[0], out_states[1]
+            if kind == ACCUM_ADAM:
+                out_states[2] = out_states[2] + H["accum_scale"] * g
+            mt = b1 * m + (1.0 - b1) * g
+            vt = b2 * v + (1.0 - b2) * g * g
+            p = p - (lr / bc1) * mt / (vt.sqrt() / bc2s + eps)
+            if kind == ADAM:
+                out_states[0], out_states[1] = mt, vt
+            elif accum_boundary:
+                acc = out_states[2]
+                out_states[0] = b1 * m + (1.0 - b1) * acc
+                out_states[1] = b2 * v + (1.0 - b2) * acc * acc
+                out_states[2] = torch.zeros_like(acc)
+    send = None
+    if has_send:
+        send = _f32(send_scale) * p.to(param.dtype).double()
+    return p, out_states, send
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+def assert_matches(out, ref64, what, fp32_rtol=2e-6, fp32_atol=1e-6):
+    """out (storage dtype) against the float64 reference: fp32 at ~1e-6 relative; bf16/fp16
+    against the reference rounded to the dtype, within 2 ulp (plus fp32 compute noise)."""
+    dtype = out.dtype
+    o = out.double()
+    if dtype == torch.float32:
+        ref = ref64
+        tol = fp32_rtol * ref.abs() + fp32_atol
+    else:
+        ref = ref64.to(dtype).double()
+        tol = 2.0 * torch.finfo(dtype).eps * ref.abs() + 1e-6
+    diff = (o - ref).abs()
+    bad = ~(diff <= tol)  # NaN counts as bad
+    if bool(bad.any()):
+        idx = bad.nonzero()[:5].flatten().tolist()
+        raise AssertionError(
+            f"{what} ({dtype}): {int(bad.sum())}/{out.numel()} elements off, first at {idx}: "
+            f"got {o[idx].tolist()} expected {ref[idx].tolist()} (diff {diff[idx].tolist()})"
+        )
+
+
+def _buffer(numel, dtype, offset, fill):
+    """A 1-D tensor of numel elements at element `offset` of a fresh allocation (misaligned
+    views for offset % vector width != 0), filled by `fill(n)` (float32 CUDA)."""
+    base = torch.empty(numel + offset, dtype=dtype, device=DEV)
+    t = base[offset:offset + numel]
+    t.copy_(fill(numel).to(dtype))
+    return t
+
+
+def _randn(scale=1.0):
+    return lambda n: torch.randn(n, device=DEV) * scale
+
+
+def _rand(lo, hi):
+    return lambda n: torch.rand(n, device=DEV) * (hi - lo) + lo
+
+
+def hyper_row(lr=1e-2, weight_decay=0.0, momentum=0.0, dampening=0.0, nesterov=False,
+              beta1=0.9, beta2=0.999, eps=1e-8, step=3, accum_scale=0.25):
+    bc1 = 1.0 - beta1 ** step
+    bc2s = math.sqrt(1.0 - beta2 ** step)
+    return [float(lr), float(weight_decay), float(momentum), float(dampening), float(nesterov),
+            float(beta1), float(beta2), float(eps), float(bc1), float(bc2s), float(accum_scale)]
+
+
+def make_states(kind, numel, offset, momentum_buffer):
+    if kind == SGD:
+        return [_buffer(numel, torch.float32, offset, _randn(0.1))] if momentum_buffer else []
+    if kind == ADAM:
+        return [_buffer(numel, torch.float32, offset, _randn(0.1)),
+                _buffer(numel, torch.float32, offset, _rand(1e-4, 1e-2))]
+    if kind == ACCUM_ADAM:
+        return [_buffer(numel, torch.float32, offset, _randn(0.1)),
+                _buffer(numel, torch.float32, offset, _rand(1e-4, 1e-2)),
+                _buffer(numel, torch.float32, offset, _randn(0.1))]
+    return []
+
+
+def run_case(kind, dtype, numel, *, offset=0, offsets=None, segments=None, hyper=None,
+             has_comm=True, has_send=True, send_aliases_comm=False, momentum_buffer=True,
+             decoupled=False, momentum_init=False, accum_boundary=False, skip_update=False,
+             mix_a=0.5, mix_b=0.5, send_scale=1.0 / 3.0, grad_scale=0.75, grad_fill=None):
+    """Build fresh random inputs, run the kernel, compare every output with the reference."""
+    off = dict(param=offset, grad=offset, comm=offset, send=offset, state=offset)
+    off.update(offsets or {})
+    if segments is None:
+        segments = [(0, numel, 0)]
+    if hyper is None:
+        hyper = [hyper_row(weight_decay=0.01, momentum=0.9 if momentum_buffer else 0.0,
+                           dampening=0.1)]
+
+    param = _buffer(numel, dtype, off["param"], _randn())
+    grad = _buffer(numel, dtype, off["grad"], grad_fill or _randn())
+    comm = _buffer(numel, dtype, off["comm"], _randn()) if has_comm else None
+    states = make_states(kind, numel, off["state"], momentum_buffer)
+    if send_aliases_comm:
+        assert has_comm and has_send
+        send = comm
+    elif has_send:
+        send = _buffer(numel, dtype, off["send"], lambda n: torch.full((n,), float("nan"),
+                                                                       device=DEV))
+    else:
+        send = None
+
+    ref_p, ref_states, ref_send = reference_mix_and_step(
+        kind, param, grad, states, comm, has_send, segments, hyper, mix_a, mix_b, send_scale,
+        grad_scale, decoupled, momentum_init, accum_boundary, skip_update)
+    states_before = [s.clone() for s in states]
+    grad_before = grad.clone()
+
+    seg_t = torch.tensor(segments, dtype=torch.int64, device=DEV).reshape(-1, 3)
+    _C.mix_and_step(kind, param, grad, states, comm, send, seg_t, hyper, mix_a, mix_b,
+                    send_scale, grad_scale, decoupled, momentum_init, accum_boundary,
+                    skip_update)
+    torch.cuda.synchronize()
+
+    assert_matches(param, ref_p, "param")
+    for k, (s, r) in enumerate(zip(states, ref_states)):
+        assert_matches(s, r, f"state{k}", fp32_rtol=2e-6, fp32_atol=1e-7)
+    if has_send:
+        assert_matches(send, ref_send, "send")
+    # Inputs that must not be written.
+    assert torch.equal(grad, grad_before) or skip_update  # NaN grads: compare bits below
+    if skip_update:
+        assert torch.equal(grad.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           grad_before.view(torch.int16 if dtype != torch.float32
+                                            else torch.int32))
+    if skip_update or kind == NONE:
+        for s, b in zip(states, states_before):
+            assert torch.equal(s, b), "state changed without an update"
+    if kind == ACCUM_ADAM and not accum_boundary and not skip_update:
+        # Outside the boundary M and V are read only (bit-identical).
+        assert torch.equal(states[0], states_before[0])
+        assert torch.equal(states[1], states_before[1])
+    return param, states, send
+
+
+# ---------------------------------------------------------------------------------------------
+# mix_and_step
+# ---------------------------------------------------------------------------------------------
+
+KIND_CASES = {
+    "none": dict(kind=NONE),
+    "sgd": dict(kind=SGD, momentum_buffer=False),
+    "sgd_momentum": dict(kind=SGD),
+    "sgd_nesterov_init": dict(kind=SGD, momentum_init=True,
+                              hyper=[hyper_row(weight_decay=0.01, momentum=0.9, nesterov=True)]),
+    "adam": dict(kind=ADAM),
+    "adamw": dict(kind=ADAM, decoupled=True),
+    "accum_adam": dict(kind=ACCUM_ADAM),
+    "accum_adamw_boundary": dict(kind=ACCUM_ADAM, decoupled=True, accum_boundary=True),
+}
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(KIND_CASES))
+def test_mix_and_step_matches_reference(case, dtype, numel, offset):
+    torch.manual_seed(numel * 7 + offset)
+    run_case(dtype=dtype, numel=numel, offset=offset, **KIND_CASES[case])
+
+
+def _straddling_segments(numel):
+    """Segments whose boundaries mostly fall inside 16-byte vectors (plus tiny ones)."""
+    cuts = {0, numel}
+    for c in (1, 3, 4, 5, 13, 64, 1001, numel // 3, numel // 3 + 1, numel // 2 + 7,
+              (2 * numel) // 3 + 8, numel - 9, numel - 2):
+        if 0 < c < numel:
+            cuts.add(c)
+    cuts = sorted(cuts)
+    return [(b, e, k % 5) for k, (b, e) in enumerate(zip(cuts[:-1], cuts[1:]))]
+
+
+MULTI_HYPER = [
+    hyper_row(lr=1e-2, weight_decay=0.01, momentum=0.9, dampening=0.1, step=3),
+    hyper_row(lr=3e-3, weight_decay=0.0, momentum=0.0, step=3),              # no momentum
+    hyper_row(lr=5e-2, weight_decay=0.05, momentum=0.5, nesterov=True, beta1=0.8,
+              beta2=0.99, eps=1e-6, step=1, accum_scale=0.5),
+    hyper_row(lr=1e-3, weight_decay=0.1, momentum=0.99, dampening=0.5, beta1=0.95,
+              beta2=0.9999, step=10, accum_scale=0.125),
+    hyper_row(lr=0.0, weight_decay=0.0, momentum=0.9),                       # frozen
+]
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("numel", [37, 1000003, 2**20 + 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["sgd_momentum", "sgd_nesterov_init", "adam", "adamw",
+                                  "accum_adam", "accum_adamw_boundary"])
+def test_mix_and_step_groups_and_straddling_segments(case, dtype, numel, offset):
+    torch.manual_seed(numel + offset)
+    cfg = dict(KIND_CASES[case])
+    cfg["hyper"] = MULTI_HYPER
+    run_case(dtype=dtype, numel=numel, offset=offset, segments=_straddling_segments(numel),
+             **cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_single_group_many_segments(dtype):
+    # num_groups == 1 (no lookup) with a table of several segments all pointing at group 0.
+    numel = 100003
+    segs = [(0, 5, 0), (5, 50001, 0), (50001, numel, 0)]
+    run_case(kind=ADAM, dtype=dtype, numel=numel, segments=segs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", [NONE, SGD, ADAM, ACCUM_ADAM])
+@pytest.mark.parametrize("numel", [7, 1000003])
+def test_skip_update_mixes_and_sends_only(kind, dtype, numel):
+    torch.manual_seed(11)
+    nan_grad = lambda n: torch.full((n,), float("nan"), device=DEV)  # noqa: E731
+    run_case(kind=kind, dtype=dtype, numel=numel, skip_update=True, accum_boundary=True,
+             grad_fill=nan_grad)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", [NONE, SGD, ADAM, ACCUM_ADAM])
+@pytest.mark.parametrize("numel", [3, 2**20 + 5])
+def test_send_aliases_comm(kind, dtype, numel, offset):
+    torch.manual_seed(5)
+    run_case(kind=kind, dtype=dtype, numel=numel, offset=offset, send_aliases_comm=True,
+             accum_boundary=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", [NONE, SGD, ADAM, ACCUM_ADAM])
+@pytest.mark.parametrize("comm_send", [(False, True), (True, False), (False, False)],
+                         ids=["send_only", "comm_only", "neither"])
+def test_optional_comm_and_send(kind, dtype, comm_send):
+    has_comm, has_send = comm_send
+    torch.manual_seed(3)
+    param, _, _ = run_case(kind=kind, dtype=dtype, numel=1000003, has_comm=has_comm,
+                           has_send=has_send)
+    assert bool(torch.isfinite(param).all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM_ADAM])
+@pytest.mark.parametrize("which", ["param", "comm", "send", "grad", "state"])
+def test_not_co_aligned_buffers(kind, dtype, which):
+    # One buffer at a different offset than the others: the scalar fallback must be exact too.
+    torch.manual_seed(9)
+    run_case(kind=kind, dtype=dtype, numel=100003, offsets={which: 1}, accum_boundary=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("offset", [1, 2, 3, 5])
+def test_head_peeling_offsets(dtype, offset):
+    # All buffers at the same misalignment: vector path with a scalar head.
+    torch.manual_seed(offset)
+    run_case(kind=ACCUM_ADAM, dtype=dtype, numel=4099, offset=offset, accum_boundary=True,
+             segments=_straddling_segments(4099), hyper=MULTI_HYPER)
+
+
+def test_consecutive_steps_accumulate():
+    # Three AccumAdamW steps, boundary at the last, against the reference applied three times.
+    torch.manual_seed(21)
+    numel = 2**20 + 5
+    param = torch.randn(numel, device=DEV)
+    states = [torch.zeros(numel, device=DEV) for _ in range(3)]
+    ref_p = param.double()
+    ref_states = [s.double() for s in states]
+    segs = [(0, numel, 0)]
+    seg_t = torch.tensor(segs, dtype=torch.int64, device=DEV)
+    for t in (1, 2, 3):
+        hyper = [hyper_row(lr=1e-2, weight_decay=0.01, step=1, accum_scale=1.0 / 3.0)]
+        grad = torch.randn(numel, device=DEV)
+        comm = torch.randn(numel, device=DEV)
+        send = torch.full_like(param, float("nan"))
+        boundary = t == 3
+        p_in = ref_p.float()  # the reference continues from the kernel's fp32 state
+        s_in = [s.clone() for s in states]
+        ref_p, ref_states, ref_send = reference_mix_and_step(
+            ACCUM_ADAM, p_in, grad, s_in, comm, True, segs, hyper, 0.5, 0.5, 1.0, 1.0,
+            True, False, boundary, False)
+        _C.mix_and_step(ACCUM_ADAM, param, grad, states, comm, send, seg_t, hyper, 0.5, 0.5,
+                        1.0, 1.0, True, False, boundary, False)
+        torch.cuda.synchronize()
+        assert_matches(param, ref_p, f"param step {t}")
+        for k in range(3):
+            assert_matches(states[k], ref_states[k], f"state{k} step {t}", fp32_atol=1e-7)
+        assert torch.equal(send, param)  # send_scale 1: p as stored, bit for bit
+        ref_p = param.double()
+    assert bool((states[2] == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# scale_copy_
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["copy", "inplace"])
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (0, 1), (3, 3)], ids=str)
+@pytest.mark.parametrize("numel", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_copy(dtype, numel, offsets, inplace):
+    if inplace and offsets[0] != offsets[1]:
+        pytest.skip("in place needs one buffer")
+    torch.manual_seed(numel)
+    src = _buffer(numel, dtype, offsets[1], _randn(3.0))
+    alpha = 1.0 / 3.0
+    ref = _f32(alpha) * src.double()
+    if inplace:
+        dst = src
+    else:
+        dst = _buffer(numel, dtype, offsets[0], lambda n: torch.full((n,), float("nan"),
+                                                                     device=DEV))
+        src_before = src.clone()
+    _C.scale_copy_(dst, src, alpha)
+    torch.cuda.synchronize()
+    assert_matches(dst, ref, "scale_copy dst", fp32_rtol=1e-6, fp32_atol=0.0)
+    if not inplace:
+        assert torch.equal(src, src_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_copy_alpha_one_is_exact_copy(dtype):
+    src = torch.randn(2**20 + 5, device=DEV).to(dtype)
+    dst = torch.full_like(src, float("nan"))
+    _C.scale_copy_(dst, src, 1.0)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)
+
+
+def test_no_pending_cuda_error():
+    # Everything above ran on the current stream; a sticky error would surface here.
+    torch.cuda.synchronize()
+    x = torch.ones(1, device=DEV)
+    assert float(x.sum()) == 1.0
+
+
+def test_send_aliasing_param_is_refused():
+    p = torch.randn(1000, device=DEV)
+    g = torch.randn(1000, device=DEV)
+    seg_t = torch.tensor([[0, 1000, 0]], dtype=torch.int64, device=DEV)
+    with pytest.raises((RuntimeError, ValueError)):
+        _C.mix_and_step(SGD, p, g, [], None, p, seg_t, [hyper_row()], 1.0, 0.0, 1.0, 1.0,
+                        False, False, False, False)
+    torch.cuda.synchronize()

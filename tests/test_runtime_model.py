@@ -1,0 +1,320 @@
+"""Fast unit tests of bench/runtime_model.py (the analytic runtime model)."""
+
+import importlib.util
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rm = _load("_runtime_model_under_test", ROOT / "bench" / "runtime_model.py")
+topology = rm._topology_module()
+
+GB = 1e9
+INF_HW = rm.Hardware(intra_bw=math.inf, inter_bw=math.inf, intra_lat=0.0, inter_lat=0.0,
+                     mem_bw=900e9)
+HW = rm.Hardware()  # 100 Gb/s intra per worker, 25 Gb/s per node, 10 us
+WL = rm.Workload(model_bytes=100e6, compute_s=0.2)
+
+
+def _valid(n, local):
+    return [t for t in rm.TOPOLOGIES if rm.topology_valid(t, n, local)]
+
+
+# ---------------------------------------------------------------------------------------------
+# limiting cases
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,local", [(8, 8), (16, 8), (64, 4), (256, 8), (32, 1)])
+def test_infinite_bandwidth_gives_compute_plus_kernel(n, local):
+    k_dec = WL.kernel_traffic_dec * WL.model_bytes / INF_HW.mem_bw
+    k_ddp = WL.kernel_traffic_ddp * WL.model_bytes / INF_HW.mem_bw
+    for name in _valid(n, local):
+        t, comm = rm.decentralized_iteration_time(name, n, local, WL, INF_HW)
+        assert comm == 0.0
+        assert t == pytest.approx(WL.compute_s + k_dec, rel=1e-12)
+    t, comm = rm.ddp_iteration_time(n, local, WL, INF_HW)
+    assert comm == 0.0
+    assert t == pytest.approx(WL.compute_s + k_ddp, rel=1e-12)
+
+
+def test_single_worker_has_no_communication():
+    for name in ("complete", "ring", "one-peer-exp", "alternating-exp-ring"):
+        assert rm.decentralized_iteration_time(name, 1, 1, WL, HW)[1] == 0.0
+    assert rm.ddp_iteration_time(1, 1, WL, HW)[1] == 0.0
+
+
+@pytest.mark.parametrize("n", [256, 1024, 4096])
+def test_zero_compute_comm_bound_ordering(n):
+    wl = replace(WL, compute_s=0.0)
+    # L = 8: the one-link-per-node topologies beat all-reduce; one-peer-exp puts all 8 workers'
+    # full models on the NIC at once in its cross-node rounds, so it is the slowest.
+    t = rm.iteration_times(n, 8, wl, HW)
+    assert t["alternating-exp-ring"] < t["allreduce"]
+    assert t["ring"] < t["allreduce"]
+    assert t["alternating-exp-ring"] < t["one-peer-exp"]
+    assert t["allreduce"] < t["one-peer-exp"]
+    # complete = an all-reduce of the parameters, without the exposed bucket tail and forward
+    # (up to the kernels: the fused mix+step moves one more buffer than DDP's optimizer step)
+    k_dec = wl.kernel_traffic_dec * wl.model_bytes / HW.mem_bw
+    k_ddp = wl.kernel_traffic_ddp * wl.model_bytes / HW.mem_bw
+    assert t["complete"] - k_dec <= t["allreduce"] - k_ddp
+    # one worker per node: a one-peer exchange (M over the link) beats all-reduce (2M + latency)
+    t1 = rm.iteration_times(n, 1, wl, HW)
+    assert t1["one-peer-exp"] < t1["allreduce"]
+    assert t1["ring"] < t1["allreduce"]
+
+
+def test_hand_computed_costs():
+    m, n, local = 100e6, 64, 8
+    nodes = n // local
+    hw = HW
+    # hierarchical all-reduce
+    expected = (2 * (local - 1) * hw.intra_lat + 2 * (local - 1) / local * m / hw.intra_bw
+                + 2 * (nodes - 1) * hw.inter_lat + 2 * (nodes - 1) / nodes * m / hw.inter_bw)
+    assert rm.allreduce_time(m, n, local, hw) == pytest.approx(expected)
+    # flat ring
+    flat = 2 * (n - 1) * max(hw.intra_lat, hw.inter_lat) + 2 * (n - 1) / n * m / min(
+        hw.intra_bw, hw.inter_bw)
+    assert rm.allreduce_time(m, n, local, hw, "flat") == pytest.approx(flat)
+    # ring, L even: step 0 all pairs inside nodes; step 1 one pair per node boundary, so every
+    # node's NIC carries two full models (to the node before and the node after it)
+    ring = rm.step_comm_times("ring", n, local, m, hw)
+    assert ring == pytest.approx(
+        [hw.intra_lat + m / hw.intra_bw, hw.inter_lat + 2 * m / hw.inter_bw])
+    # one worker per node: every pair crosses, one flow per NIC
+    ring1 = rm.step_comm_times("ring", 16, 1, m, hw)
+    assert ring1 == pytest.approx([hw.inter_lat + m / hw.inter_bw] * 2)
+    # one-peer-exp: log2(L) intra rounds, then all L workers of a node cross the NIC together
+    ope = rm.step_comm_times("one-peer-exp", n, local, m, hw)
+    assert ope[:3] == pytest.approx([hw.intra_lat + m / hw.intra_bw] * 3)
+    assert ope[3:] == pytest.approx([hw.inter_lat + local * m / hw.inter_bw] * 3)
+    # AER: every step has a cross-node group of 2L (hierarchical over 2 nodes)
+    aer = rm.step_comm_times("alternating-exp-ring", n, local, m, hw)
+    cross = (2 * (local - 1) * hw.intra_lat + 2 * (local - 1) / local * m / hw.intra_bw
+             + 2 * hw.inter_lat + m / hw.inter_bw)
+    assert len(aer) == 2 * int(math.log2(nodes))
+    assert aer == pytest.approx([cross] * len(aer))
+
+
+def test_ddp_overlaps_only_backward_and_decentralized_overlaps_all():
+    # all-reduce as long as the backward: DDP is forward + max(backward + tail, AR) + kernel
+    wl = rm.Workload(model_bytes=50e6, compute_s=0.3)
+    n, local = 64, 8
+    t, ar = rm.ddp_iteration_time(n, local, wl, HW)
+    tail = rm.allreduce_time(wl.bucket_bytes, n, local, HW)
+    kernel = wl.kernel_traffic_ddp * wl.model_bytes / HW.mem_bw
+    fwd, bwd = wl.compute_s / 3, 2 * wl.compute_s / 3
+    assert t == pytest.approx(fwd + max(bwd + tail, ar) + kernel)
+    # no overlap at all: comm adds up fully
+    hw0 = replace(HW, overlap=0.0)
+    t0, _ = rm.ddp_iteration_time(n, local, wl, hw0)
+    assert t0 == pytest.approx(wl.compute_s + ar + kernel)
+    td0, comm = rm.decentralized_iteration_time("ring", n, local, wl, hw0)
+    k_dec = wl.kernel_traffic_dec * wl.model_bytes / HW.mem_bw
+    assert td0 == pytest.approx(wl.compute_s + comm + k_dec)
+
+
+@pytest.mark.parametrize("n,local", [(16, 8), (128, 8), (64, 4), (64, 1)])
+def test_monotone_in_bandwidth_and_latency(n, local):
+    prev = None
+    for gbps in (1, 5, 25, 100, 400, 1600):
+        hw = replace(HW, inter_bw=gbps * rm.GBIT, intra_bw=4 * gbps * rm.GBIT)
+        cur = rm.iteration_times(n, local, WL, hw)
+        if prev is not None:
+            for k, v in cur.items():
+                if v is not None:
+                    assert v <= prev[k] + 1e-15, (k, gbps)
+        prev = cur
+    prev = None
+    for lat in (0.0, 1e-6, 1e-5, 1e-4, 1e-3):
+        cur = rm.iteration_times(n, local, replace(WL, compute_s=0.0),
+                                 replace(HW, intra_lat=lat, inter_lat=lat))
+        if prev is not None:
+            for k, v in cur.items():
+                if v is not None:
+                    assert v >= prev[k] - 1e-15, (k, lat)
+        prev = cur
+
+
+# ---------------------------------------------------------------------------------------------
+# consensus
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,n,local",
+    [("complete", n, 1) for n in (2, 5, 16)]
+    + [("ring", n, 1) for n in (2, 4, 6, 8, 10, 16, 32, 64)]
+    + [("ring", 16, 8)]
+    + [("one-peer-exp", n, 1) for n in (2, 4, 8, 16, 32, 64)]
+    + [("one-peer-exp", 64, 8)]
+    + [("alternating-exp-ring", n * local, local) for local in (2, 4, 8) for n in (2, 4, 8, 16)],
+)
+def test_closed_form_gap_matches_topology_module(name, n, local):
+    exact = topology.make_topology(name, n, local).spectral_gap()
+    assert rm.closed_form_gap(name, n, local) == pytest.approx(exact, abs=1e-9)
+    assert rm.spectral_gap(name, n, local) == pytest.approx(exact, abs=1e-9)
+
+
+def test_gap_beyond_exact_range_uses_closed_form():
+    assert rm.spectral_gap("one-peer-exp", 4096, 8) == pytest.approx(1 / 12)
+    assert rm.spectral_gap("alternating-exp-ring", 4096, 8) == pytest.approx(1 / 18)
+    assert rm.spectral_gap("ring", 1024, 8) == pytest.approx((1 - math.cos(2 * math.pi / 1024)) / 2)
+
+
+def test_iterations_to_10x():
+    assert rm.iterations_to_10x(1.0) == 1.0
+    assert rm.iterations_to_10x(0.0) == math.inf
+    for gap in (1e-3, 1e-2):
+        assert rm.iterations_to_10x(gap) == pytest.approx(math.log(10) / gap, rel=0.01)
+    # (1 - gap)^k == 0.1 exactly
+    gap = 0.25
+    assert (1 - gap) ** rm.iterations_to_10x(gap) == pytest.approx(0.1)
+
+
+def test_topology_validity_agrees_with_module():
+    for name in rm.TOPOLOGIES:
+        for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32):
+            for local in (1, 2, 3, 4, 8):
+                if n % local:
+                    continue
+                try:
+                    topology.make_topology(name, n, local)
+                    ok = True
+                except topology.TopologyError:
+                    ok = False
+                assert rm.topology_valid(name, n, local) == ok, (name, n, local)
+
+
+# ---------------------------------------------------------------------------------------------
+# published comparison
+# ---------------------------------------------------------------------------------------------
+
+
+def test_published_scenarios_are_sane():
+    rows = rm.published_table()
+    assert len(rows) == 24
+    for r in rows:
+        # AER never loses to all-reduce, and never wins by more than the ~4x the volumes allow
+        # (all-reduce moves 2M per node per step, AER M every other step).
+        assert 0.98 <= r["ratio"] <= 4.0, r
+    inside = [r for r in rows if r["in_range"]]
+    assert len(inside) >= len(rows) // 3
+    # slower network or more GPUs (smaller local batch) -> larger advantage
+    by = {(r["model"], r["gpus"], r["local"], r["inter_gbps"]): r["ratio"] for r in rows}
+    for (model, gpus, local, inter), ratio in by.items():
+        if inter == 100.0:
+            assert by[(model, gpus, local, 25.0)] >= ratio - 1e-9
+        if gpus == 64:
+            assert ratio >= by[(model, 16, local, inter)] - 1e-9
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration
+# ---------------------------------------------------------------------------------------------
+
+
+def _synthetic(truth, noise, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for workers in (2, 4, 8):
+        methods = [("torch-ddp", "allreduce", workers), ("decentpy", "complete", workers),
+                   ("decentpy", "ring", workers), ("decentpy", "one-peer-exp", workers)]
+        if workers >= 4:
+            methods.append(("decentpy", "alternating-exp-ring", 2))
+        for fw, topo, local in methods:
+            for model, nbytes in (("tiny", 4e4), ("small", 2e6), ("big", 2e7)):
+                for compute in (0.003, 0.03):
+                    m = rm.Measurement(fw, topo, workers, model, 1.0, nbytes, compute, local)
+                    t = rm.predict(m, truth) * float(np.exp(rng.normal(0.0, noise)))
+                    out.append(replace(m, step_time_s=t))
+    return out
+
+
+def test_calibration_recovers_known_parameters():
+    truth = rm.Hardware(intra_bw=1.5 * GB, inter_bw=1.5 * GB, intra_lat=150e-6,
+                        inter_lat=150e-6, mem_bw=4 * GB, overlap=0.6)
+    ms = _synthetic(truth, noise=0.02)
+    res = rm.calibrate(ms, restarts=2)
+    h = res.hardware
+    assert h.intra_bw == pytest.approx(truth.intra_bw, rel=0.15)
+    assert h.intra_lat == pytest.approx(truth.intra_lat, rel=0.3)
+    assert h.mem_bw == pytest.approx(truth.mem_bw, rel=0.2)
+    assert h.overlap == pytest.approx(truth.overlap, abs=0.1)
+    assert res.median_abs_error < 0.03
+    assert len(res.rel_errors) == len(ms)
+
+
+def test_calibration_exact_without_noise():
+    truth = rm.Hardware(intra_bw=0.8 * GB, inter_bw=0.8 * GB, intra_lat=60e-6, inter_lat=60e-6,
+                        mem_bw=8 * GB, overlap=0.9)
+    res = rm.calibrate(_synthetic(truth, noise=0.0), restarts=2)
+    assert res.median_abs_error < 1e-3
+    assert res.hardware.intra_bw == pytest.approx(truth.intra_bw, rel=0.02)
+
+
+def test_load_measurements_and_cli(tmp_path, capsys):
+    truth = rm.Hardware(intra_bw=1 * GB, inter_bw=1 * GB, intra_lat=100e-6, inter_lat=100e-6,
+                        mem_bw=5 * GB, overlap=0.7)
+    ms = _synthetic(truth, noise=0.01)
+    path = tmp_path / "bench_train.csv"
+    with open(path, "w") as fh:
+        fh.write("framework,topology,workers,model,step_time_s,bytes_per_step,compute_time_s\n")
+        for m in ms:
+            if m.topology == "alternating-exp-ring":
+                continue  # needs local_world_size; the loader defaults L = 2 for it
+            fh.write(f"{m.framework},{m.topology if m.topology != 'allreduce' else ''},"
+                     f"{m.workers},{m.model},{m.step_time_s},{m.model_bytes},"
+                     f"{m.compute_time_s}\n")
+        fh.write("decentpy,not-a-topology,4,x,0.1,1000,0.01\n")  # skipped
+        fh.write("decentpy,ring,4,x,,1000,0.01\n")  # skipped
+    loaded = rm.load_measurements(path)
+    assert len(loaded) == sum(m.topology != "alternating-exp-ring" for m in ms)
+    assert {m.topology for m in loaded} == {"allreduce", "complete", "ring", "one-peer-exp"}
+    assert all(m.local == m.workers for m in loaded)
+
+    out = tmp_path / "out"
+    assert rm.main(["--max-n", "64", "--calibrate", str(path), "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "median |relative error|" in text
+    assert "Published comparison" in text
+    assert (out / "runtime_model.csv").is_file()
+    assert (out / "runtime_model_published.csv").is_file()
+    assert (out / "runtime_model.png").is_file() or (out / "runtime_model.svg").is_file()
+
+    assert rm.main(["--max-n", "32", "--calibrate", str(tmp_path / "missing.csv"),
+                    "--out", str(out)]) == 0
+    assert "calibration skipped" in capsys.readouterr().out
+
+
+def test_load_measurements_rejects_missing_columns(tmp_path):
+    path = tmp_path / "bad.csv"
+    path.write_text("framework,workers\nddp,4\n")
+    with pytest.raises(ValueError, match="missing column"):
+        rm.load_measurements(path)
+
+
+def test_vectorised_predictor_matches_predict():
+    hw = rm.Hardware(intra_bw=2 * GB, inter_bw=2 * GB, intra_lat=80e-6, inter_lat=80e-6,
+                     mem_bw=6 * GB, overlap=0.5)
+    ms = _synthetic(hw, noise=0.0)
+    ms.append(rm.Measurement("decentpy", "ring", 1, "solo", 1.0, 1e6, 0.01, 1))
+    ms.append(rm.Measurement("torch-ddp", "allreduce", 1, "solo", 1.0, 1e6, 0.01, 1))
+    fast = rm._TiedPredictor(ms, rm.Workload(0.0, 0.0))(hw)
+    slow = np.array([rm.predict(m, hw) for m in ms])
+    np.testing.assert_allclose(fast, slow, rtol=1e-12)

@@ -1,0 +1,601 @@
+"""Tests for decentpy.topology: pure, no processes.
+
+Expected schedules are re-derived here from DESIGN.md section 2 ("Topologies") independently of
+the implementation, then compared with what the module builds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import pathlib
+import sys
+from typing import Dict, List, Set, Tuple
+
+import numpy as np
+import pytest
+import torch
+
+try:  # normal import; fall back to loading the file if the package __init__ is broken
+    from decentpy import topology as topo
+except Exception:  # pragma: no cover - only when decentpy/__init__.py cannot be imported
+    _path = pathlib.Path(__file__).resolve().parents[1] / "decentpy" / "topology.py"
+    _spec = importlib.util.spec_from_file_location("decentpy_topology_standalone", _path)
+    topo = importlib.util.module_from_spec(_spec)
+    sys.modules[_spec.name] = topo
+    _spec.loader.exec_module(topo)
+
+TopologyError = topo.TopologyError
+Group = topo.Group
+
+BUILTINS = ["complete", "ring", "one-peer-exp", "alternating-exp-ring"]
+SIZES = [1, 2, 4, 8, 16]
+LOCALS = [1, 2, 4]
+
+
+# ------------------------------------------------------------------------------------------
+# independent re-derivation (from DESIGN.md, not from the module)
+# ------------------------------------------------------------------------------------------
+
+GroupSet = Set[Tuple[Tuple[int, ...], float]]
+
+
+def valid_for(name: str, n: int, L: int) -> bool:
+    if n % L:
+        return False
+    if n == 1:
+        return True
+    if name == "complete":
+        return True
+    if name == "ring":
+        return n % 2 == 0
+    if name == "one-peer-exp":
+        return n & (n - 1) == 0
+    if name == "alternating-exp-ring":
+        N = n // L
+        return L >= 2 and N >= 2 and N & (N - 1) == 0
+    raise AssertionError(name)
+
+
+def expected_schedule(name: str, n: int, L: int) -> List[GroupSet]:
+    if n == 1:
+        return [{((0,), 1.0)}]
+    if name == "complete":
+        return [{(tuple(range(n)), 1.0 / n)}]
+    if name == "ring":
+        s0 = {(tuple(sorted((2 * k, 2 * k + 1))), 0.5) for k in range(n // 2)}
+        s1 = {(tuple(sorted((2 * k + 1, (2 * k + 2) % n))), 0.5) for k in range(n // 2)}
+        return [s0, s1]
+    if name == "one-peer-exp":
+        r = int(round(math.log2(n)))
+        return [
+            {(tuple(sorted((j, j ^ (1 << t)))), 0.5) for j in range(n)} for t in range(r)
+        ]
+    if name == "alternating-exp-ring":
+        N = n // L
+        r = int(round(math.log2(N)))
+        node = lambda j: tuple(range(j * L, j * L + L))  # noqa: E731
+        steps: List[GroupSet] = []
+        for t in range(r):
+            pairs = []
+            used = set()
+            for j in range(N):
+                if j in used:
+                    continue
+                k = (j + 2**t) % N
+                used |= {j, k}
+                pairs.append((j, k))
+            for phase in (0, 1):
+                s: GroupSet = set()
+                for idx, (a, b) in enumerate(pairs):
+                    if idx % 2 == phase:
+                        s.add((tuple(sorted(node(a) + node(b))), 1.0 / (2 * L)))
+                    else:
+                        s.add((node(a), 1.0 / L))
+                        s.add((node(b), 1.0 / L))
+                steps.append(s)
+        return steps
+    raise AssertionError(name)
+
+
+def matrix_from_groups(groups: GroupSet, n: int) -> np.ndarray:
+    W = np.zeros((n, n))
+    for ranks, w in groups:
+        for i in ranks:
+            for j in ranks:
+                W[i, j] = w if i == j else (1 - w) / (len(ranks) - 1)
+    return W
+
+
+def as_set(groups) -> GroupSet:
+    return {(g.ranks, g.weight) for g in groups}
+
+
+def approx_set(a: GroupSet, b: GroupSet) -> bool:
+    da = {r: w for r, w in a}
+    db = {r: w for r, w in b}
+    return da.keys() == db.keys() and all(math.isclose(da[k], db[k], abs_tol=1e-15) for k in da)
+
+
+CASES = [
+    (name, n, L)
+    for name in BUILTINS
+    for n in SIZES
+    for L in LOCALS
+    if valid_for(name, n, L)
+]
+
+
+# ------------------------------------------------------------------------------------------
+# built-ins
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,n,L", CASES)
+def test_builtin_schedule_matches_design(name, n, L):
+    t = topo.make_topology(name, n, L)
+    exp = expected_schedule(name, n, L)
+    assert t.name == name
+    assert (t.world_size, t.local_world_size, t.num_nodes) == (n, L, n // L)
+    assert t.period == len(exp)
+    for step in range(2 * t.period):
+        groups = t.groups(step)
+        # a partition of the ranks
+        seen = sorted(r for g in groups for r in g.ranks)
+        assert seen == list(range(n))
+        for g in groups:
+            assert list(g.ranks) == sorted(set(g.ranks))
+            assert math.isclose(g.weight, 1.0 / len(g.ranks))  # built-ins: exact group average
+            for r in g.ranks:
+                assert t.group_of(r, step) == g
+        assert approx_set(as_set(groups), exp[step % t.period]), (step, groups)
+
+
+@pytest.mark.parametrize("name,n,L", CASES)
+def test_builtin_mixing_matrices(name, n, L):
+    t = topo.make_topology(name, n, L)
+    exp = expected_schedule(name, n, L)
+    rng = np.random.default_rng(n * 10 + L)
+    x = rng.standard_normal((n, 5))
+    for step in range(t.period):
+        W = t.mixing_matrix(step)
+        assert W.dtype == torch.float64 and tuple(W.shape) == (n, n)
+        Wn = W.numpy()
+        np.testing.assert_allclose(Wn, Wn.T, atol=0)
+        np.testing.assert_allclose(Wn.sum(axis=1), np.ones(n), atol=1e-12)
+        np.testing.assert_allclose(Wn.sum(axis=0), np.ones(n), atol=1e-12)
+        assert (Wn >= 0).all()
+        np.testing.assert_allclose(Wn, matrix_from_groups(exp[step], n), atol=1e-15)
+        # mixing never changes the global mean
+        np.testing.assert_allclose((Wn @ x).mean(axis=0), x.mean(axis=0), atol=1e-12)
+    # returned matrices are copies
+    W0 = t.mixing_matrix(0)
+    W0.fill_(7.0)
+    assert float(t.mixing_matrix(0)[0, 0]) != 7.0
+
+
+@pytest.mark.parametrize("name,n,L", CASES)
+def test_spectral_gap_in_range_and_matches_numpy(name, n, L):
+    t = topo.make_topology(name, n, L)
+    gap = t.spectral_gap()
+    assert 0.0 < gap <= 1.0
+    if n == 1:
+        assert gap == 1.0
+        return
+    exp = expected_schedule(name, n, L)
+    Wavg = sum(matrix_from_groups(s, n) for s in exp) / len(exp)
+    ev = np.sort(np.abs(np.linalg.eigvals(Wavg).real))[::-1]
+    assert math.isclose(gap, 1.0 - ev[1], abs_tol=1e-10)
+    d = t.describe()
+    assert "\n" not in d and name in d and f"n={n}" in d and f"L={L}" in d
+    assert f"period={t.period}" in d and "spectral" in d
+
+
+def test_known_spectral_gaps():
+    assert topo.make_topology("complete", 8, 1).spectral_gap() == pytest.approx(1.0)
+    # ring n=4: averaged W is circulant [1/2, 1/4, 0, 1/4] -> eigenvalues 1, 1/2, 0, 1/2
+    W = np.array(
+        [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
+    )
+    ev = np.sort(np.abs(np.linalg.eigvalsh(W)))[::-1]
+    assert ev[0] == pytest.approx(1.0)
+    assert topo.make_topology("ring", 4, 1).spectral_gap() == pytest.approx(1 - ev[1])
+    assert topo.make_topology("ring", 4, 1).spectral_gap() == pytest.approx(0.5)
+    # ring n=8: circulant [1/2, 1/4, 0, ..., 0, 1/4] -> 1 - (1/2 + 1/2 cos(2 pi / 8))
+    assert topo.make_topology("ring", 8, 1).spectral_gap() == pytest.approx(
+        0.5 - 0.5 * math.cos(2 * math.pi / 8)
+    )
+    # one-peer-exp n = 2^r: average of r commuting projections -> gap 1/r
+    for r in (1, 2, 3, 4):
+        assert topo.make_topology("one-peer-exp", 2**r, 1).spectral_gap() == pytest.approx(1 / r)
+
+
+@pytest.mark.parametrize("name,n", [("complete", n) for n in SIZES] + [("one-peer-exp", n) for n in SIZES])
+def test_one_period_gives_exact_average(name, n):
+    t = topo.make_topology(name, n, 1)
+    P = torch.eye(n, dtype=torch.float64)
+    for step in range(t.period):
+        P = t.mixing_matrix(step) @ P
+    torch.testing.assert_close(P, torch.full((n, n), 1.0 / n, dtype=torch.float64))
+
+
+def test_ring_n8_pairs():
+    t = topo.RingTopology(8)
+    assert [g.ranks for g in t.groups(0)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert {g.ranks for g in t.groups(1)} == {(1, 2), (3, 4), (5, 6), (0, 7)}
+    assert t.groups(2) == t.groups(0) and t.groups(3) == t.groups(1)
+    assert all(g.weight == 0.5 for s in range(2) for g in t.groups(s))
+    assert t.group_of(7, 1).ranks == (0, 7)
+
+
+def test_ring_n2_same_pair_both_steps():
+    t = topo.RingTopology(2)
+    assert t.period == 2
+    assert [g.ranks for g in t.groups(0)] == [(0, 1)] == [g.ranks for g in t.groups(1)]
+    assert [g.ranks for g in t.unique_groups()] == [(0, 1)]
+
+
+def test_one_peer_exp_pairs_xor():
+    t = topo.OnePeerExpTopology(16)
+    assert t.period == 4
+    for step in range(4):
+        for j in range(16):
+            assert t.group_of(j, step).ranks == tuple(sorted((j, j ^ (1 << step))))
+
+
+def test_aer_n8_l2_groups_by_step():
+    t = topo.AlternatingExpRingTopology(8, 2)
+    assert (t.num_nodes, t.period) == (4, 4)
+    q, h = 0.25, 0.5
+    expected = [
+        {((0, 1, 2, 3), q), ((4, 5), h), ((6, 7), h)},  # round 0 (nodes 0-1, 2-3): pair 0 across
+        {((0, 1), h), ((2, 3), h), ((4, 5, 6, 7), q)},  # swap: pair 1 across
+        {((0, 1, 4, 5), q), ((2, 3), h), ((6, 7), h)},  # round 1 (nodes 0-2, 1-3): pair 0 across
+        {((0, 1), h), ((4, 5), h), ((2, 3, 6, 7), q)},  # swap
+    ]
+    for step, exp in enumerate(expected):
+        assert as_set(t.groups(step)) == exp, step
+    # every node talks across exactly once per round (every other step on average),
+    # and at every step half the nodes are across
+    node_of = lambda r: r // 2  # noqa: E731
+    for rnd in range(2):
+        across_count: Dict[int, int] = {j: 0 for j in range(4)}
+        for step in (2 * rnd, 2 * rnd + 1):
+            across_nodes = {node_of(r) for g in t.groups(step) if len(g.ranks) == 4 for r in g.ranks}
+            assert len(across_nodes) == 2
+            for j in across_nodes:
+                across_count[j] += 1
+        assert all(c == 1 for c in across_count.values()), across_count
+    # intra-node groups never mix nodes
+    for step in range(4):
+        for g in t.groups(step):
+            if len(g.ranks) == 2:
+                assert node_of(g.ranks[0]) == node_of(g.ranks[1])
+
+
+def test_aer_two_nodes_across_then_inside():
+    t = topo.AlternatingExpRingTopology(4, 2)
+    assert t.period == 2
+    assert as_set(t.groups(0)) == {((0, 1, 2, 3), 0.25)}
+    assert as_set(t.groups(1)) == {((0, 1), 0.5), ((2, 3), 0.5)}
+
+
+def test_world_size_one_works_everywhere():
+    for name in BUILTINS:
+        t = topo.make_topology(name, 1, 1)
+        assert t.period == 1
+        assert t.groups(0) == [Group((0,), 1.0)]
+        assert t.unique_groups() == []
+        assert t.spectral_gap() == 1.0
+        torch.testing.assert_close(t.mixing_matrix(5), torch.ones(1, 1, dtype=torch.float64))
+
+
+def test_unique_groups_contents_and_order():
+    t = topo.RingTopology(4)
+    assert [g.ranks for g in t.unique_groups()] == [(0, 1), (2, 3), (0, 3), (1, 2)]
+    t = topo.AlternatingExpRingTopology(8, 2)
+    assert [g.ranks for g in t.unique_groups()] == [
+        (0, 1, 2, 3), (4, 5), (6, 7), (0, 1), (2, 3), (4, 5, 6, 7), (0, 1, 4, 5), (2, 3, 6, 7)
+    ]
+    assert [g.ranks for g in topo.CompleteTopology(4).unique_groups()] == [(0, 1, 2, 3)]
+    t = topo.OnePeerExpTopology(8)
+    u = t.unique_groups()
+    assert len(u) == 12 and len({g.ranks for g in u}) == 12
+    # deterministic: two independent builds agree exactly
+    assert u == topo.OnePeerExpTopology(8).unique_groups()
+
+
+def test_group_basics():
+    g = Group((3, 1, 2), 0.5)
+    assert g.ranks == (1, 2, 3) and g.weight == 0.5
+    assert g.neighbour_weight() == pytest.approx(0.25)
+    assert Group((4,), 1.0).neighbour_weight() == 0.0
+    assert Group([0, 1], 0.5) == Group((1, 0), 0.5)
+    with pytest.raises(TopologyError, match="weight must be 1.0"):
+        Group((0,), 0.5)
+    with pytest.raises(TopologyError, match="unique"):
+        Group((1, 1), 0.5)
+    with pytest.raises(TopologyError, match=r"\[0, 1\]"):
+        Group((0, 1), 1.5)
+    with pytest.raises(TopologyError):
+        Group((), 1.0)
+    with pytest.raises(TopologyError):
+        Group((0, 1), float("nan"))
+
+
+def test_group_of_and_steps():
+    t = topo.RingTopology(4)
+    assert t.group_of(1, 0).ranks == (0, 1)
+    assert t.group_of(1, 1).ranks == (1, 2)
+    assert t.group_of(1, 1001).ranks == (1, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        t.group_of(4, 0)
+    with pytest.raises(ValueError):
+        t.groups(-1)
+
+
+# ------------------------------------------------------------------------------------------
+# bad sizes
+# ------------------------------------------------------------------------------------------
+
+
+def test_odd_ring_error():
+    with pytest.raises(TopologyError) as e:
+        topo.make_topology("ring", 7, 1)
+    msg = str(e.value)
+    assert "even" in msg and "7" in msg and "6" in msg and "8" in msg
+
+
+def test_one_peer_exp_non_power_of_two_error():
+    with pytest.raises(TopologyError) as e:
+        topo.make_topology("one-peer-exp", 12, 1)
+    msg = str(e.value)
+    assert "power of two" in msg and "12" in msg and "8" in msg and "16" in msg
+    with pytest.raises(TopologyError, match="power of two"):
+        topo.OnePeerExpTopology(6)
+
+
+def test_aer_local_one_error():
+    with pytest.raises(TopologyError) as e:
+        topo.make_topology("alternating-exp-ring", 8, 1)
+    msg = str(e.value)
+    assert "local_world_size" in msg and "one-peer-exp" in msg and "ring" in msg
+    assert "LOCAL_WORLD_SIZE" in msg
+
+
+def test_aer_non_power_of_two_nodes_error():
+    with pytest.raises(TopologyError) as e:
+        topo.make_topology("alternating-exp-ring", 6, 2)
+    msg = str(e.value)
+    assert "power of two" in msg and "N=3" in msg and "4, 8, 16" in msg
+    with pytest.raises(TopologyError, match="complete"):  # single node
+        topo.AlternatingExpRingTopology(4, 4)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_local_not_dividing_error(name):
+    with pytest.raises(TopologyError) as e:
+        topo.make_topology(name, 8, 3)
+    msg = str(e.value)
+    assert "divide" in msg and "world_size=8" in msg and "local_world_size=3" in msg
+    assert "1, 2, 4, 8" in msg
+
+
+def test_bad_sizes_never_crash_with_other_errors():
+    for name in BUILTINS:
+        for n in range(0, 20):
+            for L in range(0, 6):
+                try:
+                    topo.make_topology(name, n, L)
+                except TopologyError:
+                    pass
+    with pytest.raises(TopologyError, match="world_size must be >= 1"):
+        topo.CompleteTopology(0)
+    with pytest.raises(TypeError):
+        topo.CompleteTopology(2.0)
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(TopologyError) as e:
+        topo.make_topology("rnig", 4, 1)
+    msg = str(e.value)
+    assert "rnig" in msg
+    for name in BUILTINS:
+        assert name in msg
+
+
+def test_make_topology_instance_checks_sizes():
+    t = topo.RingTopology(4, 2)
+    assert topo.make_topology(t, 4, 2) is t
+    with pytest.raises(TopologyError, match="world_size=4"):
+        topo.make_topology(t, 8, 2)
+    with pytest.raises(TopologyError, match="local_world_size=2"):
+        topo.make_topology(t, 4, 1)
+    with pytest.raises(TypeError):
+        topo.make_topology(42, 4, 1)
+
+
+def test_available_topologies_sorted_and_has_builtins():
+    names = topo.available_topologies()
+    assert names == sorted(names)
+    assert set(BUILTINS) <= set(names)
+
+
+# ------------------------------------------------------------------------------------------
+# custom topologies
+# ------------------------------------------------------------------------------------------
+
+
+def test_custom_from_groups_valid():
+    def fn(step):
+        if step == 0:
+            return [((0, 1, 2), 0.5), ((3,), 1.0)]
+        return [([1, 3], 0.5), (Group((0, 2), 0.25).ranks, 0.25)]
+
+    t = topo.CustomTopology.from_groups(fn, period=2, world_size=4, name="tri")
+    assert t.name == "tri" and t.period == 2
+    W0 = t.mixing_matrix(0).numpy()
+    assert W0[0, 0] == 0.5 and W0[0, 1] == 0.25 and W0[3, 3] == 1.0 and W0[0, 3] == 0.0
+    W1 = t.mixing_matrix(1).numpy()
+    assert W1[0, 0] == 0.25 and W1[0, 2] == 0.75
+    assert [g.ranks for g in t.unique_groups()] == [(0, 1, 2), (1, 3), (0, 2)]
+    assert 0 < t.spectral_gap() <= 1
+    assert "tri" in t.describe()
+
+
+def test_custom_from_groups_rank_in_two_groups():
+    with pytest.raises(TopologyError) as e:
+        topo.CustomTopology.from_groups(lambda s: [((0, 1), 0.5), ((1, 2), 0.5), ((3,), 1.0)], 1, 4)
+    msg = str(e.value)
+    assert "step 0" in msg and "rank 1" in msg and "more than one group" in msg
+
+
+def test_custom_from_groups_missing_rank():
+    def fn(step):
+        return [((0, 1), 0.5), ((2, 3), 0.5)] if step == 0 else [((0, 1), 0.5), ((2,), 1.0)]
+
+    with pytest.raises(TopologyError) as e:
+        topo.CustomTopology.from_groups(fn, 2, 4)
+    msg = str(e.value)
+    assert "step 1" in msg and "3" in msg and "no group" in msg
+
+
+def test_custom_from_groups_other_errors():
+    with pytest.raises(TopologyError, match="out of range"):
+        topo.CustomTopology.from_groups(lambda s: [((0, 4), 0.5), ((1,), 1), ((2,), 1), ((3,), 1)], 1, 4)
+    with pytest.raises(TopologyError, match="step 0"):
+        topo.CustomTopology.from_groups(lambda s: [((0,), 0.5), ((1,), 1.0)], 1, 2)
+    with pytest.raises(TopologyError, match="period"):
+        topo.CustomTopology.from_groups(lambda s: [((0,), 1.0)], 0, 1)
+    with pytest.raises(TopologyError, match="divide"):
+        topo.CustomTopology.from_groups(lambda s: [((0, 1, 2), 1 / 3)], 1, 3, 2)
+
+
+def test_custom_from_matrices_valid_roundtrip():
+    ring = topo.RingTopology(8)
+    mats = [ring.mixing_matrix(0), ring.mixing_matrix(1).numpy(), ring.mixing_matrix(0).tolist()]
+    t = topo.CustomTopology.from_matrices(mats, 8)
+    assert t.period == 3
+    for step in range(3):
+        torch.testing.assert_close(t.mixing_matrix(step), ring.mixing_matrix(step % 2))
+    # non-uniform self weight, lazy pair, isolated rank
+    W = np.array([[0.7, 0.3, 0, 0], [0.3, 0.7, 0, 0], [0, 0, 1.0, 0], [0, 0, 0, 1.0]])
+    t = topo.CustomTopology.from_matrices([W], 4)
+    assert as_set(t.groups(0)) == {((0, 1), 0.7), ((2,), 1.0), ((3,), 1.0)}
+    assert [g.ranks for g in t.unique_groups()] == [(0, 1)]
+    # averaged graph disconnected -> gap 0, but still a valid topology
+    assert t.spectral_gap() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_custom_from_matrices_asymmetric():
+    W = np.array([[0.5, 0.5, 0], [0.25, 0.5, 0.25], [0.25, 0, 0.75]])
+    with pytest.raises(TopologyError, match="symmetric"):
+        topo.CustomTopology.from_matrices([W], 3)
+
+
+def test_custom_from_matrices_row_sum():
+    W = np.array([[0.5, 0.4], [0.4, 0.5]])
+    with pytest.raises(TopologyError) as e:
+        topo.CustomTopology.from_matrices([W], 2)
+    assert "sum to 1" in str(e.value) and "row 0" in str(e.value)
+
+
+def test_custom_from_matrices_negative_and_shape():
+    W = np.array([[1.5, -0.5], [-0.5, 1.5]])
+    with pytest.raises(TopologyError, match=">= 0"):
+        topo.CustomTopology.from_matrices([W], 2)
+    with pytest.raises(TopologyError, match="shape"):
+        topo.CustomTopology.from_matrices([np.eye(3)], 2)
+    with pytest.raises(TopologyError, match="period"):
+        topo.CustomTopology.from_matrices([], 2)
+
+
+def test_custom_from_matrices_not_decomposable():
+    # a path 0-1-2: symmetric and doubly stochastic, but not a set of group averages
+    W = np.array([[0.5, 0.5, 0.0], [0.5, 0.0, 0.5], [0.0, 0.5, 0.5]])
+    with pytest.raises(TopologyError) as e:
+        topo.CustomTopology.from_matrices([W], 3)
+    msg = str(e.value)
+    assert "group averages" in msg and "row 0" in msg
+    # ring averaged matrix (circulant) is a valid mixing matrix but not one step of groups
+    Wc = np.array(
+        [[0.5, 0.25, 0, 0.25], [0.25, 0.5, 0.25, 0], [0, 0.25, 0.5, 0.25], [0.25, 0, 0.25, 0.5]]
+    )
+    with pytest.raises(TopologyError, match="group averages"):
+        topo.CustomTopology.from_matrices([Wc], 4)
+    # clique with unequal diagonal
+    Wd = np.array([[0.6, 0.2, 0.2], [0.2, 0.4, 0.4], [0.2, 0.4, 0.4]])
+    with pytest.raises(TopologyError, match="row 1"):
+        topo.CustomTopology.from_matrices([Wd], 3)
+
+
+def test_validate_schedule_direct():
+    topo.validate_schedule([[Group((0, 1), 0.5)]], 2, "x")
+    with pytest.raises(TopologyError, match="period"):
+        topo.validate_schedule([], 2, "x")
+    with pytest.raises(TopologyError, match="no group"):
+        topo.validate_schedule([[Group((0, 1), 0.5)]], 3, "x")
+    with pytest.raises(TopologyError, match="Group"):
+        topo.validate_schedule([[((0, 1), 0.5)]], 2, "x")
+
+
+# ------------------------------------------------------------------------------------------
+# registry
+# ------------------------------------------------------------------------------------------
+
+
+def test_register_topology_function_and_duplicate():
+    name = "test-star-pairs"
+    try:
+        def factory(n, L):
+            def fn(s):  # rank 0 averages with rank s + 1; everybody else keeps itself
+                return [((0, s + 1), 0.5)] + [((k,), 1.0) for k in range(1, n) if k != s + 1]
+
+            return topo.CustomTopology.from_groups(fn, n - 1, n, L, name=name)
+
+        topo.register_topology(name, factory)
+        assert name in topo.available_topologies()
+        t = topo.make_topology(name, 4, 1)
+        assert t.period == 3 and t.name == name
+        assert [g.ranks for g in t.unique_groups()] == [(0, 1), (0, 2), (0, 3)]
+        with pytest.raises(ValueError, match=name):
+            topo.register_topology(name, factory)
+        topo.register_topology(name, factory, overwrite=True)
+    finally:
+        topo._REGISTRY.pop(name, None)
+
+
+def test_register_topology_decorator_on_class():
+    name = "test-pairs-decorated"
+    try:
+
+        @topo.register_topology(name)
+        class Pairs(topo.Topology):
+            def _build(self):
+                n = self.world_size
+                return [[Group((2 * k, 2 * k + 1), 0.5) for k in range(n // 2)]]
+
+        assert isinstance(Pairs, type) and issubclass(Pairs, topo.Topology)
+        t = topo.make_topology(name, 4, 2)
+        assert isinstance(t, Pairs) and t.name == name
+        assert [g.ranks for g in t.groups(0)] == [(0, 1), (2, 3)]
+        with pytest.raises(ValueError, match="already registered"):
+            topo.register_topology(name)(Pairs)
+        # a factory that breaks the partition rule is caught at construction
+        with pytest.raises(TopologyError, match="no group"):
+            topo.make_topology(name, 5, 1)
+    finally:
+        topo._REGISTRY.pop(name, None)
+
+
+def test_register_topology_bad_factory_result():
+    name = "test-bad-factory"
+    try:
+        topo.register_topology(name, lambda n, L: "not a topology")
+        with pytest.raises(TypeError, match="Topology"):
+            topo.make_topology(name, 2, 1)
+        topo.register_topology(name, lambda n, L: topo.CompleteTopology(2 * n, L), overwrite=True)
+        with pytest.raises(TopologyError, match="expected world_size=2"):
+            topo.make_topology(name, 2, 1)
+    finally:
+        topo._REGISTRY.pop(name, None)
