@@ -3,7 +3,11 @@
 #   make train   a real 4-worker decentralized training run on CPU (WORKERS=4 ARGS="--epochs 5")
 #   make test    C++ tests (ctest, when cmake is present) and the Python tests
 #   make bench   kernel microbenchmarks
+#   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...)
+#   make bench-convergence  fixed-budget accuracy of each topology x optimizer vs DDP on digits
 #   make build   create .venv, install the dependencies, build the extension (editable install)
+#   make wheel   build a wheel into dist/ (e.g. decentpy-0.1.0+cu130.torch213.sm80.sm90-...whl);
+#                honours DECENTPY_CUDA_ARCHS, CUDA_HOME, DECENTPY_NO_CUDA (docs/wheels.md)
 #   make clean   remove build outputs (keeps .venv);  make distclean  also removes .venv
 #
 # The first run creates .venv and installs torch==2.13.0 only when no torch is importable there
@@ -30,7 +34,7 @@ DEPS_STAMP  := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 EXT_INPUTS  := $(shell find csrc -type f 2>/dev/null) $(wildcard setup.py pyproject.toml)
 
-.PHONY: build deps train test ctest pytest bench clean distclean
+.PHONY: build deps wheel train test ctest pytest bench clean distclean
 
 build: $(BUILD_STAMP)
 deps: $(DEPS_STAMP)
@@ -54,6 +58,14 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
 	@echo "building decentpy (compiles decentpy._C; takes a minute or two)"
 	$(PIP) install $(PIP_Q) --no-build-isolation -e .
 	@touch $@
+
+# Wheel of the extension built against the torch in $(VENV) (it requires that torch major.minor).
+# Builds in-tree: build/temp.* is shared with `make build`, so an unchanged tree only relinks.
+WHEEL_DIR ?= dist
+wheel: $(DEPS_STAMP)
+	@mkdir -p $(WHEEL_DIR)
+	DECENTPY_WHEEL=1 $(PIP) wheel $(PIP_Q) --no-build-isolation --no-deps -w $(WHEEL_DIR) .
+	@echo "wheel: $$(ls -t $(WHEEL_DIR)/decentpy-*.whl | head -n 1)"
 
 train: $(BUILD_STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=$(WORKERS) examples/train_digits.py $(ARGS)
@@ -79,6 +91,17 @@ endif
 
 bench: $(BUILD_STAMP)
 	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
+
+# decent-dp (the reference, pure Python; needs loguru) and matplotlib are installed for the
+# benchmarks only. --no-deps: decent-dp depends on an unpinned torch, which must not be replaced.
+.PHONY: bench-train bench-convergence
+bench-train: $(BUILD_STAMP)
+	$(PIP) install $(PIP_Q) --no-deps decent-dp loguru
+	$(PIP) install $(PIP_Q) matplotlib
+	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py $(BENCH_ARGS)
+
+bench-convergence: $(BUILD_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/bench_convergence.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache bench/out $(BUILD_STAMP)

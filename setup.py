@@ -15,8 +15,20 @@ Environment:
                              run time (torch's own choice, ATEN_CPU_CAPABILITY overrides)
   DECENTPY_DEBUG=1           -O0 -g
   MAX_JOBS                   parallel compile jobs (ninja)
+  DECENTPY_WHEEL=1           wheel build (set by `make wheel`; implied by bdist_wheel): the wheel
+                             requires the torch major.minor it was compiled against
+                             (torch==X.Y.*) instead of the editable install's torch>=2.3
+  DECENTPY_LOCAL_VERSION     override the PEP 440 local version: a string such as "cu130" to use
+                             instead of the computed one, or "none" for a plain version (PyPI
+                             accepts no local versions)
 
-Install with: pip install --no-build-isolation -e .
+Version: <version.py>+<local>, where local names what was built: "cpu" or "cu<M><m>" (the nvcc
+release, e.g. cu130), "torch<M><m>" (the torch it was compiled against, e.g. torch213), then
+"sm<arch>" for each CUDA arch, e.g. 0.1.0+cu130.torch213.sm80.sm90 or 0.1.0+cpu.torch213 (plus
+"march<cpu arch>" with DECENTPY_CPU_ARCH and "debug" with DECENTPY_DEBUG). The same configuration
+is written to decentpy/_build_info.py (generated, not in git), which goes into the wheel.
+
+Install with: pip install --no-build-isolation -e .      Wheel: make wheel (dist/)
 """
 import glob
 import os
@@ -25,8 +37,14 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import find_packages, setup
+import torch
+from setuptools import Distribution, find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+try:  # setuptools >= 70.1 ships bdist_wheel; older ones use the wheel package's
+    from setuptools.command.bdist_wheel import bdist_wheel as _bdist_wheel
+except ImportError:  # pragma: no cover
+    from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
@@ -79,6 +97,18 @@ def cuda_lib_dir(home):
                      "set CUDA_HOME or DECENTPY_NO_CUDA=1")
 
 
+def nvcc_version(nvcc):
+    """(major, minor) of the CUDA release of nvcc, from `nvcc --version`."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SystemExit(f"decentpy: cannot run {nvcc} --version: {exc}")
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise SystemExit(f"decentpy: cannot read the CUDA release from `{nvcc} --version`:\n{out}")
+    return int(m.group(1)), int(m.group(2))
+
+
 NVCC, CUDA_HOME = find_nvcc()
 CU_SOURCES = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
 WITH_CUDA = bool(NVCC) and bool(CU_SOURCES)
@@ -103,6 +133,115 @@ link_args = ["-fopenmp"]
 if WITH_CUDA:
     define_macros.append(("DECENTPY_WITH_CUDA", "1"))
     link_args += [f"-L{cuda_lib_dir(CUDA_HOME)}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+
+
+# ---- version, wheel requirements and decentpy/_build_info.py -------------------------------------
+# Everything here depends only on the environment (never on the setup.py command), so every PEP 517
+# hook (metadata, wheel, editable) computes the same version and writes the same _build_info.py.
+
+def _local_segment(text):
+    return re.sub(r"[^0-9a-z]", "", text.lower())
+
+
+TORCH_VERSION = torch.__version__.split("+")[0]          # "2.13.0" (no local part)
+TORCH_MAJOR_MINOR = ".".join(TORCH_VERSION.split(".")[:2])  # "2.13"
+CUDA_VERSION = "%d.%d" % nvcc_version(NVCC) if WITH_CUDA else None
+CUDA_ARCHS = cuda_archs() if WITH_CUDA else []
+
+
+def local_version():
+    override = os.environ.get("DECENTPY_LOCAL_VERSION", "").strip()
+    if override:
+        return "" if override.lower() == "none" else override
+    parts = ["cu" + CUDA_VERSION.replace(".", "") if WITH_CUDA else "cpu",
+             "torch" + TORCH_MAJOR_MINOR.replace(".", "")]
+    parts += ["sm" + _local_segment(a) for a in CUDA_ARCHS]
+    if cpu_arch:
+        parts.append("march" + _local_segment(cpu_arch))
+    if debug:
+        parts.append("debug")
+    return ".".join(p for p in parts if p)
+
+
+def full_version():
+    base = read_version()
+    local = local_version()
+    version = f"{base}+{local}" if local else base
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # pragma: no cover
+        return version
+    try:
+        return str(Version(version))  # normalized, as it ends up in the metadata
+    except InvalidVersion:
+        raise SystemExit(f"decentpy: {version!r} is not a valid PEP 440 version "
+                         "(check DECENTPY_LOCAL_VERSION / DECENTPY_CUDA_ARCHS)")
+
+
+VERSION = full_version()
+# A wheel carries a compiled extension: it only works with the torch it was built against.
+WHEEL_BUILD = env_flag("DECENTPY_WHEEL") or "bdist_wheel" in sys.argv[1:]
+TORCH_REQUIREMENT = f"torch=={TORCH_MAJOR_MINOR}.*"
+
+
+def write_build_info():
+    info = {
+        "version": VERSION,
+        "base_version": read_version(),
+        "local_version": VERSION.partition("+")[2],
+        "cuda_kernels": WITH_CUDA,
+        "cuda_version": CUDA_VERSION,
+        "cuda_archs": CUDA_ARCHS,
+        "ptx_arch": CUDA_ARCHS[-1] if CUDA_ARCHS else None,
+        "torch_version": torch.__version__,
+        "torch_cuda_version": torch.version.cuda,
+        "torch_requirement": TORCH_REQUIREMENT,
+        "cpu_arch": cpu_arch or None,
+        "debug": debug,
+    }
+    lines = ['"""Build configuration of this decentpy installation.',
+             "",
+             "Generated by setup.py at build time; do not edit (it is not in git).",
+             '"""', ""]
+    lines += [f"{k} = {v!r}" for k, v in info.items()]
+    lines += ["", "BUILD_INFO = {", *[f"    {k!r}: {k}," for k in info], "}", ""]
+    text = "\n".join(lines)
+    path = os.path.join(ROOT, "decentpy", "_build_info.py")
+    old = open(path).read() if os.path.exists(path) else None
+    if old != text:  # unchanged content keeps its mtime (no needless rebuilds/copies)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+
+
+write_build_info()
+
+
+class DecentpyDistribution(Distribution):
+    """In a wheel build, pin torch to the major.minor the extension is compiled against.
+
+    pyproject.toml lists the dependencies statically (torch>=2.3, right for an editable install);
+    the pin replaces its torch entry once the configuration files are parsed.
+    """
+
+    def parse_config_files(self, *args, **kwargs):
+        super().parse_config_files(*args, **kwargs)
+        if WHEEL_BUILD:
+            reqs = [r for r in (self.install_requires or [])
+                    if re.split(r"[\s<>=!~;\[(]", r.strip(), 1)[0].lower() != "torch"]
+            self.install_requires = [TORCH_REQUIREMENT] + reqs
+            self._finalize_requires()
+
+
+class DecentpyBdistWheel(_bdist_wheel):
+    """bdist_wheel from a clean build/lib.* (no stale modules or .so of earlier builds in the
+    wheel); build/temp.* is kept, so ninja and the nvcc step only recompile what changed."""
+
+    def run(self):
+        build_lib = self.get_finalized_command("build").build_lib
+        if os.path.isdir(build_lib):
+            shutil.rmtree(build_lib)
+        super().run()
 
 
 class DecentpyBuildExt(BuildExtension):
@@ -151,10 +290,13 @@ class DecentpyBuildExt(BuildExtension):
 
 print(f"decentpy: CUDA kernels {'ON (' + NVCC + ')' if WITH_CUDA else 'OFF'}"
       f"{'' if WITH_CUDA or not NVCC else ' (no csrc/cuda/*.cu)'}", file=sys.stderr)
+print(f"decentpy: version {VERSION}"
+      f"{' (wheel: requires ' + TORCH_REQUIREMENT + ')' if WHEEL_BUILD else ''}", file=sys.stderr)
 
 setup(
     name="decentpy",
-    version=read_version(),
+    version=VERSION,
+    distclass=DecentpyDistribution,
     packages=find_packages(include=["decentpy", "decentpy.*"]),
     ext_modules=[
         CppExtension(
@@ -166,6 +308,7 @@ setup(
             extra_link_args=link_args,
         )
     ],
-    cmdclass={"build_ext": DecentpyBuildExt.with_options(use_ninja=True)},
+    cmdclass={"build_ext": DecentpyBuildExt.with_options(use_ninja=True),
+              "bdist_wheel": DecentpyBdistWheel},
     zip_safe=False,
 )

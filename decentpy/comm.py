@@ -95,10 +95,10 @@ def default_timeout() -> datetime.timedelta:
     """The default process group's timeout (torch's default when it cannot be read)."""
     try:
         pg = dist.distributed_c10d._get_default_group()
-        opts = getattr(pg, "options", None)
-        t = getattr(opts, "_timeout", None) or getattr(opts, "timeout", None)
+        device = torch.device("cuda" if dist.get_backend() == dist.Backend.NCCL else "cpu")
+        t = pg._get_backend(device).options._timeout
         if isinstance(t, datetime.timedelta):
             return t
     except Exception:  # pragma: no cover - depends on torch internals
-        pass
+        logger.debug("could not read the process group timeout; using torch's default")
     return dist.default_pg_timeout

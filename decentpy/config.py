@@ -14,6 +14,13 @@ def _yes_no(flag: Any) -> str:
 
 
 def _version() -> str:
+    """The full build version (e.g. ``0.1.0+cu130.torch213.sm80.sm90``) when setup.py recorded it."""
+    try:
+        from . import _build_info  # written by setup.py at build time
+
+        return f"{_build_info.version} (built against torch {_build_info.torch_version})"
+    except ImportError:
+        pass
     try:
         from .version import __version__
 

@@ -237,21 +237,26 @@ class GossipReducer:
         else:
             factor, skip = 1.0, True
 
-        b.gather_params()
+        views = b.params_are_views
+        if not views:
+            b.gather_params()
         if b.fused:
             b.optimizer.bucket_step(b.params, b.offsets,  # type: ignore[attr-defined]
                                     b.param_block, b.grad_block, b.segments, comm, send, a, c, send_scale,
                                     factor, skip)
-            b.scatter_params()
+            if not views:
+                b.scatter_params()
         else:
             _C.mix_and_step(OptKind.NONE, b.param_block, None, [], comm, None, b.segments, _NO_HYPER, a, c,
                             1.0, 1.0, False, False, False, True)
-            b.scatter_params()
+            if not views:
+                b.scatter_params()
             if not skip:
                 if factor != 1.0:
                     b.grad_block.mul_(factor)
                 b.optimizer.step()
-                b.gather_params()
+                if not views:
+                    b.gather_params()
             if send is not None:
                 _C.scale_copy_(send, b.param_block, send_scale)
         if local_step and not skip and b.scheduler is not None:

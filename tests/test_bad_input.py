@@ -72,7 +72,7 @@ _RESULTS: dict = {}
 def _results_for(world: int) -> dict:
     if world not in _RESULTS:
         cases = sorted(c for c, (w, _) in CASES.items() if w == world)
-        res = run_workers(construct_all_worker, world, cases, timeout=120)
+        res = run_workers(construct_all_worker, world, cases, timeout=240)
         _RESULTS[world] = {c: [r[c] for r in res] for c in cases}
     return _RESULTS[world]
 
@@ -107,7 +107,7 @@ def used_twice_worker(rank: int, world: int) -> str:
 
 
 def test_second_gradient_in_one_iteration_is_refused_with_the_parameter_name() -> None:
-    res = run_workers(used_twice_worker, 2, timeout=60)
+    res = run_workers(used_twice_worker, 2, timeout=180)
     for r in res:
         assert "received a gradient twice" in r and "'4." in r, r
 
@@ -141,7 +141,7 @@ def reentrant_worker(rank: int, world: int) -> str:
 
 
 def test_reentrant_double_use_is_refused_with_the_parameter_name() -> None:
-    res = run_workers(reentrant_worker, 2, timeout=60)
+    res = run_workers(reentrant_worker, 2, timeout=180)
     for r in res:
         assert "received a gradient twice" in r and "'lin." in r, r
 

@@ -75,7 +75,7 @@ def mixing_worker(rank: int, world: int, topo: str) -> dict:
 
 @pytest.mark.parametrize("topo", ["complete", "ring", "one-peer-exp", "alternating-exp-ring"])
 def test_mixing_preserves_mean_and_global_avg_equalises(topo: str) -> None:
-    res = run_workers(mixing_worker, 4, topo, timeout=120)
+    res = run_workers(mixing_worker, 4, topo, timeout=240)
     r0 = res[0]
     for m in r0["means"][1:]:
         assert torch.allclose(m, r0["means"][0], atol=1e-5, rtol=0), "mixing changed the global mean"
@@ -122,7 +122,7 @@ def checkpoint_worker(rank: int, world: int, path: str, topo: str, opt: str) -> 
 @pytest.mark.parametrize("topo,opt", [("ring", "accum_adam"), ("alternating-exp-ring", "sgd")])
 def test_checkpoint_resume_continues_identical_trajectory(topo: str, opt: str) -> None:
     with tempfile.TemporaryDirectory() as d:
-        res = run_workers(checkpoint_worker, 4, d, topo, opt, timeout=120)
+        res = run_workers(checkpoint_worker, 4, d, topo, opt, timeout=240)
     for r in res:
         for n in r["straight"]:
             assert torch.equal(r["straight"][n], r["resumed"][n]), f"resumed run diverged at '{n}'"
@@ -156,7 +156,7 @@ def accumulation_worker(rank: int, world: int, mode: str) -> dict:
 def test_gradient_accumulation_matches_summed_gradients(mode: str) -> None:
     from decentpy.topology import make_topology
 
-    got = run_workers(accumulation_worker, 4, mode, timeout=120)
+    got = run_workers(accumulation_worker, 4, mode, timeout=240)
     want = simulate(4, make_topology("ring", 4, 1).mixing_matrix, "adam", 4, micro_batches=3)
     assert_close_params(got, want, rtol=2e-5, atol=2e-5, what=f"accumulation ({mode})")
 
@@ -195,7 +195,7 @@ def layout_worker(rank: int, world: int, variant: str) -> dict:
 def test_layouts_and_dtypes_match_reference(variant: str) -> None:
     from decentpy.topology import make_topology
 
-    res = run_workers(layout_worker, 4, variant, timeout=120)
+    res = run_workers(layout_worker, 4, variant, timeout=240)
     kind = "cnn" if variant == "channels_last" else "mlp"
     want = simulate(4, make_topology("one-peer-exp", 4, 1).mixing_matrix, "adamw", 5, kind=kind)
     tol = 3e-2 if variant == "bf16" else 2e-5
@@ -231,7 +231,7 @@ def amp_worker(rank: int, world: int) -> dict:
 def test_grad_scaler_skips_nonfinite_worker_and_clips_per_bucket() -> None:
     from decentpy.topology import make_topology
 
-    res = run_workers(amp_worker, 4, timeout=120)
+    res = run_workers(amp_worker, 4, timeout=240)
 
     def clip(rank: int, k: int, grads: List[torch.Tensor]) -> None:
         norm = float(torch.sqrt(sum((g ** 2).sum() for g in grads)))  # one bucket: per-bucket clip
@@ -259,21 +259,29 @@ def eval_worker(rank: int, world: int) -> dict:
     x, y = batch(rank, 0)
     loss_fn(ddp(x), y).backward()
     before = ddp.step_count
+    launches = []
+    real_launch = ddp._comm.launch
+    ddp._comm.launch = lambda *a, **k: launches.append(a) or real_launch(*a, **k)
     ddp.eval()
     with torch.no_grad():
         for _ in range(3):
             ddp(x)
     ddp(x).sum()  # an eval forward with grad enabled, no backward
     after = ddp.step_count
+    eval_launches = len(launches)
     ddp.train()
     loss_fn(ddp(x), y).backward()
-    return {"before": before, "after": after, "final": ddp.step_count, "training": ddp.training}
+    return {"before": before, "after": after, "final": ddp.step_count, "training": ddp.training,
+            "timeout": ddp._timeout.total_seconds(), "eval_launches": eval_launches,
+            "train_launches": len(launches) - eval_launches}
 
 
 def test_eval_forwards_do_not_advance_or_communicate() -> None:
-    res = run_workers(eval_worker, 2, timeout=60)
+    res = run_workers(eval_worker, 2, timeout=180)
     for r in res:
         assert (r["before"], r["after"], r["final"], r["training"]) == (1, 1, 2, True)
+        assert r["eval_launches"] == 0 and r["train_launches"] > 0
+        assert r["timeout"] == 60.0, "the wrapper's default timeout must be the process group's"  # harness pg
 
 
 def single_worker(rank: int, world: int, topo: str) -> dict:
@@ -289,7 +297,7 @@ def single_worker(rank: int, world: int, topo: str) -> dict:
 
 @pytest.mark.parametrize("topo", ["complete", "ring", "one-peer-exp", "alternating-exp-ring"])
 def test_world_size_one_is_plain_local_training(topo: str) -> None:
-    res = run_workers(single_worker, 1, topo, timeout=60)
+    res = run_workers(single_worker, 1, topo, timeout=180)
     want = simulate(1, lambda k: torch.ones(1, 1), "adam", 3)
     assert_close_params([res[0]["params"]], want, rtol=2e-5, atol=2e-5, what=f"world size 1 ({topo})")
     assert res[0]["dist"] == 0.0

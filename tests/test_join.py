@@ -102,7 +102,7 @@ def toy_join_worker(rank: int, world: int, case: str) -> Dict[str, Any]:
 
 
 def test_join_main_and_post_hooks() -> None:
-    res = run_workers(toy_join_worker, 4, "main_and_post_hooks", timeout=90)
+    res = run_workers(toy_join_worker, 4, "main_and_post_hooks", timeout=180)
     longest = 3 + 3
     for r, o in enumerate(res):
         assert o["main"] == longest - (3 + r)  # one shadow per iteration the others still run
@@ -110,20 +110,20 @@ def test_join_main_and_post_hooks() -> None:
 
 
 def test_join_several_joinables_and_kwargs() -> None:
-    res = run_workers(toy_join_worker, 4, "several_joinables_and_kwargs", timeout=90)
+    res = run_workers(toy_join_worker, 4, "several_joinables_and_kwargs", timeout=180)
     for r, o in enumerate(res):
         assert o["main"] == [3 - r, 3 - r]
         assert o["post"] == [[r == 3], [r == 3]]
 
 
 def test_join_disable() -> None:
-    res = run_workers(toy_join_worker, 2, "disable", timeout=60)
+    res = run_workers(toy_join_worker, 2, "disable", timeout=180)
     for o in res:
         assert o == {"main": 0, "post": [], "total": 6.0}
 
 
 def test_join_throw_on_early_termination_raises_on_every_rank() -> None:
-    res = run_workers(toy_join_worker, 3, "throw", timeout=60)
+    res = run_workers(toy_join_worker, 3, "throw", timeout=180)
     for o in res:
         assert o["error"] is not None and ("exhausted" in o["error"])
 

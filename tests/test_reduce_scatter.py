@@ -287,7 +287,7 @@ def all_scenarios_worker(rank: int, world: int) -> Dict[str, Any]:
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_reduce_scatter_bucketer(world: int) -> None:
-    results = run_workers(all_scenarios_worker, world, timeout=120)
+    results = run_workers(all_scenarios_worker, world, timeout=240)
     for rank, res in enumerate(results):
         # torch's gloo implements both reduce-scatter forms on CPU, so no fallback was chosen.
         assert res["native_modes"] == {("gloo", "cpu", "flat"): "native", ("gloo", "cpu", "list"): "native"}, res
@@ -321,7 +321,7 @@ def _capability_fallback_worker(rank: int, world: int) -> Dict[str, Any]:
 
 
 def test_capability_fallback_detected_once() -> None:
-    results = run_workers(_capability_fallback_worker, 2, timeout=60)
+    results = run_workers(_capability_fallback_worker, 2, timeout=180)
     for res in results:
         assert res["native_attempts"] == 2  # one per form, then cached
         assert res["modes"] == {("gloo", "cpu", "flat"): "all_reduce", ("gloo", "cpu", "list"): "all_reduce"}

@@ -1,0 +1,277 @@
+"""Fixed-budget convergence: decentralized topologies vs all-reduce DDP on scikit-learn's digits.
+
+4 gloo workers on 127.0.0.1 (one torch thread each). For every optimizer (sgd, adamw, accum-adam)
+and every topology (complete, ring, one-peer-exp, alternating-exp-ring with L = 2) a fresh model
+(same seed) trains for the same number of epochs on the same disjoint shards with the same
+per-worker batch, learning rate and cosine schedule as ``examples/train_digits.py`` (whose data,
+model and helpers are imported); then ``global_avg()`` gives every worker the exact average
+model, whose test accuracy is reported. The baseline is ``torch.nn.parallel.DistributedDataParallel``
+(all-reduce of gradients) with the *same* optimizer object type (the decentpy optimizer helper,
+stepped standalone), same schedule, seed, shards and batches.
+
+Prints a table and writes ``bench/out/bench_convergence.csv``.
+
+    python bench/bench_convergence.py                     # ~1-2 minutes on 2 cores
+    python bench/bench_convergence.py --epochs 20 --seeds 0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import functools
+import json
+import os
+import queue as queue_mod
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
+OPTIMIZERS = ("sgd", "adamw", "accum-adam")
+LOCAL_WORLD_SIZE = 2
+
+
+def _train_one(rank: int, world: int, data: Any, args: Dict[str, Any], optimizer: str, method: str,
+               seed: int) -> Dict[str, Any]:
+    """One run on this rank; ``method`` is a topology name or 'ddp'. Returns rank-local numbers."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import decentpy.optim as dopt
+    import train_digits as td
+    from decentpy import DecentralizedDataParallel
+
+    lr = args["lr"] if args["lr"] is not None else td.DEFAULT_LR[optimizer]
+    torch.manual_seed(seed)
+    model = td.SmallCNN()
+    shard = td.shard_indices(len(data.x_train), rank, world, seed)
+    bs = args["batch_size"]
+    steps_per_epoch = (len(shard) + bs - 1) // bs
+    total = steps_per_epoch * args["epochs"]
+    optim_fn = td.make_optim_fn(optimizer, lr, args["accum_iter"])
+    sched_fn = functools.partial(dopt.lr_scheduler_fn_cosine_with_warmup, t_max=total,
+                                 t_warmup=max(1, total // 10))
+    dist.barrier()
+    t0 = time.perf_counter()
+    if method == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        net = DistributedDataParallel(model)
+        opt = optim_fn(list(model.named_parameters()))
+        sched = sched_fn(opt)
+    else:
+        net = DecentralizedDataParallel(model, optim_fn, lr_scheduler_fn=sched_fn, topology=method,
+                                        local_world_size=LOCAL_WORLD_SIZE)
+        opt = sched = None
+    shuffle = torch.Generator().manual_seed(seed * 1000 + rank)
+    loss_sum = count = 0.0
+    for _epoch in range(args["epochs"]):
+        net.train()
+        order = shard[torch.randperm(len(shard), generator=shuffle)]
+        loss_sum = count = 0.0
+        for i in range(0, len(order), bs):
+            idx = order[i:i + bs]
+            x, y = data.x_train[idx], data.y_train[idx]
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+            loss_sum += float(loss.detach()) * len(y)
+            count += len(y)
+    consensus = 0.0
+    if method != "ddp":
+        consensus = net.consensus_distance()
+        net.global_avg()
+    net.eval()
+    with torch.no_grad():
+        pred = net(data.x_test).argmax(1)
+    acc = float((pred == data.y_test).float().mean())
+    dist.barrier()
+    wall = time.perf_counter() - t0
+    tot = torch.tensor([loss_sum, count], dtype=torch.float64)
+    dist.all_reduce(tot)
+    return dict(acc=acc, train_loss=float(tot[0] / tot[1]), consensus=consensus, wall_s=wall, lr=lr,
+                steps=total)
+
+
+def _worker(rank: int, world: int, port: int, plan: Dict[str, Any], q: Any) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        import train_digits as td
+
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        rows = []
+        for seed in plan["seeds"]:
+            data = td.load_data(seed)
+            for optimizer in plan["optimizers"]:
+                for method in ["ddp", *plan["topologies"]]:
+                    res = _train_one(rank, world, data, plan, optimizer, method, seed)
+                    accs: List[Any] = [None] * world
+                    dist.all_gather_object(accs, res["acc"])
+                    if rank == 0:
+                        res.update(seed=seed, optimizer=optimizer, method=method,
+                                   acc_spread=max(accs) - min(accs))
+                        rows.append(res)
+                        print(f"  seed {seed} {optimizer:10s} {method:22s} test acc {res['acc']:.4f}  "
+                              f"({res['wall_s']:.1f} s)", flush=True)
+        dist.barrier()
+        q.put(("ok", rank, json.dumps(rows) if rank == 0 else ""))
+        dist.destroy_process_group()
+    except BaseException:
+        q.put(("error", rank, traceback.format_exc()))
+
+
+def run(world: int, plan: Dict[str, Any], timeout_s: float) -> List[Dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, plan, q), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    rows: Optional[List[Dict[str, Any]]] = None
+    errors: Dict[int, str] = {}
+    done = 0
+    try:
+        while done < world and not errors:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s")
+            try:
+                kind, rank, payload = q.get(timeout=min(left, 5.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"worker(s) {dead} died without a traceback")
+                continue
+            done += 1
+            if kind == "error":
+                errors[rank] = payload
+            elif rank == 0:
+                rows = json.loads(payload)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items()))
+    assert rows is not None
+    return rows
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=16, help="per worker")
+    p.add_argument("--lr", type=float, default=None, help="default: train_digits.DEFAULT_LR per optimizer")
+    p.add_argument("--accum-iter", type=int, default=4)
+    p.add_argument("--seeds", default="0", help="comma-separated; accuracies are averaged over seeds")
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    plan = dict(seeds=seeds, optimizers=[o for o in args.optimizers.split(",") if o],
+                topologies=[t for t in args.topologies.split(",") if t], epochs=args.epochs,
+                batch_size=args.batch_size, lr=args.lr, accum_iter=args.accum_iter)
+    print(f"digits (sklearn, 1797 8x8 images, 80/20 split), SmallCNN from examples/train_digits.py, "
+          f"{args.workers} workers (local world size {LOCAL_WORLD_SIZE}), batch {args.batch_size}/worker, "
+          f"{args.epochs} epochs, cosine schedule with 10% warm-up, seeds {seeds}, torch {torch.__version__}",
+          flush=True)
+    t0 = time.perf_counter()
+    rows = run(args.workers, plan, args.timeout)
+    wall = time.perf_counter() - t0
+
+    # aggregate over seeds
+    agg: Dict[tuple, Dict[str, Any]] = {}
+    for r in rows:
+        a = agg.setdefault((r["optimizer"], r["method"]), dict(acc=[], loss=[], cons=[], wall=[], spread=[],
+                                                                lr=r["lr"], steps=r["steps"]))
+        a["acc"].append(r["acc"])
+        a["loss"].append(r["train_loss"])
+        a["cons"].append(r["consensus"])
+        a["wall"].append(r["wall_s"])
+        a["spread"].append(r["acc_spread"])
+    hdr = ["optimizer", "method", "lr", "steps", "test acc", "DDP acc", "delta vs DDP", "final train loss",
+           "consensus", "wall s"]
+    table, out_rows = [], []
+    for optimizer in plan["optimizers"]:
+        base = agg.get((optimizer, "ddp"))
+        for method in ["ddp", *plan["topologies"]]:
+            a = agg.get((optimizer, method))
+            if a is None:
+                continue
+            acc = statistics.mean(a["acc"])
+            bacc = statistics.mean(base["acc"]) if base else float("nan")
+            name = "all-reduce DDP" if method == "ddp" else (
+                "alternating-exp-ring (L=2)" if method == "alternating-exp-ring" else method)
+            table.append([optimizer, name, f"{a['lr']:g}", str(a["steps"]), f"{acc:.4f}", f"{bacc:.4f}",
+                          "" if method == "ddp" else f"{acc - bacc:+.4f}", f"{statistics.mean(a['loss']):.4f}",
+                          "" if method == "ddp" else f"{statistics.mean(a['cons']):.2e}",
+                          f"{statistics.mean(a['wall']):.1f}"])
+            out_rows.append(dict(optimizer=optimizer, topology="allreduce" if method == "ddp" else method,
+                                 framework="torch-ddp" if method == "ddp" else "decentpy", workers=args.workers,
+                                 local_world_size=LOCAL_WORLD_SIZE, epochs=args.epochs, steps=a["steps"],
+                                 batch_size=args.batch_size, lr=a["lr"], seeds=";".join(map(str, seeds)),
+                                 test_acc=f"{acc:.6f}", ddp_test_acc=f"{bacc:.6f}",
+                                 delta_vs_ddp="" if method == "ddp" else f"{acc - bacc:+.6f}",
+                                 final_train_loss=f"{statistics.mean(a['loss']):.6f}",
+                                 consensus_before_avg="" if method == "ddp" else f"{statistics.mean(a['cons']):.4e}",
+                                 rank_acc_spread=f"{max(a['spread']):.2e}",
+                                 wall_s=f"{statistics.mean(a['wall']):.2f}"))
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
+    print()
+    print("  ".join(h.rjust(w) for h, w in zip(hdr, widths)))
+    last = None
+    for t in table:
+        if last is not None and t[0] != last:
+            print()
+        last = t[0]
+        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
+    print("test acc: the averaged model (global_avg) for the decentralized runs; DDP's replicas are identical. "
+          "consensus: RMS distance of the workers to their average just before global_avg.")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "bench_convergence.csv"
+    with open(path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(out_rows[0]))
+        wr.writeheader()
+        wr.writerows(out_rows)
+    print(f"\nwrote {path} (total {wall:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,829 @@
+"""End-to-end training-step benchmark on CPU: decentpy vs decent-dp vs torch DDP vs no communication.
+
+For 2, 4 and 8 gloo worker processes on 127.0.0.1 (one torch thread each) and every topology that
+is valid at that size, it trains the same model on the same synthetic data (fixed seed, own data
+per rank) with the same optimizer (torch.optim.AdamW, lr 1e-4, passed through ``optim_fn``; decentpy
+fuses it into its mix-and-step kernel, decent-dp steps it as it is), and measures:
+
+* the step time: wall time of forward + backward (+ ``optimizer.step()`` where the framework does
+  not step inside backward), measured on every rank; per step the max over ranks; the median
+  over >= 20 timed steps (plus the 25th/75th percentiles);
+* memory per worker: the RSS high-water mark of the configuration and its extra memory over the
+  no-communication floor (see ``MEMORY`` below);
+* bytes sent per worker per step, from the topology (see ``BYTES`` below).
+
+Frameworks: ``decentpy`` (this project), ``decent-dp`` (the reference package from PyPI, skipped
+with a message when not installed), ``torch-ddp`` (``DistributedDataParallel``, topology column
+``allreduce``), ``local`` (the floor: every worker trains alone with the same model and
+optimizer, no collective; topology column ``none``) and ``local-fused`` (the same floor stepped by
+decentpy's fused AdamW kernel, standalone; topology column ``none-fused``): decentpy runs that
+kernel instead of torch's AdamW, so this is the floor its own overhead is measured against).
+
+All configurations of one (workers, model) live in the same worker processes and are timed in
+interleaved rounds (a few steps of each configuration in turn, order rotated each round), so a
+slow phase of the shared machine hits every configuration alike.
+
+Writes ``bench/out/bench_train.csv`` (the columns ``bench/runtime_model.py --calibrate`` reads,
+plus more) and ``bench/out/bench_train.png``.
+
+    python bench/bench_train.py                      # everything (~10 minutes on 2 cores)
+    python bench/bench_train.py --quick --workers 2 --models mlp --frameworks decentpy,local
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import queue as queue_mod
+import resource
+import socket
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "local", "local-fused")
+FLOORS = ("local", "local-fused")
+TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
+SHORT_TOPO = {"complete": "complete", "ring": "ring", "one-peer-exp": "1-peer-exp",
+              "alternating-exp-ring": "AER(L=2)", "allreduce": "allreduce", "none": "none",
+              "none-fused": "none(fused)"}
+MODELS = ("mlp", "cnn")
+AER_LOCAL = 2
+LR = 1e-4
+
+BYTES = """\
+bytes/step = bytes SENT per worker per step, averaged over one period of the schedule, max over
+ranks (P = parameter bytes, m = size of the worker's group at that step):
+  decentpy   m == 1: 0;  m == 2: P (peer exchange: send own bucket, receive the peer's);
+             m > 2: 2(m-1)/m * P (in-place all-reduce of the group, ring algorithm)
+  decent-dp  m == 1: 0;  m >= 2: 2(m-1)/m * P (all-reduce on a per-edge group, pairs too: 1.0 P)
+  torch-ddp  2(n-1)/n * P (ring all-reduce of the gradients)
+  local, local-fused   0"""
+
+MEMORY = """\
+memory per worker (max over ranks): before each configuration is built the process is trimmed
+(gc, malloc_trim) and its RSS high-water mark reset (/proc/self/clear_refs = 5);
+  peak RSS   = worker baseline RSS (torch + gloo initialised, before any configuration)
+               + (VmHWM after setup and warm-up steps - RSS before the model was built);
+               i.e. the peak a process running only this configuration would reach
+  extra      = peak RSS of the configuration minus that of the local floor (which holds the
+               model, its gradients, the AdamW state and the activations): the framework's own
+               memory (buffers, process groups), to compare with one copy of the parameters P;
+               the CSV also has extra_steady_rss_mib (live RSS after warm-up and malloc_trim
+               instead of the peak).
+               A throw-away configuration of each framework is built and stepped first, so
+               one-time process costs are in the baseline, not in the first configuration."""
+
+
+# ----------------------------------------------------------------------------------------------
+# models and data
+# ----------------------------------------------------------------------------------------------
+
+
+def make_model(name: str, seed: int):  # -> nn.Module
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    if name == "mlp":
+        return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                             nn.Linear(1024, 1024))
+    if name == "cnn":
+        m = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.Conv2d(64, 64, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
+        return m.to(memory_format=torch.channels_last)
+    raise ValueError(f"unknown model {name!r} (choose from {', '.join(MODELS)})")
+
+
+MODEL_DESC = {
+    "mlp": "MLP 3 x Linear(1024,1024)+ReLU, batch 64, input 1024, cross-entropy over 1024 classes",
+    "cnn": "CNN conv3x3 3-32 (s1), 32-64 (s2), 64-64 (s2), each BN+ReLU, avgpool, Linear(64,10); "
+           "channels_last, batch 32, input 3x32x32",
+}
+
+
+def make_batches(name: str, seed: int, rank: int, count: int = 4):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    out = []
+    for _ in range(count):
+        if name == "mlp":
+            x = torch.randn(64, 1024, generator=g)
+            y = torch.randint(0, 1024, (64,), generator=g)
+        else:
+            x = torch.randn(32, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
+            y = torch.randint(0, 10, (32,), generator=g)
+        out.append((x, y))
+    return out
+
+
+def adamw_fn(named_params):  # optim_fn for both decentralized frameworks (module level: picklable)
+    import torch
+
+    return torch.optim.AdamW([p for _, p in named_params], lr=LR)
+
+
+# ----------------------------------------------------------------------------------------------
+# configurations
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    framework: str
+    topology: str  # a topology name, "allreduce" (torch-ddp) or "none" (local)
+    workers: int
+    model: str
+
+    @property
+    def local_world_size(self) -> int:
+        return AER_LOCAL if self.topology == "alternating-exp-ring" else self.workers
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}/{self.workers}/{self.framework}/{self.topology}"
+
+
+def topology_valid(topo: str, n: int) -> bool:
+    from decentpy import make_topology
+
+    try:
+        make_topology(topo, n, AER_LOCAL if topo == "alternating-exp-ring" else n)
+        return True
+    except ValueError:
+        return False
+
+
+def build_configs(workers: Sequence[int], models: Sequence[str], frameworks: Sequence[str],
+                  topologies: Sequence[str]) -> List[Config]:
+    out = []
+    for n in workers:
+        for model in models:
+            for fw in frameworks:
+                if fw in ("decentpy", "decent-dp"):
+                    out += [Config(fw, t, n, model) for t in topologies if topology_valid(t, n)]
+                elif fw == "torch-ddp":
+                    out.append(Config(fw, "allreduce", n, model))
+                elif fw == "local":
+                    out.append(Config(fw, "none", n, model))
+                elif fw == "local-fused":
+                    out.append(Config(fw, "none-fused", n, model))
+                else:
+                    raise ValueError(f"unknown framework {fw!r} (choose from {', '.join(FRAMEWORKS)})")
+    return out
+
+
+def bytes_per_step(cfg: Config, param_bytes: int) -> float:
+    """Bytes sent per worker per step (see BYTES)."""
+    n, p = cfg.workers, float(param_bytes)
+    if cfg.framework in FLOORS or n == 1:
+        return 0.0
+    if cfg.framework == "torch-ddp":
+        return 2.0 * (n - 1) / n * p
+    from decentpy import make_topology
+
+    topo = make_topology(cfg.topology, n, cfg.local_world_size)
+    worst = 0.0
+    for r in range(n):
+        tot = 0.0
+        for k in range(topo.period):
+            m = len(topo.group_of(r, k).ranks)
+            if m == 1:
+                continue
+            if m == 2 and cfg.framework == "decentpy":
+                tot += p
+            else:
+                tot += 2.0 * (m - 1) / m * p
+        worst = max(worst, tot / topo.period)
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------
+# worker side
+# ----------------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _hwm_bytes() -> Optional[int]:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class Runner:
+    """One configuration inside one worker: model, wrapper, optimizer, data, step times."""
+
+    def __init__(self, cfg: Config, rank: int, seed: int) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        self.cfg = cfg
+        self.F = F
+        self.batches = make_batches(cfg.model, seed, rank)
+        self.i = 0
+        self.times: List[float] = []
+        self.compute: List[float] = []
+        self.opt = None
+        _trim()
+        self.hwm_ok = _reset_hwm()
+        self.rss0 = _rss_bytes()
+        model = make_model(cfg.model, seed)
+        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.rss_model = _rss_bytes()
+        if cfg.framework == "decentpy":
+            from decentpy import DecentralizedDataParallel
+
+            self.net = DecentralizedDataParallel(model, optim_fn=adamw_fn, topology=cfg.topology,
+                                                 local_world_size=cfg.local_world_size)
+        elif cfg.framework == "decent-dp":
+            from decent_dp.ddp import DecentralizedDataParallel as RefDDP
+
+            self.net = RefDDP(model, optim_fn=adamw_fn, topology=cfg.topology,
+                              _local_world_size=cfg.local_world_size)
+        elif cfg.framework == "torch-ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.net = DistributedDataParallel(model)
+            self.opt = torch.optim.AdamW(self.net.parameters(), lr=LR)
+        elif cfg.framework == "local-fused":
+            import decentpy.optim
+
+            self.net = model
+            self.opt = decentpy.optim.AdamW(model.parameters(), lr=LR)
+        else:
+            self.net = model
+            self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        self.net.train()
+
+    def step(self) -> Tuple[float, float]:
+        x, y = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        t0 = time.perf_counter()
+        loss = self.F.cross_entropy(self.net(x), y)
+        loss.backward()  # decentralized wrappers mix, step and launch the exchange in here
+        t1 = time.perf_counter()
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad()
+        t2 = time.perf_counter()
+        return t2 - t0, t1 - t0
+
+    def after_warmup(self) -> None:
+        hwm = _hwm_bytes() if self.hwm_ok else None
+        _trim()  # steady: live memory only (freed pages returned to the OS first)
+        self.rss1 = _rss_bytes()
+        self.hwm = hwm if hwm is not None else self.rss1
+
+
+def _worker(rank: int, n: int, port: int, plan: Dict[str, Any], q: Any) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(n), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n),
+                       "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        try:
+            from loguru import logger as _loguru
+
+            _loguru.remove()
+            _loguru.add(sys.stderr, level="WARNING")
+        except ImportError:
+            pass
+        import decentpy  # noqa: F401  (imported before the baseline is taken)
+
+        if any(c["framework"] == "decent-dp" for c in plan["configs"]):
+            import decent_dp.ddp  # noqa: F401
+        dist.init_process_group("gloo", rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=plan["pg_timeout_s"]))
+        dist.barrier()
+        base_rss: Optional[int] = None
+        results = []
+        for model in plan["models"]:
+            cfgs = [Config(**c) for c in plan["configs"] if c["model"] == model]
+            if not cfgs:
+                continue
+            # One throw-away configuration per framework first: one-time costs (lazy thread pools,
+            # kernel dispatch tables, gloo transport) land in the baseline, not in the first
+            # configuration measured.
+            seen = set() if plan["primer"] else {c.framework for c in cfgs}
+            for cfg in cfgs:
+                if cfg.framework in seen:
+                    continue
+                seen.add(cfg.framework)
+                dist.barrier()
+                primer = Runner(cfg, rank, plan["seed"])
+                for _ in range(max(2, plan["warmup"])):
+                    primer.step()
+                del primer
+                _trim()
+            dist.barrier()
+            _trim()
+            if model == plan["models"][0] or base_rss is None:
+                base_rss = _rss_bytes()
+            runners: List[Runner] = []
+            for cfg in cfgs:  # build one at a time, measuring each one's memory
+                dist.barrier()
+                r = Runner(cfg, rank, plan["seed"])
+                for _ in range(plan["warmup"]):
+                    r.step()
+                r.after_warmup()
+                runners.append(r)
+            for rnd in range(plan["rounds"]):  # interleaved timing
+                order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+                for r in order:
+                    dist.barrier()
+                    for _ in range(plan["rewarm"]):
+                        r.step()
+                    for _ in range(plan["chunk"]):
+                        t, c = r.step()
+                        r.times.append(t)
+                        r.compute.append(c)
+            dist.barrier()
+            for r in runners:
+                t = torch.tensor([r.times, r.compute], dtype=torch.float64)
+                allt = [torch.empty_like(t) for _ in range(n)]
+                dist.all_gather(allt, t)
+                mem = torch.tensor([r.rss0, r.rss_model, r.rss1, r.hwm, base_rss], dtype=torch.float64)
+                allm = [torch.empty_like(mem) for _ in range(n)]
+                dist.all_gather(allm, mem)
+                if rank == 0:
+                    st = torch.stack(allt)  # [n, 2, steps]
+                    step_max = st[:, 0].max(0).values.tolist()
+                    comp_max = st[:, 1].max(0).values.tolist()
+                    mm = torch.stack(allm)  # [n, 5]
+                    results.append(dict(
+                        cfg=asdict(r.cfg), step_max=step_max, compute_max=comp_max,
+                        param_bytes=r.param_bytes,
+                        base_rss=float(mm[:, 4].max()),
+                        peak_delta=float((mm[:, 3] - mm[:, 0]).max()),
+                        steady_delta=float((mm[:, 2] - mm[:, 0]).max()),
+                        wrap_delta=float((mm[:, 2] - mm[:, 1]).max()),
+                        hwm_reset=r.hwm_ok))
+            del runners, r
+            _trim()
+        ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+        allru = [None] * n
+        dist.all_gather_object(allru, ru)
+        dist.barrier()
+        if rank == 0:
+            q.put(("ok", rank, json.dumps(dict(results=results, ru_maxrss=max(allru)))))
+        else:
+            q.put(("done", rank, ""))
+        dist.destroy_process_group()
+    except BaseException:
+        q.put(("error", rank, traceback.format_exc()))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_group(n: int, plan: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
+    """Spawn ``n`` workers running ``plan``; rank 0's results, or raise with every traceback."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, n, port, plan, q), daemon=True) for r in range(n)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    payload, errors, done = None, {}, 0
+    try:
+        while done < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{n} workers did not finish within {timeout_s:.0f} s")
+            try:
+                kind, rank, data = q.get(timeout=min(left, 5.0))
+            except queue_mod.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead and not errors:
+                    raise RuntimeError(f"worker(s) {dead} died (exit codes "
+                                       f"{[procs[i].exitcode for i in dead]}) without a traceback")
+                if errors and all(p.exitcode is not None for p in procs):
+                    break
+                continue
+            done += 1
+            if kind == "error":
+                errors[rank] = data
+                break  # the others would hang in a collective: stop now
+            if kind == "ok":
+                payload = json.loads(data)
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("benchmark worker failed:\n" + "\n".join(
+            f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    assert payload is not None
+    return payload
+
+
+# ----------------------------------------------------------------------------------------------
+# reporting
+# ----------------------------------------------------------------------------------------------
+
+
+def machine_description() -> Dict[str, str]:
+    import torch
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import decentpy
+
+        dp_version = decentpy.__version__
+    except Exception:  # pragma: no cover
+        dp_version = "?"
+    try:
+        from importlib.metadata import version
+
+        ref_version = version("decent-dp")
+    except Exception:
+        ref_version = "not installed"
+    try:
+        load = "%.2f %.2f %.2f" % os.getloadavg()
+    except OSError:
+        load = "?"
+    return dict(cpu=cpu, cores=str(os.cpu_count()), torch=torch.__version__, decentpy=dp_version,
+                decent_dp=ref_version, python=platform.python_version(), load_before=load,
+                platform=platform.platform())
+
+
+def _pct(xs: List[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    rows = []
+    for res in raw:
+        cfg = Config(**res["cfg"])
+        rows.append(dict(
+            cfg=cfg, step=statistics.median(res["step_max"]), p25=_pct(res["step_max"], 0.25),
+            p75=_pct(res["step_max"], 0.75), steps=len(res["step_max"]),
+            compute=statistics.median(res["compute_max"]), param_bytes=res["param_bytes"],
+            peak_rss=res["base_rss"] + res["peak_delta"], steady_delta=res["steady_delta"],
+            peak_delta=res["peak_delta"],
+            wrap_delta=res["wrap_delta"], bytes=bytes_per_step(cfg, res["param_bytes"])))
+    by = {(r["cfg"].model, r["cfg"].workers, r["cfg"].framework, r["cfg"].topology): r for r in rows}
+    for r in rows:
+        c = r["cfg"]
+        floor = by.get((c.model, c.workers, "local", "none"))
+        ffloor = by.get((c.model, c.workers, "local-fused", "none-fused"))
+        ddp = by.get((c.model, c.workers, "torch-ddp", "allreduce"))
+        ref = by.get((c.model, c.workers, "decent-dp", c.topology))
+        r["floor_compute"] = floor["compute"] if floor else (ffloor["compute"] if ffloor else None)
+        r["vs_floor"] = r["step"] / floor["step"] if floor else None
+        r["vs_ffloor"] = r["step"] / ffloor["step"] if ffloor else None
+        r["vs_ddp"] = ddp["step"] / r["step"] if ddp else None  # > 1: faster than DDP
+        r["vs_ref"] = ref["step"] / r["step"] if ref else None  # > 1: faster than decent-dp
+        mfloor = floor or ffloor
+        r["extra"] = r["peak_delta"] - mfloor["peak_delta"] if mfloor else None
+        r["extra_steady"] = r["steady_delta"] - mfloor["steady_delta"] if mfloor else None
+    order = {f: i for i, f in enumerate(FRAMEWORKS)}
+    torder = {t: i for i, t in enumerate(TOPOLOGIES + ("allreduce", "none", "none-fused"))}
+    rows.sort(key=lambda r: (MODELS.index(r["cfg"].model), r["cfg"].workers, order[r["cfg"].framework],
+                             torder[r["cfg"].topology]))
+    return rows
+
+
+def _fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
+    return "-" if x is None else format(x, spec) + suffix
+
+
+def print_table(rows: List[Dict[str, Any]]) -> None:
+    hdr = ["model", "n", "framework", "topology", "median ms", "p25-p75 ms", "steps",
+           "dp-ref/this", "DDP/this", "this/floor", "this/ffloor", "peak RSS MiB", "extra MiB", "P MiB",
+           "MB/step"]
+    table = []
+    for r in rows:
+        c = r["cfg"]
+        table.append([c.model, str(c.workers), c.framework, SHORT_TOPO.get(c.topology, c.topology),
+                      f"{r['step'] * 1e3:.2f}", f"{r['p25'] * 1e3:.1f}-{r['p75'] * 1e3:.1f}",
+                      str(r["steps"]),
+                      _fmt(r["vs_ref"], ".2f", "x") if c.framework == "decentpy" else "",
+                      _fmt(r["vs_ddp"], ".2f", "x") if c.framework != "torch-ddp" else "",
+                      _fmt(r["vs_floor"], ".2f", "x"), _fmt(r["vs_ffloor"], ".2f", "x"),
+                      f"{r['peak_rss'] / 2**20:.0f}", _fmt(None if r["extra"] is None else r["extra"] / 2**20,
+                                                          "+.1f"),
+                      f"{r['param_bytes'] / 2**20:.2f}", f"{r['bytes'] / 1e6:.2f}"])
+    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
+    print("  ".join(h.rjust(w) for h, w in zip(hdr, widths)))
+    last = None
+    for t in table:
+        if last is not None and (t[0], t[1]) != last:
+            print()
+        last = (t[0], t[1])
+        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
+    print("dp-ref/this = decent-dp step time / this (>1: faster than decent-dp, same topology); "
+          "DDP/this = torch DDP / this (>1: faster than DDP);\nthis/floor = this / no-communication "
+          "floor with torch AdamW (1.00 = no overhead); this/ffloor = this / no-communication floor "
+          "with decentpy's fused AdamW\n(decentpy.optim.AdamW, standalone step: the same kernel decentpy "
+          "runs, without the mixing); extra = peak RSS minus the torch-AdamW floor's")
+
+
+def check_targets(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
+    out = []
+    dp = [r for r in rows if r["cfg"].framework == "decentpy"]
+    t1 = [r for r in dp if r["cfg"].workers in (4, 8) and r["vs_ref"] is not None]
+    if t1:
+        bad = [r for r in t1 if r["vs_ref"] < 1.3]
+        worst = min(t1, key=lambda r: r["vs_ref"])
+        out.append(("decentpy >= 1.3x faster per step than decent-dp on every topology at 4 and 8 workers",
+                    not bad, f"{len(t1) - len(bad)}/{len(t1)} met; worst {worst['vs_ref']:.2f}x "
+                    f"({worst['cfg'].model}, n={worst['cfg'].workers}, {worst['cfg'].topology})"
+                    + ("; missed: " + ", ".join(f"{r['cfg'].model}/n={r['cfg'].workers}/"
+                                                 f"{SHORT_TOPO[r['cfg'].topology]} {r['vs_ref']:.2f}x"
+                                                 for r in bad) if bad else "")))
+    t2 = [r for r in dp if r["vs_ddp"] is not None]
+    if t2:
+        bad = [r for r in t2 if r["vs_ddp"] <= 1.0]
+        worst = min(t2, key=lambda r: r["vs_ddp"])
+        out.append(("decentpy faster than torch DDP (every topology and size)", not bad,
+                    f"{len(t2) - len(bad)}/{len(t2)} met; worst DDP/decentpy {worst['vs_ddp']:.2f}x "
+                    f"({worst['cfg'].model}, n={worst['cfg'].workers}, {worst['cfg'].topology})"
+                    + ("; missed: " + ", ".join(f"{r['cfg'].model}/n={r['cfg'].workers}/"
+                                                 f"{SHORT_TOPO[r['cfg'].topology]} {r['vs_ddp']:.2f}x"
+                                                 for r in bad) if bad else "")))
+    t3 = [r for r in dp if r["vs_floor"] is not None or r["vs_ffloor"] is not None]
+    for r in t3:  # the stricter (faster) of the two floors
+        r["vs_worst_floor"] = max(x for x in (r["vs_floor"], r["vs_ffloor"]) if x is not None)
+    if t3:
+        bad = [r for r in t3 if r["vs_worst_floor"] > 1.15]
+        worst = max(t3, key=lambda r: r["vs_worst_floor"])
+        out.append(("decentpy within 1.15x of the no-communication floor (the faster of the torch-AdamW "
+                    "and fused-AdamW floors)", not bad,
+                    f"{len(t3) - len(bad)}/{len(t3)} met; worst {worst['vs_worst_floor']:.2f}x "
+                    f"({worst['cfg'].model}, n={worst['cfg'].workers}, {worst['cfg'].topology})"
+                    + ("; missed: " + ", ".join(f"{r['cfg'].model}/n={r['cfg'].workers}/"
+                                                 f"{SHORT_TOPO[r['cfg'].topology]} {r['vs_worst_floor']:.2f}x"
+                                                 for r in bad) if bad else "")))
+    t5 = [r for r in dp if r["extra_steady"] is not None]
+    if t5:
+        bad = [r for r in t5 if r["extra_steady"] > r["param_bytes"] + 2**20]
+        worst = max(t5, key=lambda r: r["extra_steady"] - r["param_bytes"])
+        out.append(("decentpy extra steady (live, after warm-up) memory per worker <= one copy of the parameters "
+                    "(+1 MiB tolerance)", not bad,
+                    f"{len(t5) - len(bad)}/{len(t5)} met; worst extra {worst['extra_steady'] / 2**20:+.1f} MiB vs "
+                    f"P = {worst['param_bytes'] / 2**20:.2f} MiB ({worst['cfg'].model}, n={worst['cfg'].workers}, "
+                    f"{worst['cfg'].topology})"))
+    t4 = [r for r in dp if r["extra"] is not None]
+    if t4:
+        # tolerance: 1 MiB of RSS noise (page granularity, allocator, gloo threads)
+        bad = [r for r in t4 if r["extra"] > r["param_bytes"] + 2**20]
+        worst = max(t4, key=lambda r: r["extra"] - r["param_bytes"])
+        out.append(("decentpy extra peak memory per worker <= one copy of the parameters (beyond model, "
+                    "grads and optimizer state, i.e. the local floor; +1 MiB tolerance)", not bad,
+                    f"{len(t4) - len(bad)}/{len(t4)} met; worst extra {worst['extra'] / 2**20:+.1f} MiB vs "
+                    f"P = {worst['param_bytes'] / 2**20:.2f} MiB ({worst['cfg'].model}, n={worst['cfg'].workers}, "
+                    f"{worst['cfg'].topology})"))
+    return out
+
+
+CSV_FIELDS = ["framework", "topology", "workers", "model", "step_time_s", "bytes_per_step", "compute_time_s",
+              "model_bytes", "local_world_size", "step_time_p25_s", "step_time_p75_s", "timed_steps",
+              "own_compute_time_s", "peak_rss_mib", "extra_rss_mib", "extra_steady_rss_mib", "wrap_rss_mib",
+              "speedup_vs_decent_dp", "speedup_vs_ddp", "ratio_vs_floor", "ratio_vs_fused_floor", "cpu", "cores",
+              "torch"]
+
+
+def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
+        wr.writeheader()
+        for r in rows:
+            c = r["cfg"]
+            wr.writerow(dict(
+                framework=c.framework, topology=c.topology, workers=c.workers, model=c.model,
+                step_time_s=f"{r['step']:.6g}", bytes_per_step=f"{r['bytes']:.0f}",
+                # forward+backward of the local floor (same n): the compute of one iteration
+                compute_time_s=f"{(r['floor_compute'] if r['floor_compute'] is not None else r['compute']):.6g}",
+                model_bytes=r["param_bytes"], local_world_size=c.local_world_size,
+                step_time_p25_s=f"{r['p25']:.6g}", step_time_p75_s=f"{r['p75']:.6g}", timed_steps=r["steps"],
+                own_compute_time_s=f"{r['compute']:.6g}", peak_rss_mib=f"{r['peak_rss'] / 2**20:.1f}",
+                extra_rss_mib="" if r["extra"] is None else f"{r['extra'] / 2**20:.2f}",
+                extra_steady_rss_mib="" if r["extra_steady"] is None else f"{r['extra_steady'] / 2**20:.2f}",
+                wrap_rss_mib=f"{r['wrap_delta'] / 2**20:.2f}",
+                speedup_vs_decent_dp="" if r["vs_ref"] is None else f"{r['vs_ref']:.4f}",
+                speedup_vs_ddp="" if r["vs_ddp"] is None else f"{r['vs_ddp']:.4f}",
+                ratio_vs_floor="" if r["vs_floor"] is None else f"{r['vs_floor']:.4f}",
+                ratio_vs_fused_floor="" if r["vs_ffloor"] is None else f"{r['vs_ffloor']:.4f}",
+                cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"]))
+
+
+def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return None
+    models = [m for m in MODELS if any(r["cfg"].model == m for r in rows)]
+    colors = {"decentpy": "#1f77b4", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "local": "#7f7f7f",
+              "local-fused": "#bcbd22"}
+    fig, axes = plt.subplots(len(models), 1, figsize=(13, 4.2 * len(models)), squeeze=False)
+    for ax, model in zip(axes[:, 0], models):
+        mrows = [r for r in rows if r["cfg"].model == model]
+        groups: List[Tuple[int, str]] = []
+        for r in mrows:
+            key = (r["cfg"].workers, r["cfg"].topology)
+            if key not in groups:
+                groups.append(key)
+        fws = [f for f in FRAMEWORKS if any(r["cfg"].framework == f for r in mrows)]
+        width = 0.8 / max(1, len(fws))
+        for j, fw in enumerate(fws):
+            xs, ys, lo, hi = [], [], [], []
+            for gi, (n, topo) in enumerate(groups):
+                for r in mrows:
+                    c = r["cfg"]
+                    if c.framework == fw and c.workers == n and c.topology == topo:
+                        xs.append(gi + (j - (len(fws) - 1) / 2) * width)
+                        ys.append(r["step"] * 1e3)
+                        lo.append((r["step"] - r["p25"]) * 1e3)
+                        hi.append((r["p75"] - r["step"]) * 1e3)
+            if xs:
+                ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=colors[fw], label=fw)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([f"n={n}\n{SHORT_TOPO.get(t, t)}" for n, t in groups], fontsize=7)
+        ax.set_ylabel("median step time (ms)")
+        ax.set_title(f"{model}: {MODEL_DESC[model]}", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"step time per configuration (bars: median, whiskers: p25-p75), {machine['cpu']}, "
+                 f"{machine['cores']} cores, torch {machine['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+
+
+def _csv_list(s: str) -> List[str]:
+    return [x.strip() for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
+    p.add_argument("--models", default="mlp,cnn", help=f"comma-separated, from {','.join(MODELS)}")
+    p.add_argument("--frameworks", default=",".join(FRAMEWORKS),
+                   help=f"comma-separated, from {','.join(FRAMEWORKS)} (decent-dp is skipped when not installed)")
+    p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="comma-separated")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after each configuration is built")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
+    p.add_argument("--chunk", type=int, default=8, help="timed steps per configuration per round")
+    p.add_argument("--rewarm", type=int, default=1, help="untimed steps before each chunk")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke mode: 2 warm-up steps, 1 round of 3 timed steps, no primer "
+                   "configurations (memory numbers less exact)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=900.0, help="per worker group, seconds")
+    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.warmup, args.rounds, args.chunk, args.rewarm = 2, 1, 3, 0
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    workers = [int(w) for w in _csv_list(args.workers)]
+    models = _csv_list(args.models)
+    frameworks = _csv_list(args.frameworks)
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
+    for f in frameworks:
+        if f not in FRAMEWORKS:
+            raise SystemExit(f"unknown framework {f!r}; choose from {', '.join(FRAMEWORKS)}")
+    if "decent-dp" in frameworks:
+        try:
+            import decent_dp.ddp  # noqa: F401
+        except ImportError as exc:
+            print(f"decent-dp skipped: `import decent_dp.ddp` failed ({exc}); "
+                  "install it with `pip install decent-dp loguru` (or run `make bench-train`)")
+            frameworks = [f for f in frameworks if f != "decent-dp"]
+    machine = machine_description()
+    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+    print(f"optimizer: torch.optim.AdamW(lr={LR}) everywhere (decentpy fuses it; decent-dp, DDP and the "
+          "floor run torch's default CPU implementation); gloo on 127.0.0.1, 1 torch thread per worker")
+    for m in models:
+        print(f"model {m}: {MODEL_DESC[m]}")
+    print(f"timing: {args.warmup} warm-up steps per configuration, then {args.rounds} interleaved rounds x "
+          f"({args.rewarm} untimed + {args.chunk} timed) steps = {args.rounds * args.chunk} timed steps; per "
+          "step the max over ranks; median")
+    configs = build_configs(workers, models, frameworks, _csv_list(args.topologies))
+    raw: List[Dict[str, Any]] = []
+    ru_max = 0.0
+    t_start = time.perf_counter()
+    for n in workers:
+        cfgs = [c for c in configs if c.workers == n]
+        if not cfgs:
+            continue
+        t0 = time.perf_counter()
+        print(f"[{n} workers] {len(cfgs)} configurations ...", flush=True)
+        plan = dict(configs=[asdict(c) for c in cfgs], models=models, warmup=args.warmup, rounds=args.rounds,
+                    chunk=args.chunk, rewarm=args.rewarm, seed=args.seed, pg_timeout_s=300,
+                    primer=not args.quick)
+        payload = run_group(n, plan, args.timeout)
+        raw += payload["results"]
+        ru_max = max(ru_max, payload["ru_maxrss"])
+        print(f"[{n} workers] done in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows = summarize(raw)
+    print()
+    print_table(rows)
+    print()
+    print(BYTES)
+    print(MEMORY)
+    print(f"process-wide ru_maxrss (max over all workers, all configurations of a worker alive together): "
+          f"{ru_max / 2**20:.0f} MiB")
+    targets = check_targets(rows)
+    if targets:
+        print("\ntargets:")
+        for name, ok, detail in targets:
+            print(f"  [{'MET' if ok else 'MISSED'}] {name}: {detail}")
+    out = Path(args.out)
+    csv_path = out / "bench_train.csv"
+    write_csv(csv_path, rows, machine)
+    png = None if args.no_plot else plot(out / "bench_train.png", rows, machine)
+    print(f"\nwrote {csv_path}" + (f", {png}" if png else "") +
+          f" (total {time.perf_counter() - t_start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
