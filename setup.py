@@ -15,6 +15,11 @@ Environment:
                              run time (torch's own choice, ATEN_CPU_CAPABILITY overrides)
   DECENTPY_DEBUG=1           -O0 -g
   MAX_JOBS                   parallel compile jobs (ninja)
+  NCCL_HOME / NCCL_INCLUDE_DIR  NCCL headers for decentpy's NCCL communicator (else the
+                             nvidia-nccl-cu13/-cu12 wheel's nvidia/nccl/include, else the CUDA
+                             toolkit's or the system's nccl.h). Only nccl.h is needed: libnccl is
+                             dlopen'ed at run time, never linked. Needs CUDA (nvcc).
+  DECENTPY_NO_NCCL=1         never build the NCCL communicator
   DECENTPY_WHEEL=1           wheel build (set by `make wheel`; implied by bdist_wheel): the wheel
                              requires the torch major.minor it was compiled against
                              (torch==X.Y.*) instead of the editable install's torch>=2.3
@@ -133,6 +138,54 @@ link_args = ["-fopenmp"]
 if WITH_CUDA:
     define_macros.append(("DECENTPY_WITH_CUDA", "1"))
     link_args += [f"-L{cuda_lib_dir(CUDA_HOME)}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+
+
+def nccl_header_version(header):
+    with open(header) as f:
+        text = f.read()
+    major = re.search(r"#define\s+NCCL_MAJOR\s+(\d+)", text)
+    minor = re.search(r"#define\s+NCCL_MINOR\s+(\d+)", text)
+    return (int(major.group(1)), int(minor.group(1))) if major and minor else (0, 0)
+
+
+def find_nccl_include():
+    """Directory holding nccl.h (>= 2.14), or None. Explicit NCCL_HOME/NCCL_INCLUDE_DIR must have it."""
+    if env_flag("DECENTPY_NO_NCCL"):
+        return None
+    explicit = []
+    if os.environ.get("NCCL_INCLUDE_DIR"):
+        explicit.append(os.environ["NCCL_INCLUDE_DIR"])
+    for var in ("NCCL_HOME", "NCCL_ROOT"):
+        if os.environ.get(var):
+            explicit.append(os.path.join(os.environ[var], "include"))
+    for d in explicit:
+        if os.path.isfile(os.path.join(d, "nccl.h")):
+            return d
+    if explicit:
+        raise SystemExit(f"decentpy: no nccl.h in {explicit} (NCCL_HOME / NCCL_INCLUDE_DIR); "
+                         "fix the variable, unset it, or set DECENTPY_NO_NCCL=1")
+    site_dirs = [os.path.dirname(os.path.dirname(torch.__file__))] + [p for p in sys.path if p]
+    candidates = [os.path.join(p, "nvidia", "nccl", "include") for p in site_dirs]
+    candidates += [os.path.join(CUDA_HOME, "include"), "/usr/include", "/usr/local/include"]
+    for d in candidates:
+        header = os.path.join(d, "nccl.h")
+        if os.path.isfile(header):
+            if nccl_header_version(header) < (2, 14):
+                print(f"decentpy: ignoring {header}: NCCL >= 2.14 needed", file=sys.stderr)
+                continue
+            return d
+    return None
+
+
+include_dirs = [CSRC]
+NCCL_INCLUDE = find_nccl_include() if WITH_CUDA else None
+WITH_NCCL = NCCL_INCLUDE is not None
+if WITH_NCCL:
+    define_macros.append(("DECENTPY_WITH_NCCL", "1"))
+    # nccl.h includes cuda_runtime.h; system dirs stay implicit (-I/usr/include breaks libstdc++).
+    for d in (NCCL_INCLUDE, os.path.join(CUDA_HOME, "include")):
+        if os.path.realpath(d) not in ("/usr/include", "/usr/local/include") and d not in include_dirs:
+            include_dirs.append(d)
 
 
 # ---- version, wheel requirements and decentpy/_build_info.py -------------------------------------
@@ -290,6 +343,7 @@ class DecentpyBuildExt(BuildExtension):
 
 print(f"decentpy: CUDA kernels {'ON (' + NVCC + ')' if WITH_CUDA else 'OFF'}"
       f"{'' if WITH_CUDA or not NVCC else ' (no csrc/cuda/*.cu)'}", file=sys.stderr)
+print(f"decentpy: NCCL communicator {'ON (' + NCCL_INCLUDE + ')' if WITH_NCCL else 'OFF'}", file=sys.stderr)
 print(f"decentpy: version {VERSION}"
       f"{' (wheel: requires ' + TORCH_REQUIREMENT + ')' if WHEEL_BUILD else ''}", file=sys.stderr)
 
@@ -302,7 +356,7 @@ setup(
         CppExtension(
             name="decentpy._C",
             sources=cpp_sources,
-            include_dirs=[CSRC],
+            include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags},
             extra_link_args=link_args,

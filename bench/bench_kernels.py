@@ -2,15 +2,23 @@
 
 Workload: AdamW on a fp32 bucket with an all-reduce style mix (mix_a = w - s, mix_b = 1, the send
 buffer aliasing the comm buffer, send_scale = s). Per element the fused kernel reads p, c, g, m, v
-and writes p, m, v, send: 9 x 4 bytes.
+and writes p, m, v, send: 9 x 4 bytes; with --zero-grad (the default, what training uses: the
+reducer passes zero_grad=True) it also writes g = 0 right after reading it: 10 x 4 bytes.
 
 Compared with:
   (a) the best torch sequence: p.mul_(a).add_(c, alpha=b); torch AdamW(fused=True) step
-      (foreach when fused is not supported here); torch.mul(p, s, out=send)
+      (foreach when fused is not supported here); torch.mul(p, s, out=send); with --zero-grad
+      also grad.zero_()
   (b) the same with torch's default per-parameter AdamW (foreach=False)
   (c) a same-run dst.copy_(src) moving the same number of bytes (read + write) as the fused kernel
+  (d) with --zero-grad only: the fused kernel without zero_grad followed by grad.zero_() (the
+      separate zeroing pass that zero_grad replaces)
+
+After the first zero_grad call the gradient stays zero: same memory traffic and the same
+arithmetic (AdamW has no data-dependent branch), so the timing is that of a training step.
 
 Usage: python bench/bench_kernels.py [--size-mb 25] [--repeats 9] [--threads N] [--device cpu|cuda|all]
+                                     [--zero-grad | --no-zero-grad]
 """
 import argparse
 import os
@@ -86,7 +94,7 @@ def make_torch_adamw(p, lr, wd, betas, eps, mode):
     return opt, "default (foreach=False)"
 
 
-def bench_device(device, numel, repeats):
+def bench_device(device, numel, repeats, zero_grad=True):
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rnd(scale=1.0):
@@ -106,7 +114,16 @@ def bench_device(device, numel, repeats):
 
     def fused():
         _C.mix_and_step(ADAM, p, g, [m, v], c, c, segments, hyper, w - s, 1.0, s, 1.0, True,
-                        False, False, False)
+                        False, False, False, zero_grad=zero_grad)
+
+    # (d) the unfused zeroing that zero_grad replaces (own buffers: same traffic as `fused`).
+    pd, cd, gd = rnd(), rnd(), rnd(1e-3)
+    md, vd = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
+
+    def fused_then_zero():
+        _C.mix_and_step(ADAM, pd, gd, [md, vd], cd, cd, segments, hyper, w - s, 1.0, s, 1.0, True,
+                        False, False, False, zero_grad=False)
+        gd.zero_()
 
     # Torch sequences.
     def torch_seq(mode):
@@ -122,22 +139,27 @@ def bench_device(device, numel, repeats):
             opt.step()
             with torch.no_grad():
                 torch.mul(tp, s, out=send)
+                if zero_grad:
+                    tp.grad.zero_()
 
         return fn, used
 
     seq_a, used_a = torch_seq("fused")
     seq_b, used_b = torch_seq("default")
 
-    # Same-run copy moving the same bytes: fused moves 9 * numel * 4 bytes (5 reads + 4 writes);
-    # a copy of k elements moves 2 * k * 4 bytes.
-    bytes_moved = 9 * numel * 4
-    copy_elems = (9 * numel) // 2
+    # Same-run copy moving the same bytes: fused moves 9 * numel * 4 bytes (5 reads + 4 writes),
+    # 10 * numel * 4 with zero_grad (+ the grad write); a copy of k elements moves 2 * k * 4 bytes.
+    streams = 10 if zero_grad else 9
+    bytes_moved = streams * numel * 4
+    copy_elems = (streams * numel) // 2
     src = torch.randn(copy_elems, generator=gen).to(device)
     dst = torch.empty_like(src)
     copy_bytes = 2 * copy_elems * 4
 
     # Interleaved: each round times every variant once, so load changes hit all of them alike.
     fns = {"fused": fused, "a": seq_a, "b": seq_b, "copy": lambda: dst.copy_(src)}
+    if zero_grad:
+        fns["d"] = fused_then_zero
     run = timer(device)
     for fn in fns.values():
         for _ in range(2):
@@ -150,14 +172,19 @@ def bench_device(device, numel, repeats):
     t_fused, t_a, t_b, t_copy = med["fused"], med["a"], med["b"], med["copy"]
 
     gbs = lambda b, t: b / t / 1e9
+    zg = ", zero_grad" if zero_grad else ""
     rows = [
-        ("fused _C.mix_and_step (AdamW, comm+send)", t_fused, gbs(bytes_moved, t_fused)),
+        (f"fused _C.mix_and_step (AdamW, comm+send{zg})", t_fused, gbs(bytes_moved, t_fused)),
         (f"(a) torch mix + AdamW {used_a} + mul", t_a, gbs(bytes_moved, t_a)),
         (f"(b) torch mix + AdamW {used_b} + mul", t_b, gbs(bytes_moved, t_b)),
         ("(c) dst.copy_(src), same bytes", t_copy, gbs(copy_bytes, t_copy)),
     ]
+    if zero_grad:
+        rows.append(("(d) fused without zero_grad + grad.zero_()", med["d"],
+                     gbs(bytes_moved, med["d"])))
     print(f"\n[{device}] bucket {numel * 4 / 2**20:.1f} MiB fp32 ({numel} elements), "
-          f"fused moves {bytes_moved / 2**20:.0f} MiB, median of {repeats} interleaved runs")
+          f"fused moves {bytes_moved / 2**20:.0f} MiB ({streams} x 4 B/element), median of {repeats} "
+          f"interleaved runs")
     print(f"{'variant':54s} {'time ms':>9s} {'GB/s':>8s}")
     for name, t, bw in rows:
         print(f"{name:54s} {t * 1e3:9.2f} {bw:8.1f}")
@@ -168,9 +195,14 @@ def bench_device(device, numel, repeats):
     print(f"speed-up vs (b): {rb:5.2f}x   (target >= {TARGET_B}x)  {ok(rb, TARGET_B)}")
     print(f"fused bandwidth: {100 * pc:5.1f}% of copy (target >= {100 * TARGET_COPY:.0f}%)  "
           f"{ok(pc, TARGET_COPY)}")
+    if zero_grad:
+        print(f"zero_grad fused in the pass vs separate grad.zero_(): {med['d'] / t_fused:5.2f}x")
     if "fused" not in used_a:
         print("note: torch AdamW(fused=True) is not supported here; (a) uses foreach.")
-    return dict(fused=t_fused, a=t_a, b=t_b, copy=t_copy)
+    out = dict(fused=t_fused, a=t_a, b=t_b, copy=t_copy)
+    if zero_grad:
+        out["fused_then_zero"] = med["d"]
+    return out
 
 
 def main(argv=None):
@@ -180,6 +212,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all",
                     help="cpu, cuda, or all (cpu + cuda when available; default)")
+    ap.add_argument("--zero-grad", action=argparse.BooleanOptionalAction, default=True,
+                    help="benchmark the kernel with zero_grad=True (the training mode; default) "
+                         "or without (--no-zero-grad: 9 x 4 B/element as before)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -203,7 +238,7 @@ def main(argv=None):
         print("cuda: not available", file=sys.stderr)
         return 1
     for d in devices:
-        bench_device(d, numel, max(args.repeats, 1))
+        bench_device(d, numel, max(args.repeats, 1), zero_grad=args.zero_grad)
     return 0
 
 

@@ -16,6 +16,10 @@
 
 namespace py = pybind11;
 
+namespace decentpy {
+void bind_nccl(py::module& m);  // csrc/nccl/nccl_bindings.cpp
+}  // namespace decentpy
+
 namespace {
 
 std::string compiler_string() {
@@ -68,12 +72,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("grad"), py::arg("states"), py::arg("comm"), py::arg("send"), py::arg("segments"),
         py::arg("hyper"), py::arg("mix_a"), py::arg("mix_b"), py::arg("send_scale"),
         py::arg("grad_scale"), py::arg("decoupled_weight_decay"), py::arg("momentum_init"),
-        py::arg("accum_boundary"), py::arg("skip_update"),
+        py::arg("accum_boundary"), py::arg("skip_update"), py::arg("zero_grad") = false,
         py::call_guard<py::gil_scoped_release>(),
         "Fused mix + optimizer step + send-buffer write over one flat bucket (in place). "
         "kind: 0 None, 1 SGD, 2 Adam, 3 AccumAdam. hyper rows: [lr, weight_decay, momentum, "
         "dampening, nesterov, beta1, beta2, eps, bias_correction1, bias_correction2_sqrt, "
-        "accum_scale].");
+        "accum_scale]. zero_grad: write 0 to each grad element right after reading it (same "
+        "pass; also with skip_update / kind None, where grad is only zeroed).");
 
   m.def("scale_copy_", &decentpy::scale_copy_, py::arg("dst"), py::arg("src"), py::arg("alpha"),
         py::call_guard<py::gil_scoped_release>(), "dst = alpha * src (dst may be src).");
@@ -94,4 +99,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_info", &build_info, "What this build of decentpy._C contains.");
 
   decentpy::bind_reduce_scatter(m);
+  decentpy::bind_nccl(m);
 }

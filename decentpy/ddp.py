@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .bucket import BucketPlan, check_optimizer
-from .comm import TorchCommunicator, default_timeout
+from .comm import default_timeout
+from .nccl_comm import COMM_CHOICES, select_communicator
 from .grad_scaling import BucketGradScaling
 from .reducer import GossipReducer, OptimFn, SchedulerFn
 from .topology import Topology, make_topology
@@ -59,6 +60,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         local_world_size: workers per node (defaults to ``$LOCAL_WORLD_SIZE``, else 1); used by
             node-aware topologies. ``_local_world_size`` is accepted as in decent-dp.
         timeout: bound on every wait for a peer (defaults to the process group's timeout).
+        comm: ``'auto'`` (decentpy's NCCL communicator when the process group is NCCL and the
+            extension has it, else torch.distributed), ``'torch'`` or ``'nccl'``.
     """
 
     FLOAT_DTYPES = list(_FLOAT_DTYPES)
@@ -77,6 +80,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         local_world_size: Optional[int] = None,
         _local_world_size: Optional[int] = None,
         timeout: Optional[datetime.timedelta] = None,
+        comm: str = "auto",
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -94,6 +98,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             raise ValueError(f"grad_clip_norm must be a finite number >= 0 (0 disables clipping), got {grad_clip_norm}")
         if not (bucket_size_in_mb > 0):
             raise ValueError(f"bucket_size_in_mb must be > 0, got {bucket_size_in_mb}")
+        if comm not in COMM_CHOICES:
+            raise ValueError(f"comm must be one of {', '.join(map(repr, COMM_CHOICES))}, got {comm!r}")
 
         self._rank = dist.get_rank()
         self._world_size = dist.get_world_size()
@@ -126,7 +132,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
         self._check_same_model()  # first collective
         self._broadcast_from_rank0()
-        self._comm = TorchCommunicator(self._topology, self._timeout)
+        self._comm = select_communicator(comm, self._topology, self._timeout, device=self._params[0].device)
         self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
         self._reducer = GossipReducer(
             self._params, self._param_names, optim_fn, lr_scheduler_fn, self._topology, self._comm,

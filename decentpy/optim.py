@@ -201,8 +201,13 @@ class FusedOptimizer(Optimizer):
         send_scale: float,
         grad_scale: float,
         skip_update: bool,
+        zero_grad: bool = False,
     ) -> None:
-        """Mix, step and fill the send buffer for one bucket in one kernel pass."""
+        """Mix, step and fill the send buffer for one bucket in one kernel pass.
+
+        With ``zero_grad`` the kernel also zeroes ``grad_block`` in the same pass, right after reading
+        each gradient (and also when ``skip_update`` is set: the skipped gradients are discarded).
+        """
         states = self._ensure_flat_state(params, offsets, param_block.numel(), param_block.device)
         assert self._shared_step is not None
         step = int(self._shared_step.item()) + (0 if skip_update else 1)
@@ -211,6 +216,7 @@ class FusedOptimizer(Optimizer):
             self.kind, param_block, grad_block, states, comm, send, segments,
             self.hyper_rows(max(step, 1)), mix_a, mix_b, send_scale, grad_scale,
             self.decoupled_weight_decay, momentum_init, accum_boundary, skip_update,
+            zero_grad=zero_grad,
         )
         if not skip_update:
             self._shared_step += 1

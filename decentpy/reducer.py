@@ -241,9 +241,11 @@ class GossipReducer:
         if not views:
             b.gather_params()
         if b.fused:
+            # zero_grad: the kernel zeroes grad_block in the same pass (also when skip is set, so the
+            # next iteration never sees skipped, non-finite gradients): no separate zero_() pass.
             b.optimizer.bucket_step(b.params, b.offsets,  # type: ignore[attr-defined]
                                     b.param_block, b.grad_block, b.segments, comm, send, a, c, send_scale,
-                                    factor, skip)
+                                    factor, skip, zero_grad=True)
             if not views:
                 b.scatter_params()
         else:
@@ -259,9 +261,9 @@ class GossipReducer:
                     b.gather_params()
             if send is not None:
                 _C.scale_copy_(send, b.param_block, send_scale)
+            b.grad_block.zero_()
         if local_step and not skip and b.scheduler is not None:
             b.scheduler.step()
-        b.grad_block.zero_()
         b.comm_valid = False
         b.skip_mix = False
         if len(nxt.ranks) > 1:

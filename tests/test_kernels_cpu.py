@@ -121,8 +121,12 @@ def ulp_tol(dtype):
 
 def run_case(kind, dtype, n, comm_mode="none", momentum=0.9, nesterov=False, dampening=0.0,
              init=False, decoupled=False, boundary=False, skip=False, grad_scale=1.0, wd=0.01,
-             ngroups=3, seed=0, mix=(0.6, 0.4), send_scale=1.0):
-    """comm_mode: none | comm | send | comm+send | alias (send is the comm buffer)."""
+             ngroups=3, seed=0, mix=(0.6, 0.4), send_scale=1.0, zero_grad=False, nan_grad=False):
+    """comm_mode: none | comm | send | comm+send | alias (send is the comm buffer).
+
+    zero_grad: run the kernel with zero_grad=True as well and check that it leaves grad exactly
+    zero and gives bit-identical param / states / send to zero_grad=False. nan_grad: poison some
+    gradients with nan / inf (with skip=True: the non-finite step that is skipped)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(scale=1.0, positive=False):
@@ -131,6 +135,9 @@ def run_case(kind, dtype, n, comm_mode="none", momentum=0.9, nesterov=False, dam
 
     p = rnd().to(dtype)
     g = rnd(0.5).to(dtype)
+    if nan_grad and n:
+        g[::7] = float("nan")
+        g[3::11] = float("inf")
     states = []
     ns = n_states(kind, momentum)
     if kind == SGD and ns:
@@ -158,17 +165,37 @@ def run_case(kind, dtype, n, comm_mode="none", momentum=0.9, nesterov=False, dam
     P_ref, S_ref, send_ref = reference(kind, p, g, states, c, want_send, segs, hyper, a, b,
                                        send_scale, grad_scale, decoupled, init, boundary, skip)
 
-    p_k = p.clone()
-    st_k = [t.clone() for t in states]
-    c_k = c.clone() if c is not None else None
-    if comm_mode == "alias":
-        send_k = c_k
-    elif want_send:
-        send_k = torch.full((n,), float("nan"), dtype=dtype)
-    else:
-        send_k = None
-    _C.mix_and_step(kind, p_k, g.clone(), st_k, c_k, send_k, seg_tensor(segs), hyper, a, b,
-                    send_scale, grad_scale, decoupled, init, boundary, skip)
+    def launch(zg):
+        p_k = p.clone()
+        g_k = g.clone()
+        st_k = [t.clone() for t in states]
+        c_k = c.clone() if c is not None else None
+        if comm_mode == "alias":
+            send_k = c_k
+        elif want_send:
+            send_k = torch.full((n,), float("nan"), dtype=dtype)
+        else:
+            send_k = None
+        _C.mix_and_step(kind, p_k, g_k, st_k, c_k, send_k, seg_tensor(segs), hyper, a, b,
+                        send_scale, grad_scale, decoupled, init, boundary, skip, zero_grad=zg)
+        return p_k, g_k, st_k, c_k, send_k
+
+    p_k, g_k, st_k, c_k, send_k = launch(False)
+    assert torch.equal(g_k.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       g.view(torch.int16 if dtype != torch.float32 else torch.int32)), \
+        "grad must not be written without zero_grad"
+    if zero_grad:
+        zp, zg_, zst, zc, zsend = launch(True)
+        assert torch.equal(zg_, torch.zeros_like(zg_)), "zero_grad must leave grad exactly zero"
+        assert not torch.signbit(zg_).any(), "zero_grad must store +0"
+        assert torch.equal(zp, p_k), "zero_grad changed param"
+        for i, (s0, s1) in enumerate(zip(zst, st_k)):
+            assert torch.equal(s0, s1), f"zero_grad changed state {i}"
+        if want_send:
+            assert torch.equal(zsend, send_k), "zero_grad changed send"
+        if c is not None:
+            assert torch.equal(zc, c_k), "zero_grad changed comm"
+        p_k, st_k, c_k, send_k = zp, zst, zc, zsend
 
     rtol, atol = ulp_tol(dtype)
     torch.testing.assert_close(p_k.double(), P_ref.to(dtype).double(), rtol=rtol, atol=atol,
@@ -349,6 +376,168 @@ def test_matches_torch_adamw_one_step():
     torch.testing.assert_close(pk, tp.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(st[0], opt.state[tp]["exp_avg"])
     torch.testing.assert_close(st[1], opt.state[tp]["exp_avg_sq"])
+
+
+# ---- zero_grad: the gradient is zeroed in the same pass ---------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("comm_mode", COMM_MODES)
+@pytest.mark.parametrize("kind", [NONE, SGD, ADAM, ACCUM], ids=lambda k: KIND_NAMES[k])
+def test_zero_grad_kinds_dtypes(kind, dtype, comm_mode):
+    run_case(kind, dtype, 1000, comm_mode=comm_mode, decoupled=(kind == ADAM), boundary=True,
+             send_scale=0.5 if comm_mode == "comm+send" else 1.0, zero_grad=True)
+
+
+@pytest.mark.parametrize("n", [1, 7, 17, 33, 1001, 100_003])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM], ids=lambda k: KIND_NAMES[k])
+def test_zero_grad_odd_sizes_segments(kind, dtype, n):
+    # numel not a multiple of any vector width, 3 groups over uneven segments (not vector-aligned).
+    run_case(kind, dtype, n, comm_mode="alias", decoupled=True, boundary=(n % 2 == 1),
+             zero_grad=True, seed=n)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("init", [False, True])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_zero_grad_sgd_variants(nesterov, init, momentum):
+    run_case(SGD, torch.float32, 777, comm_mode="comm", nesterov=nesterov, init=init,
+             momentum=momentum, zero_grad=True)
+
+
+@pytest.mark.parametrize("comm_mode", ["none", "comm+send", "alias"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM], ids=lambda k: KIND_NAMES[k])
+def test_zero_grad_skip_update_nan(kind, dtype, comm_mode):
+    # Non-finite gradients: the update is skipped, grad is not read but still zeroed.
+    for n in (5, 333, 100_003):
+        run_case(kind, dtype, n, comm_mode=comm_mode, skip=True, nan_grad=True, zero_grad=True,
+                 seed=n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_zero_grad_kind_none_no_segments(dtype):
+    # kind None with an empty segment table, with and without comm / send.
+    for n in (3, 1000, 70_001):
+        for c_mode in ("none", "comm", "send"):
+            p = torch.randn(n).to(dtype)
+            g = torch.full((n,), float("nan")).to(dtype)
+            c = torch.randn(n).to(dtype) if c_mode == "comm" else None
+            send = torch.empty(n, dtype=dtype) if c_mode == "send" else None
+            p0 = p.clone()
+            _C.mix_and_step(NONE, p, g, [], c, send, torch.zeros(0, 3, dtype=torch.int64), [],
+                            0.25, 0.75, 1.0, 1.0, False, False, False, False, zero_grad=True)
+            assert torch.equal(g, torch.zeros_like(g))
+            if c is not None:
+                ref = (0.25 * p0.double() + 0.75 * c.double()).to(dtype)
+                torch.testing.assert_close(p.double(), ref.double(), rtol=ulp_tol(dtype)[0],
+                                           atol=1e-6)
+            else:
+                assert torch.equal(p, p0)
+            if send is not None:
+                assert torch.equal(send, p)
+
+
+def test_zero_grad_unaligned_views():
+    # Buffers at odd element offsets (not co-aligned with param): still zeroed, same results.
+    n = 1003
+    base_g = torch.randn(n + 3)
+    for off in (0, 1, 3):
+        g = base_g[off:off + n].clone() if off == 0 else base_g.clone()[off:off + n]
+        run_g = g.clone()
+        p = torch.randn(n + 1)[1:]
+        st = [torch.zeros(n), torch.zeros(n)]
+        p1, st1 = p.clone(), [t.clone() for t in st]
+        _C.mix_and_step(ADAM, p1, run_g.clone(), st1, None, None, seg_tensor([(0, n, 0)]),
+                        [hyper_row()], 1.0, 0.0, 1.0, 1.0, True, False, False, False)
+        _C.mix_and_step(ADAM, p, g, st, None, None, seg_tensor([(0, n, 0)]), [hyper_row()], 1.0,
+                        0.0, 1.0, 1.0, True, False, False, False, zero_grad=True)
+        assert torch.equal(g, torch.zeros(n))
+        assert torch.equal(p, p1) and torch.equal(st[0], st1[0]) and torch.equal(st[1], st1[1])
+
+
+def test_zero_grad_numel_zero_and_version_bump():
+    p = torch.zeros(0)
+    _C.mix_and_step(ADAM, p, torch.zeros(0), [torch.zeros(0), torch.zeros(0)], None, None,
+                    torch.zeros(0, 3, dtype=torch.int64), [hyper_row()], 1.0, 0.0, 1.0, 1.0,
+                    False, False, False, False, zero_grad=True)
+    kw = _good()
+    g = kw["grad"]
+    v0 = g._version
+    _call(**kw, zero_grad=True)
+    assert g._version > v0, "zero_grad writes grad: its version counter must move"
+    assert torch.equal(g, torch.zeros_like(g))
+
+
+def test_zero_grad_bad_inputs():
+    kw = _good()
+    kw["grad"] = None
+    with pytest.raises(RuntimeError, match=r"grad is required"):
+        _call(**kw, zero_grad=True)
+    kw = _good()
+    kw["grad"], kw["skip_update"] = None, True
+    with pytest.raises(RuntimeError, match=r"zero_grad=True needs grad"):
+        _call(**kw, zero_grad=True)
+    kw = _good()
+    kw["grad"] = kw["param"]
+    with pytest.raises(RuntimeError, match=r"grad must not share memory with param"):
+        _call(**kw, zero_grad=True)
+    kw = _good()
+    kw["comm"] = kw["grad"]
+    with pytest.raises(RuntimeError, match=r"grad \(zero_grad=True\) must not share memory with comm"):
+        _call(**kw, zero_grad=True)
+    kw = _good()
+    kw["send"] = kw["grad"]
+    with pytest.raises(RuntimeError, match=r"grad \(zero_grad=True\) must not share memory with send"):
+        _call(**kw, zero_grad=True)
+    kw = _good()
+    kw["states"][0] = kw["grad"]
+    with pytest.raises(RuntimeError, match=r"grad \(zero_grad=True\) must not share memory with states\[0\]"):
+        _call(**kw, zero_grad=True)
+    # Without zero_grad a read-only grad shared with comm is still accepted (old behaviour).
+    kw = _good()
+    kw["comm"] = kw["grad"].clone()
+    _call(**kw)
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam", "AccumAdamW"])
+def test_bucket_step_zero_grad_after_skipped_step(opt_name):
+    # FusedOptimizer.bucket_step(zero_grad=True), as the reducer calls it: a skipped step
+    # (non-finite gradients) leaves the parameters and the step count alone but zeroes the
+    # gradients, so the next step starts from the fresh gradients only.
+    optim = pytest.importorskip("decentpy.optim")
+    n1, n2 = 10, 23
+    n = n1 + n2
+    segs = seg_tensor([(0, n, 0)])
+
+    def make():
+        block = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        params = [torch.nn.Parameter(block[:n1]), torch.nn.Parameter(block[n1:])]
+        kw = dict(lr=0.1, momentum=0.9) if opt_name == "SGD" else dict(lr=0.01)
+        return block, params, getattr(optim, opt_name)(params, **kw)
+
+    block, params, opt = make()
+    block2, params2, opt2 = make()
+    grad = torch.full((n,), float("nan"))
+    grad[5] = float("inf")
+    p0 = block.clone()
+    opt.bucket_step(params, [0, n1], block, grad, segs, None, None, 1.0, 0.0, 1.0, 1.0, True,
+                    zero_grad=True)
+    assert torch.equal(grad, torch.zeros(n)), "skipped step must still zero the gradients"
+    assert torch.equal(block, p0)
+    assert int(opt._shared_step.item()) == 0
+    # Next step: finite gradients accumulate into the zeroed block (as backward does).
+    fresh = torch.randn(n, generator=torch.Generator().manual_seed(2))
+    grad += fresh
+    opt.bucket_step(params, [0, n1], block, grad, segs, None, None, 1.0, 0.0, 1.0, 1.0, False,
+                    zero_grad=True)
+    assert torch.equal(grad, torch.zeros(n))
+    # Reference: the same optimizer that never saw the skipped step, without zero_grad.
+    grad2 = fresh.clone()
+    opt2.bucket_step(params2, [0, n1], block2, grad2, segs, None, None, 1.0, 0.0, 1.0, 1.0, False)
+    assert torch.equal(grad2, fresh), "without zero_grad the gradients are left alone"
+    assert torch.equal(block, block2)
+    assert bool(torch.isfinite(block).all())
 
 
 # ---- bad inputs ------------------------------------------------------------------------------

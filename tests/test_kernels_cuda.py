@@ -186,8 +186,12 @@ def make_states(kind, numel, offset, momentum_buffer):
 def run_case(kind, dtype, numel, *, offset=0, offsets=None, segments=None, hyper=None,
              has_comm=True, has_send=True, send_aliases_comm=False, momentum_buffer=True,
              decoupled=False, momentum_init=False, accum_boundary=False, skip_update=False,
-             mix_a=0.5, mix_b=0.5, send_scale=1.0 / 3.0, grad_scale=0.75, grad_fill=None):
-    """Build fresh random inputs, run the kernel, compare every output with the reference."""
+             mix_a=0.5, mix_b=0.5, send_scale=1.0 / 3.0, grad_scale=0.75, grad_fill=None,
+             zero_grad=False):
+    """Build fresh random inputs, run the kernel, compare every output with the reference.
+
+    zero_grad: also run with zero_grad=False on copies (same offsets), and check that zero_grad
+    leaves grad exactly zero and every other output bit-identical."""
     off = dict(param=offset, grad=offset, comm=offset, send=offset, state=offset)
     off.update(offsets or {})
     if segments is None:
@@ -216,17 +220,44 @@ def run_case(kind, dtype, numel, *, offset=0, offsets=None, segments=None, hyper
     grad_before = grad.clone()
 
     seg_t = torch.tensor(segments, dtype=torch.int64, device=DEV).reshape(-1, 3)
+    plain = None
+    if zero_grad:
+        def twin(t, key):
+            if t is None:
+                return None
+            u = _buffer(numel, t.dtype, off[key], lambda n: torch.zeros(n, device=DEV))
+            u.copy_(t)
+            return u
+        p2, g2, c2 = twin(param, "param"), twin(grad, "grad"), twin(comm, "comm")
+        st2 = [twin(x, "state") for x in states]
+        s2 = c2 if send_aliases_comm else twin(send, "send")
+        _C.mix_and_step(kind, p2, g2, st2, c2, s2, seg_t, hyper, mix_a, mix_b, send_scale,
+                        grad_scale, decoupled, momentum_init, accum_boundary, skip_update,
+                        zero_grad=False)
+        plain = (p2, st2, c2, s2)
     _C.mix_and_step(kind, param, grad, states, comm, send, seg_t, hyper, mix_a, mix_b,
                     send_scale, grad_scale, decoupled, momentum_init, accum_boundary,
-                    skip_update)
+                    skip_update, zero_grad=zero_grad)
     torch.cuda.synchronize()
+    if zero_grad:
+        assert torch.equal(grad, torch.zeros_like(grad)), "zero_grad must leave grad exactly zero"
+        assert not bool(torch.signbit(grad).any()), "zero_grad must store +0"
+        p2, st2, c2, s2 = plain
+        assert torch.equal(param, p2), "zero_grad changed param"
+        for k, (a_, b_) in enumerate(zip(states, st2)):
+            assert torch.equal(a_, b_), f"zero_grad changed state{k}"
+        if comm is not None:
+            assert torch.equal(comm, c2), "zero_grad changed comm / send"
+        if send is not None:
+            assert torch.equal(send, s2), "zero_grad changed send"
+        grad = grad_before  # the checks below are about the values read
 
     assert_matches(param, ref_p, "param")
     for k, (s, r) in enumerate(zip(states, ref_states)):
         assert_matches(s, r, f"state{k}", fp32_rtol=2e-6, fp32_atol=1e-7)
     if has_send:
         assert_matches(send, ref_send, "send")
-    # Inputs that must not be written.
+    # Inputs that must not be written (grad: unless zero_grad, checked above).
     assert torch.equal(grad, grad_before) or skip_update  # NaN grads: compare bits below
     if skip_update:
         assert torch.equal(grad.view(torch.int16 if dtype != torch.float32 else torch.int32),
@@ -391,6 +422,63 @@ def test_consecutive_steps_accumulate():
         assert torch.equal(send, param)  # send_scale 1: p as stored, bit for bit
         ref_p = param.double()
     assert bool((states[2] == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# zero_grad: grad zeroed in the same pass
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("numel", [1, 7, 37, 1000003])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(KIND_CASES))
+def test_zero_grad_matches_reference(case, dtype, numel, offset):
+    torch.manual_seed(numel * 5 + offset)
+    run_case(dtype=dtype, numel=numel, offset=offset, zero_grad=True, **KIND_CASES[case])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", ["sgd_momentum", "adamw", "accum_adamw_boundary"])
+def test_zero_grad_groups_and_straddling_segments(case, dtype):
+    numel = 100_003
+    torch.manual_seed(2)
+    cfg = dict(KIND_CASES[case])
+    cfg["hyper"] = MULTI_HYPER
+    run_case(dtype=dtype, numel=numel, segments=_straddling_segments(numel), zero_grad=True,
+             **cfg)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", [NONE, SGD, ADAM, ACCUM_ADAM])
+@pytest.mark.parametrize("comm_send", [(True, True), (True, False), (False, True), (False, False)],
+                         ids=["comm_send", "comm_only", "send_only", "neither"])
+@pytest.mark.parametrize("numel", [7, 1000003])
+def test_zero_grad_skip_update_nan(kind, dtype, comm_send, numel):
+    # Non-finite gradients: not read, but zeroed (the next iteration must not see them).
+    torch.manual_seed(13)
+    nan_grad = lambda n: torch.full((n,), float("nan"), device=DEV)  # noqa: E731
+    run_case(kind=kind, dtype=dtype, numel=numel, skip_update=True, accum_boundary=True,
+             grad_fill=nan_grad, has_comm=comm_send[0], has_send=comm_send[1], zero_grad=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("which", ["param", "grad", "comm"])
+def test_zero_grad_not_co_aligned(dtype, which):
+    torch.manual_seed(17)
+    run_case(kind=ADAM, dtype=dtype, numel=100003, offsets={which: 1}, zero_grad=True)
+
+
+def test_zero_grad_needs_grad_and_no_alias():
+    p = torch.randn(1000, device=DEV)
+    g = torch.randn(1000, device=DEV)
+    seg_t = torch.tensor([[0, 1000, 0]], dtype=torch.int64, device=DEV)
+    with pytest.raises(RuntimeError, match="needs grad"):
+        _C.mix_and_step(SGD, p, None, [], None, None, seg_t, [hyper_row()], 1.0, 0.0, 1.0, 1.0,
+                        False, False, False, True, zero_grad=True)
+    with pytest.raises(RuntimeError, match="must not share memory with send"):
+        _C.mix_and_step(SGD, p, g, [], None, g, seg_t, [hyper_row()], 1.0, 0.0, 1.0, 1.0,
+                        False, False, False, False, zero_grad=True)
+    torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------

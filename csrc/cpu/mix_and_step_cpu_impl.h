@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 #include "kernels/mix_and_step.h"
@@ -47,6 +48,8 @@ struct Io {
   }
   static inline float load1(const T* p) { return static_cast<float>(*p); }
   static inline void store1(T* p, float x) { *p = T(x); }
+  // kBlock zeros (all-zero bits are +0 in every storage type): plain vector stores.
+  static inline void zero(T* p) { std::memset(p, 0, kBlock * sizeof(T)); }
 };
 
 template <>
@@ -62,6 +65,7 @@ struct Io<float> {
   }
   static inline float load1(const float* p) { return *p; }
   static inline void store1(float* p, float x) { *p = x; }
+  static inline void zero(float* p) { std::memset(p, 0, kBlock * sizeof(float)); }
 };
 
 // Flags resolved per segment (outside the element loops).
@@ -136,13 +140,16 @@ inline void update(const Hyper<V>& h, V& p, V g, V& s0, V& s1, V& s2) {
 }
 
 // Elements [lo, hi) that all use the group hyper-parameters g.
+// zero_grad is a launch-uniform run-time flag (a perfectly predicted branch per block, not a
+// template parameter: that would double every specialisation for one store).
 template <typename T, OptKind K, int F, bool Comm, bool Send>
 void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t hi) {
   using Tr = KindTraits<K, F>;
   using IoT = Io<T>;
   using IoF = Io<float>;
   T* __restrict P = static_cast<T*>(A.param);
-  const T* G = static_cast<const T*>(A.grad);
+  T* __restrict G = static_cast<T*>(A.grad);  // read, then zeroed when zero_grad
+  const bool zg = A.zero_grad != 0 && G != nullptr;
   const T* C = static_cast<const T*>(A.comm);
   T* S = static_cast<T*>(A.send);  // may alias C (read before written, element by element)
   float* __restrict S0 = A.state0;
@@ -166,6 +173,7 @@ void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t 
       if constexpr (Tr::uses_grad) {
         Vec g0, g1, m0, m1, v0, v1, r0, r1;
         IoT::load(G + i, g0, g1);
+        if (zg) IoT::zero(G + i);
         if constexpr (Tr::uses_s0) IoF::load(S0 + i, m0, m1);
         if constexpr (Tr::uses_s1) IoF::load(S1 + i, v0, v1);
         if constexpr (Tr::uses_s2) IoF::load(S2 + i, r0, r1);
@@ -174,6 +182,8 @@ void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t 
         if constexpr (Tr::uses_s0) IoF::store(S0 + i, m0, m1);
         if constexpr (Tr::uses_s1) IoF::store(S1 + i, v0, v1);
         if constexpr (Tr::uses_s2) IoF::store(S2 + i, r0, r1);
+      } else {
+        if (zg) IoT::zero(G + i);  // grad not read (kind None / skip_update): store only
       }
       (void)H;
       IoT::store(P + i, p0, p1);
@@ -188,6 +198,7 @@ void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t 
       if constexpr (Tr::uses_grad) {
         float m = 0.f, v = 0.f, r = 0.f;
         const float g = IoT::load1(G + i);
+        if (zg) IoT::store1(G + i, 0.f);
         if constexpr (Tr::uses_s0) m = S0[i];
         if constexpr (Tr::uses_s1) v = S1[i];
         if constexpr (Tr::uses_s2) r = S2[i];
@@ -195,6 +206,8 @@ void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t 
         if constexpr (Tr::uses_s0) S0[i] = m;
         if constexpr (Tr::uses_s1) S1[i] = v;
         if constexpr (Tr::uses_s2) S2[i] = r;
+      } else {
+        if (zg) IoT::store1(G + i, 0.f);
       }
       IoT::store1(P + i, p);
       if constexpr (Send) IoT::store1(S + i, h.s * p);
@@ -244,6 +257,12 @@ void dispatch_piece(const MixStepArgs& A, const GroupHyper& g, int64_t lo, int64
 template <typename T, bool Comm, bool Send>
 void run_range(const MixStepArgs& A, int64_t begin, int64_t end) {
   if (A.kind == OptKind::None || A.skip_update || A.num_segments <= 0) {
+    if constexpr (!Comm && !Send) {
+      // p is left as it is: the only work is zeroing grad (a store-only pass), if asked.
+      if (A.zero_grad && A.grad != nullptr && end > begin)
+        std::memset(static_cast<T*>(A.grad) + begin, 0, (end - begin) * sizeof(T));
+      return;
+    }
     const GroupHyper none{};
     run_piece<T, OptKind::None, 0, Comm, Send>(A, none, begin, end);
     return;

@@ -6,7 +6,11 @@
 //   and a kind variant (SGD: has a momentum buffer; AccumAdam: accumulation boundary, the only
 //   step that writes M and V). Other flags (decoupled, momentum_init, nesterov, wd != 0,
 //   momentum != 0) are launch- or group-uniform branches, not per-element divergence.
-// - skip_update launches the None kernel: mix and send only, state and grad untouched / unread.
+// - skip_update launches the None kernel: mix and send only, state untouched, grad unread.
+// - zero_grad: grad is zeroed right after it is read (same pass, 16-byte vector store of zeros on
+//   the vector path, scalar store on head/tail). A launch-uniform run-time flag (no divergence, no
+//   extra specialisations). The None / skip_update kernel stores the zeros without reading grad;
+//   with nothing else to do (no comm, no send) it is a cudaMemsetAsync of grad.
 // - fp32 math; sqrt and division are the IEEE round-to-nearest intrinsics (also under fast math).
 // - 16-byte vector loads/stores (4 x fp32, 8 x bf16/fp16) on the aligned middle of the buffers, a
 //   scalar path for the unaligned head, the tail, and everything when the buffers are not
@@ -53,7 +57,7 @@ struct Hyp {
 // Kernel argument (passed by value, __grid_constant__: lives in the constant bank, no copy).
 struct KArgs {
   void* param;
-  const void* grad;
+  void* grad;        // read (kind != None), zeroed when zero_grad
   const void* comm;  // may alias send
   void* send;
   float* s0;
@@ -67,9 +71,16 @@ struct KArgs {
   float mix_a, mix_b, send_scale, grad_scale;
   int32_t decoupled;
   int32_t momentum_init;
+  int32_t zero_grad;
   int32_t num_groups;
   Hyp hyp[kMaxGroups];
 };
+
+// 16 bytes of zeros (+0 in every storage type) at a 16-byte aligned ptr.
+template <typename T>
+__device__ __forceinline__ void store16_zero(T* ptr) {
+  *reinterpret_cast<uint4*>(ptr) = make_uint4(0u, 0u, 0u, 0u);
+}
 
 // Per-thread cache of the last segment found: [begin, end) -> group.
 struct SegCache {
@@ -157,8 +168,9 @@ __device__ __forceinline__ void process_one(const KArgs& a, int64_t i, SegCache&
       grp = cache.group;
     }
     const Hyp& h = a.hyp[grp];
-    const T* __restrict__ grad = static_cast<const T*>(a.grad);
+    T* __restrict__ grad = static_cast<T*>(a.grad);
     const float g = detail::to_f32<T>(grad[i]) * a.grad_scale;
+    if (a.zero_grad) grad[i] = detail::from_f32<T>(0.f);
     float m = 0.f, v = 0.f, acc = 0.f;
     if constexpr (kUsesS0<K, VAR>) m = a.s0[i];
     if constexpr (kUsesS1<K>) v = a.s1[i];
@@ -167,6 +179,8 @@ __device__ __forceinline__ void process_one(const KArgs& a, int64_t i, SegCache&
     if constexpr (K == OptKind::SGD && VAR) a.s0[i] = m;
     if constexpr (kWritesS01<K, VAR>) { a.s0[i] = m; a.s1[i] = v; }
     if constexpr (kUsesS2<K>) a.s2[i] = acc;
+  } else {
+    if (a.zero_grad) static_cast<T*>(a.grad)[i] = detail::from_f32<T>(0.f);  // store only
   }
   const T pt = detail::from_f32<T>(p);
   param[i] = pt;
@@ -181,7 +195,7 @@ __global__ void __launch_bounds__(kThreads)
 mix_step_kernel(const __grid_constant__ KArgs a) {
   constexpr int VEC = kVec<T>;
   T* __restrict__ param = static_cast<T*>(a.param);
-  const T* __restrict__ grad = static_cast<const T*>(a.grad);
+  T* __restrict__ grad = static_cast<T*>(a.grad);
   const T* comm = static_cast<const T*>(a.comm);  // not __restrict__: may alias send
   T* send = static_cast<T*>(a.send);
   float* __restrict__ s0 = a.s0;
@@ -220,6 +234,7 @@ mix_step_kernel(const __grid_constant__ KArgs a) {
       const Hyp& h = a.hyp[grp];
       float g[VEC];
       detail::load16(grad + base, g);
+      if (a.zero_grad) store16_zero(grad + base);
       float m[VEC], v[VEC], acc[VEC];
       if constexpr (kUsesS0<K, VAR>) detail::load_f32<VEC>(s0 + base, m);
       if constexpr (kUsesS1<K>) detail::load_f32<VEC>(s1 + base, v);
@@ -237,6 +252,8 @@ mix_step_kernel(const __grid_constant__ KArgs a) {
         detail::store_f32<VEC>(s1 + base, v);
       }
       if constexpr (kUsesS2<K>) detail::store_f32<VEC>(s2 + base, acc);
+    } else {
+      if (a.zero_grad) store16_zero(grad + base);  // grad not read: store only
     }
 #pragma unroll
     for (int e = 0; e < VEC; ++e) p[e] = detail::round_to<T>(p[e]);  // p as stored
@@ -340,11 +357,23 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   const int k = static_cast<int>(args.kind);
   require(k >= 0 && k <= 3, "unknown optimizer kind");
 
-  // skip_update (non-finite gradients): mix and send only, grad and state untouched.
+  // skip_update (non-finite gradients): mix and send only, state untouched, grad not read.
   const OptKind kind = args.skip_update ? OptKind::None : args.kind;
   const bool has_comm = args.comm != nullptr;
   const bool has_send = args.send != nullptr;
-  if (kind == OptKind::None && !has_comm && !has_send) return;  // nothing to do
+  const bool zero_grad = args.zero_grad != 0;
+  if (zero_grad) {
+    require(args.grad != nullptr, "zero_grad needs grad");
+    require(args.grad != args.param && args.grad != args.comm && args.grad != args.send,
+            "grad must not alias param, comm or send when zero_grad is set");
+  }
+  if (kind == OptKind::None && !has_comm && !has_send) {
+    // Nothing to mix or step: at most a store-only pass over grad.
+    if (zero_grad) {
+      DECENTPY_CUDA_CHECK(cudaMemsetAsync(args.grad, 0, static_cast<size_t>(args.numel) * esize, stream));
+    }
+    return;
+  }
 
   bool multi = false;
   bool variant = false;
@@ -370,7 +399,7 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
 
   KArgs a{};
   a.param = args.param;
-  a.grad = kind != OptKind::None ? args.grad : nullptr;
+  a.grad = (kind != OptKind::None || zero_grad) ? args.grad : nullptr;
   a.comm = args.comm;
   a.send = args.send;
   a.s0 = nullptr;
@@ -388,6 +417,7 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   a.grad_scale = args.grad_scale;
   a.decoupled = args.decoupled_weight_decay != 0;
   a.momentum_init = args.momentum_init != 0;
+  a.zero_grad = zero_grad ? 1 : 0;
   a.num_groups = kind != OptKind::None ? args.num_groups : 0;
   for (int g = 0; g < kMaxGroups; ++g) {
     const GroupHyper& s = args.groups[g];

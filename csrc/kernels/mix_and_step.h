@@ -8,6 +8,9 @@
 //   if !skip_update:    g = grad[i] * grad_scale                      (unscale / clip factor)
 //                       p, state = optimizer update (group hyper of the segment holding i)
 //   if send:            send[i] = send_scale * p
+//   if zero_grad:       grad[i] = 0 after it is read (gradients accumulate into the flat block, so
+//                       the next backward starts from zero). Also with skip_update / kind None,
+//                       where grad is not read: the kernel then only stores the zeros.
 // Optimizer updates (torch semantics for SGD/Adam/AdamW):
 //   SGD:        g += wd * p;  if momentum != 0: buf = momentum_init ? g : momentum*buf + (1-dampening)*g
 //               g = nesterov ? g + momentum*buf : buf;   p -= lr * g
@@ -66,7 +69,8 @@ struct MixStepArgs {
   int64_t numel = 0;
 
   void* param = nullptr;         // in/out, required
-  const void* grad = nullptr;    // required unless kind == None or skip_update
+  void* grad = nullptr;          // required unless kind == None or skip_update (and !zero_grad);
+                                 // written (zeros) when zero_grad; never aliases another buffer
   const void* comm = nullptr;    // optional: received / reduced buffer to mix in
   void* send = nullptr;          // optional: next send buffer (may alias comm, never param)
   float* state0 = nullptr;       // SGD: momentum buffer (null when momentum == 0); Adam*: exp_avg (M)
@@ -82,6 +86,7 @@ struct MixStepArgs {
   int32_t momentum_init = 0;           // SGD: first step initialises the momentum buffer with g
   int32_t accum_boundary = 0;          // AccumAdam: t mod A == 0 this step
   int32_t skip_update = 0;             // non-finite gradients: mix and send only
+  int32_t zero_grad = 0;               // grad[i] = 0 after it is read (needs grad)
 
   const Segment* segments = nullptr;   // host memory for CPU, device memory for CUDA
   int64_t num_segments = 0;

@@ -79,7 +79,7 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
                   const c10::optional<at::Tensor>& send, const at::Tensor& segments,
                   const std::vector<std::vector<double>>& hyper, double mix_a, double mix_b,
                   double send_scale, double grad_scale, bool decoupled_weight_decay,
-                  bool momentum_init, bool accum_boundary, bool skip_update) {
+                  bool momentum_init, bool accum_boundary, bool skip_update, bool zero_grad) {
   TORCH_CHECK(kind >= 0 && kind <= 3, "mix_and_step: kind must be 0 (None), 1 (SGD), 2 (Adam) or ",
               "3 (AccumAdam), got ", kind);
   const OptKind k = static_cast<OptKind>(kind);
@@ -97,9 +97,15 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
   const at::Tensor s = send.has_value() ? *send : at::Tensor();
   TORCH_CHECK(!needs_grad || g.defined(), "mix_and_step: grad is required for kind ",
               kind_name(kind), " unless skip_update is set");
+  TORCH_CHECK(!zero_grad || g.defined(), "mix_and_step: zero_grad=True needs grad (the tensor to "
+              "zero), got None");
   if (g.defined()) {
     check_like_param(g, param, "mix_and_step: grad");
     check_no_overlap(g, "mix_and_step: grad", param, "param");
+    if (zero_grad) {  // grad is written: it must not share memory with anything else
+      if (c.defined()) check_no_overlap(g, "mix_and_step: grad (zero_grad=True)", c, "comm");
+      if (s.defined()) check_no_overlap(g, "mix_and_step: grad (zero_grad=True)", s, "send");
+    }
   }
   if (c.defined()) {
     check_like_param(c, param, "mix_and_step: comm");
@@ -144,6 +150,10 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
                 param.device());
     TORCH_CHECK(t.is_contiguous(), what, " must be contiguous, got strides ", t.strides());
     check_no_overlap(t, what.c_str(), param, "param");
+    if (zero_grad) {
+      const std::string sn = "states[" + std::to_string(i) + "]";
+      check_no_overlap(g, "mix_and_step: grad (zero_grad=True)", t, sn.c_str());
+    }
   }
 
   TORCH_CHECK(hyper.size() <= static_cast<size_t>(kMaxGroups), "mix_and_step: hyper has ",
@@ -171,6 +181,7 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
   a.momentum_init = momentum_init ? 1 : 0;
   a.accum_boundary = accum_boundary ? 1 : 0;
   a.skip_update = skip_update ? 1 : 0;
+  a.zero_grad = zero_grad ? 1 : 0;
   a.num_groups = static_cast<int32_t>(hyper.size());
   for (size_t i = 0; i < hyper.size(); ++i) {
     const auto& r = hyper[i];
@@ -255,6 +266,7 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
   bump(param);
   if (needs_grad) for (const auto& t : states) bump(t);
   if (s.defined()) bump(s);
+  if (zero_grad) bump(g);
 }
 
 void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha) {

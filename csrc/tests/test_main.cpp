@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <stdexcept>
 #include <vector>
@@ -117,7 +118,8 @@ static void reference(const MixStepArgs& a, std::vector<double>& p, const std::v
   }
 }
 
-static void run_kind(OptKind kind, int64_t n, bool comm, bool send, bool alias, int variant) {
+static void run_kind(OptKind kind, int64_t n, bool comm, bool send, bool alias, int variant,
+                     bool zero_grad = false, bool skip = false) {
   std::mt19937 rng(static_cast<unsigned>(n * 31 + int(kind) * 7 + variant));
   std::normal_distribution<float> nd(0.f, 1.f);
   auto vec = [&](float scale, bool pos) {
@@ -148,6 +150,9 @@ static void run_kind(OptKind kind, int64_t n, bool comm, bool send, bool alias, 
   a.decoupled_weight_decay = variant & 1;
   a.momentum_init = variant == 2;
   a.accum_boundary = variant >= 1;
+  a.skip_update = skip ? 1 : 0;
+  if (skip)  // non-finite gradients: never read, so never propagated
+    for (int64_t i = 0; i < n; i += 5) g[i] = i % 2 ? INFINITY : NAN;
   std::vector<Segment> segs;
   int64_t cuts[] = {0, n / 3, n / 3 + 1, (3 * n) / 4, n};
   for (int k = 1; k < 5; ++k) cuts[k] = std::min(n, std::max(cuts[k], cuts[k - 1]));
@@ -176,7 +181,36 @@ static void run_kind(OptKind kind, int64_t n, bool comm, bool send, bool alias, 
                       r2 = to_d(s2), rsend(n, 0.0);
   reference(a, rp, rg, rc, r0, r1, r2, rsend);
 
+  // Same launch without zero_grad on copies: zero_grad must not change any result bit.
+  std::vector<float> p2 = p, g2 = g, c2 = c, s02 = s0, s12 = s1, s22 = s2, send2 = sendbuf;
+  MixStepArgs b = a;
+  b.param = p2.data();
+  b.grad = g2.data();
+  b.comm = comm ? c2.data() : nullptr;
+  b.send = send ? (alias ? static_cast<void*>(c2.data()) : send2.data()) : nullptr;
+  b.state0 = a.state0 ? s02.data() : nullptr;
+  b.state1 = a.state1 ? s12.data() : nullptr;
+  b.state2 = a.state2 ? s22.data() : nullptr;
+  b.zero_grad = 0;
+  mix_and_step_cpu(b);
+
+  a.zero_grad = zero_grad ? 1 : 0;
   mix_and_step_cpu(a);
+
+  if (zero_grad) {
+    bool all_zero = true;
+    for (int64_t i = 0; i < n; ++i) all_zero &= g[i] == 0.f && !std::signbit(g[i]);
+    CHECK(all_zero);
+    CHECK(std::equal(p.begin(), p.end(), p2.begin()));
+    CHECK(std::equal(c.begin(), c.end(), c2.begin()));
+    CHECK(std::equal(sendbuf.begin(), sendbuf.end(), send2.begin()));
+    CHECK(std::equal(s0.begin(), s0.end(), s02.begin()));
+    CHECK(std::equal(s1.begin(), s1.end(), s12.begin()));
+    CHECK(std::equal(s2.begin(), s2.end(), s22.begin()));
+  } else {
+    // grad is read only (bitwise: it may hold NaN)
+    CHECK(std::memcmp(g.data(), g2.data(), n * sizeof(float)) == 0);
+  }
 
   for (int64_t i = 0; i < n; ++i) {
     CHECK_NEAR(p[i], rp[i], 3e-6, 1e-6);
@@ -198,6 +232,21 @@ static void test_mix_and_step() {
       }
 }
 
+// zero_grad: grad all zero afterwards, every other result bit-identical to zero_grad = false (and
+// still matching the double reference); also with skip_update (NaN / inf gradients) and kind None.
+static void test_zero_grad() {
+  const OptKind kinds[] = {OptKind::None, OptKind::SGD, OptKind::Adam, OptKind::AccumAdam};
+  const int64_t sizes[] = {1, 7, 33, 1000, 100003};
+  for (OptKind k : kinds)
+    for (int64_t n : sizes)
+      for (int variant = 0; variant < 3; ++variant) {
+        run_kind(k, n, true, true, variant == 0, variant, true);
+        run_kind(k, n, variant != 1, false, false, variant, true);
+        run_kind(k, n, true, true, false, variant, true, /*skip=*/true);
+        run_kind(k, n, false, false, false, variant, true, /*skip=*/true);
+      }
+}
+
 static void test_scale_copy() {
   std::vector<float> src(1037), dst(1037);
   for (size_t i = 0; i < src.size(); ++i) src[i] = 0.5f * float(i) - 3.f;
@@ -214,6 +263,7 @@ int main() {
   test_assign_buckets();
   test_aligned_offsets();
   test_mix_and_step();
+  test_zero_grad();
   test_scale_copy();
   std::printf("decentpy_cpp_tests: %d checks, %d failures (cpu kernels: %s)\n", g_checks,
               g_failures, cpu_kernel_isa());

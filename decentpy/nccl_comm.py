@@ -1,0 +1,367 @@
+"""Exchanges over decentpy's own NCCL communicator (``decentpy._C.NcclCommunicator``).
+
+Same interface as :class:`decentpy.comm.TorchCommunicator`: ``launch(bucket, group, send, recv)``
+returns an exchange (or ``None`` for a group of one) whose ``wait(timeout)`` must run before the
+buffers are read or written. A group of two is a grouped ``ncclSend``/``ncclRecv`` on one world
+communicator; a larger group is an in-place all-reduce on a sub-communicator made once, at
+construction, with ``ncclCommSplit`` (collective: every rank splits for every group, in the same
+order).
+
+The world communicator comes from an ``ncclUniqueId`` that rank 0 puts in the default process
+group's c10d store. Every operation runs on the communicator's own stream, after the work already
+queued on torch's current stream; ``wait`` makes the current stream wait for it (an event: no host
+synchronisation on the hot path). Waits are still bounded: a C++ watchdog aborts the communicator
+(``ncclCommAbort``) when an operation outlives its deadline or NCCL reports an asynchronous error,
+which releases the GPU streams, and every later ``wait``/``launch`` raises
+:class:`~decentpy.comm.PeerTimeoutError` naming the peer(s) and the bucket. With
+``DECENTPY_NCCL_BLOCKING_WAIT=1`` (or ``blocking_wait=True``) ``wait`` blocks the host instead,
+raising as soon as the timeout passes.
+
+:func:`select_communicator` implements ``comm='auto' | 'torch' | 'nccl'``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+import os
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _C
+from .comm import PeerTimeoutError, TorchCommunicator
+from .topology import Group, Topology
+
+logger = logging.getLogger(__name__)
+
+COMM_CHOICES = ("auto", "torch", "nccl")
+_UID_PREFIX = "decentpy/nccl_unique_id"
+_uid_sequence = itertools.count()  # same construction order on every rank -> same store keys
+
+DeviceLike = Union[None, int, str, torch.device]
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def nccl_compiled() -> bool:
+    """Whether this build of ``decentpy._C`` contains the NCCL communicator (build time)."""
+    return bool(getattr(_C, "nccl_available", lambda: False)())
+
+
+def nccl_library_candidates() -> List[str]:
+    """Paths of libnccl.so.2 to try (after the copy torch already loaded, before the loader's
+    search path): ``DECENTPY_NCCL_LIBRARY``, ``NCCL_HOME``/``NCCL_ROOT``, then the
+    nvidia-nccl-cu13/-cu12 wheel next to torch or on ``sys.path``."""
+    out: List[str] = []
+    explicit = os.environ.get("DECENTPY_NCCL_LIBRARY", "").strip()
+    if explicit:
+        out.append(explicit)
+    for var in ("NCCL_HOME", "NCCL_ROOT"):
+        home = os.environ.get(var, "").strip()
+        if home:
+            out += [os.path.join(home, sub, "libnccl.so.2") for sub in ("lib", "lib64")]
+    bases = [os.path.dirname(os.path.dirname(torch.__file__))] + [p for p in sys.path if p]
+    out += [os.path.join(b, "nvidia", "nccl", "lib", "libnccl.so.2") for b in bases]
+    seen, result = set(), []
+    for p in out:
+        if p not in seen and os.path.isfile(p):
+            seen.add(p)
+            result.append(p)
+    return result
+
+
+def _device_of(device: DeviceLike) -> Optional[torch.device]:
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def nccl_unavailable_reason(device: DeviceLike = None) -> Optional[str]:
+    """Why decentpy's NCCL communicator cannot be used here (``None`` when it can).
+
+    Checks the build (CUDA + nccl.h), torch's CUDA, the device (when given) and that libnccl
+    loads (``decentpy._C.nccl_load_library``)."""
+    if not nccl_compiled():
+        info = getattr(_C, "nccl_info", None)
+        reason = info()["reason"] if info is not None else ""
+        return reason or "decentpy._C was built without the NCCL communicator"
+    if not torch.cuda.is_available():
+        return ("torch.cuda.is_available() is False (a CPU build of torch, or no GPU/driver), so "
+                "there is no GPU for NCCL")
+    dev = _device_of(device)
+    if dev is not None and dev.type != "cuda":
+        return f"the tensors to exchange are on {dev}, not on a CUDA device"
+    try:
+        _C.nccl_load_library(nccl_library_candidates())
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def nccl_available(device: DeviceLike = None) -> bool:
+    """Whether decentpy's NCCL communicator can be used (see :func:`nccl_unavailable_reason`)."""
+    return nccl_unavailable_reason(device) is None
+
+
+def resolve_comm(comm: str, device: DeviceLike = None) -> Tuple[str, str]:
+    """This rank's choice for ``comm`` ('auto' | 'torch' | 'nccl'): ``(kind, reason)`` with kind
+    'nccl' or 'torch'. Raises ``ValueError`` for another value and ``RuntimeError`` (with the
+    reason) when 'nccl' is asked for but unavailable. Local: see :func:`select_communicator` for
+    the decision every rank agrees on."""
+    if comm not in COMM_CHOICES:
+        raise ValueError(f"comm must be one of {', '.join(repr(c) for c in COMM_CHOICES)}, got {comm!r}")
+    if comm == "torch":
+        return "torch", "comm='torch' (torch.distributed)"
+    why = nccl_unavailable_reason(device)
+    if comm == "nccl":
+        if why is not None:
+            raise RuntimeError(f"comm='nccl': decentpy's NCCL communicator is not available: {why}")
+        return "nccl", "comm='nccl'"
+    backend = dist.get_backend() if dist.is_initialized() else None
+    if backend != dist.Backend.NCCL:
+        return "torch", (f"comm='auto': the process group's backend is {backend!r}, not 'nccl'")
+    if why is not None:
+        return "torch", f"comm='auto': decentpy's NCCL communicator is not available: {why}"
+    return "nccl", "comm='auto': the process group's backend is 'nccl' and decentpy has NCCL support"
+
+
+def _agree(local_ok: bool, reason: str) -> List[Tuple[bool, str]]:
+    """Every rank's (ok, reason): the choice must be the same everywhere, or the exchanges hang."""
+    everyone: List[Optional[Tuple[bool, str]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (local_ok, reason))
+    return [e if e is not None else (False, "no answer") for e in everyone]
+
+
+def select_communicator(comm: str, topology: Topology, timeout: datetime.timedelta,
+                        device: DeviceLike = None):
+    """The communicator for ``comm='auto' | 'torch' | 'nccl'`` (collective over the default group).
+
+    * 'torch': :class:`~decentpy.comm.TorchCommunicator` (any backend).
+    * 'nccl': :class:`NcclCommunicator`; ``RuntimeError`` naming the reason (and the rank) when it
+      is unavailable on any rank.
+    * 'auto': NCCL when the default group's backend is NCCL, the extension has NCCL support, torch
+      has CUDA and ``device`` (the tensors' device, when given) is a CUDA device -- on every rank;
+      otherwise torch.distributed.
+
+    The returned communicator's ``selection_reason`` says why it was chosen.
+    """
+    if comm not in COMM_CHOICES:
+        raise ValueError(f"comm must be one of {', '.join(repr(c) for c in COMM_CHOICES)}, got {comm!r}")
+    if comm == "torch":
+        chosen = TorchCommunicator(topology, timeout)
+        chosen.selection_reason = "comm='torch' (torch.distributed)"  # type: ignore[attr-defined]
+        return chosen
+    try:
+        kind, reason = resolve_comm(comm, device)
+    except RuntimeError as exc:
+        kind, reason = "error", str(exc)
+    if comm == "nccl" or dist.get_backend() == dist.Backend.NCCL:
+        # Same choice on every rank (a build or library difference must not split the job).
+        everyone = _agree(kind == "nccl", reason)
+        bad = [(r, why) for r, (ok, why) in enumerate(everyone) if not ok]
+        if bad and kind == "nccl":
+            r, why = bad[0]
+            if comm == "nccl":
+                raise RuntimeError(f"comm='nccl': decentpy's NCCL communicator is not available on rank {r}: {why}")
+            kind, reason = "torch", f"comm='auto': NCCL is not available on rank {r}: {why}"
+        elif bad and comm == "nccl":
+            raise RuntimeError(reason)
+    if kind == "nccl":
+        chosen = NcclCommunicator(topology, timeout, device=device)
+    else:
+        chosen = TorchCommunicator(topology, timeout)
+    chosen.selection_reason = reason  # type: ignore[attr-defined]
+    logger.info("rank %d: decentpy exchanges over %s (%s)", dist.get_rank(),
+                "decentpy's NCCL communicator" if kind == "nccl" else "torch.distributed", reason)
+    return chosen
+
+
+def _timeout_ms(timeout: Union[datetime.timedelta, float, int]) -> int:
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+    if not seconds > 0:
+        raise ValueError(f"timeout must be > 0, got {timeout!r}")
+    return max(1, int(round(seconds * 1000.0)))
+
+
+def _share_unique_id(key: str, rank: int) -> bytes:
+    """Rank 0's ncclUniqueId through the default process group's c10d store."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        store.set(key, _C.nccl_get_unique_id())
+    try:
+        uid = store.get(key)
+    except Exception as exc:  # the store raises on its own timeout (rank 0 died or never came)
+        raise PeerTimeoutError(
+            f"rank {rank}: no NCCL unique id from rank 0 under store key {key!r} ({exc}); "
+            "rank 0 may have died or not created the communicator") from exc
+    return bytes(uid)
+
+
+class NcclExchange:
+    """An in-flight NCCL exchange of one bucket: wait on it before reading or writing its buffers."""
+
+    __slots__ = ("_work", "_tensors", "bucket", "ranks", "rank", "blocking")
+
+    def __init__(self, work, bucket: int, ranks: Tuple[int, ...], rank: int, tensors: Tuple[Tensor, ...],
+                 blocking: bool) -> None:
+        self._work = work
+        self._tensors = tensors  # kept until the wait (record_stream covers a dropped exchange)
+        self.bucket = bucket
+        self.ranks = ranks
+        self.rank = rank
+        self.blocking = blocking
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        """Order torch's current stream after the exchange (or, when blocking, wait on the host).
+
+        The exchange's deadline becomes at most ``timeout`` from now; past it the watchdog aborts
+        the communicator. Raises :class:`PeerTimeoutError` if the communicator failed."""
+        if self._work is None:
+            return
+        ms = _timeout_ms(timeout)
+        try:
+            if self.blocking:
+                self._work.synchronize(ms)
+            else:
+                self._work.wait(ms)
+        except _C.NcclCommError as exc:
+            raise PeerTimeoutError(str(exc)) from exc
+        self._work = None
+        self._tensors = ()
+
+    def is_completed(self) -> bool:
+        if self._work is None:
+            return True
+        try:
+            return bool(self._work.is_completed())
+        except _C.NcclCommError as exc:
+            raise PeerTimeoutError(str(exc)) from exc
+
+
+class NcclCommunicator:
+    """Exchanges over decentpy's NCCL communicator (one GPU per rank)."""
+
+    def __init__(self, topology: Topology, timeout: datetime.timedelta, device: DeviceLike = None,
+                 blocking_wait: Optional[bool] = None) -> None:
+        dev = _device_of(device)
+        why = nccl_unavailable_reason(dev)
+        if why is not None:
+            raise RuntimeError(f"decentpy's NCCL communicator is not available: {why}")
+        if dev is None or dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        self.device = dev
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.timeout = timeout
+        self.timeout_ms = _timeout_ms(timeout)
+        self.blocking_wait = _env_flag("DECENTPY_NCCL_BLOCKING_WAIT") if blocking_wait is None else bool(blocking_wait)
+        blocking_comm = _env_flag("DECENTPY_NCCL_BLOCKING_COMM")  # unbounded init/connect: debugging only
+        self.selection_reason = "constructed directly"
+
+        key = f"{_UID_PREFIX}/{next(_uid_sequence)}/world{self.world_size}"
+        uid = _share_unique_id(key, self.rank)
+        try:
+            self._world = _C.NcclCommunicator(uid, self.rank, self.world_size, dev.index, self.timeout_ms,
+                                              blocking=blocking_comm, name="decentpy world")
+        except _C.NcclCommError as exc:
+            raise PeerTimeoutError(str(exc)) from exc
+        self._world.set_global_ranks(list(range(self.world_size)))
+        self._streams = {id(self._world): torch.cuda.ExternalStream(self._world.stream, device=dev)}
+
+        # ncclCommSplit is collective over the world communicator: every rank, every group, same order.
+        self._subcomms: Dict[Tuple[int, ...], object] = {}
+        try:
+            for group in topology.unique_groups():
+                ranks = group.ranks
+                if len(ranks) <= 2 or ranks in self._subcomms:
+                    continue
+                member = self.rank in ranks
+                sub = self._world.split(0 if member else -1, self.rank,
+                                        name=f"decentpy group {list(ranks)}")
+                if member:
+                    if sub is None:  # pragma: no cover - NCCL contract
+                        raise RuntimeError(f"internal error: ncclCommSplit gave no communicator for group {ranks}")
+                    sub.set_global_ranks(list(ranks))
+                    self._streams[id(sub)] = torch.cuda.ExternalStream(sub.stream, device=dev)
+                    self._subcomms[ranks] = sub
+                else:
+                    self._subcomms[ranks] = None
+        except _C.NcclCommError as exc:
+            raise PeerTimeoutError(str(exc)) from exc
+        logger.debug("rank %d: NCCL world communicator on %s, %d sub-communicators", self.rank, dev,
+                     sum(1 for s in self._subcomms.values() if s is not None))
+
+    # -- the TorchCommunicator interface -------------------------------------------------------
+    def launch(self, bucket: int, group: Group, send: Tensor, recv: Tensor) -> Optional[NcclExchange]:
+        """Start the exchange of ``bucket`` within ``group``.
+
+        Pairs: ``send`` goes to the peer, the peer's bucket lands in ``recv``. Larger groups:
+        ``recv`` (which holds the scaled send values) is all-reduced in place."""
+        ranks = group.ranks
+        if len(ranks) == 1:
+            return None
+        label = f"bucket {bucket}"
+        try:
+            if len(ranks) == 2:
+                peer = ranks[0] if ranks[1] == self.rank else ranks[1]
+                comm = self._world
+                work = comm.exchange(send, recv, peer, label)
+                tensors: Tuple[Tensor, ...] = (send, recv)
+            else:
+                comm = self._subcomms.get(ranks)
+                if comm is None:
+                    raise RuntimeError(
+                        f"rank {self.rank}: no NCCL sub-communicator for group {ranks} (bucket {bucket}); the "
+                        "topology must list every group at construction and contain this rank")
+                work = comm.all_reduce(recv, label)
+                tensors = (recv,)
+        except _C.NcclCommError as exc:
+            raise PeerTimeoutError(str(exc)) from exc
+        # The caching allocator must not hand these blocks out again before the NCCL stream is done
+        # with them, should the exchange be dropped without a wait.
+        stream = self._streams[id(comm)]
+        for t in tensors:
+            t.record_stream(stream)
+        return NcclExchange(work, bucket, ranks, self.rank, tensors, self.blocking_wait)
+
+    # -- extras ----------------------------------------------------------------------------------
+    @property
+    def world(self):
+        """The ``decentpy._C.NcclCommunicator`` over all ranks."""
+        return self._world
+
+    def subcommunicator(self, ranks: Sequence[int]):
+        """The split communicator of a group of more than two ranks (None for a non-member)."""
+        return self._subcomms.get(tuple(sorted(int(r) for r in ranks)))
+
+    def check(self) -> None:
+        """Raise :class:`PeerTimeoutError` if a communicator failed (timeout, asynchronous error)."""
+        try:
+            for sub in self._subcomms.values():
+                if sub is not None:
+                    sub.check()
+            self._world.check()
+        except _C.NcclCommError as exc:
+            raise PeerTimeoutError(str(exc)) from exc
+
+    def abort(self, reason: str = "aborted by the user") -> None:
+        for sub in self._subcomms.values():
+            if sub is not None:
+                sub.abort(reason)
+        self._world.abort(reason)
+
+    def close(self) -> None:
+        """Finalize and destroy the communicators (bounded by the timeout; abort otherwise)."""
+        for sub in self._subcomms.values():
+            if sub is not None:
+                sub.close()
+        self._world.close()
