@@ -1,28 +1,8 @@
 """assign_buckets / aligned_offsets / make_flat_block of decentpy._C."""
-import glob
-import importlib
-import importlib.util
-import os
-
 import pytest
 import torch
 
-
-def _load_C():
-    try:
-        return importlib.import_module("decentpy._C")
-    except ImportError:
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        so = glob.glob(os.path.join(here, "decentpy", "_C*.so"))
-        if not so:
-            raise
-        spec = importlib.util.spec_from_file_location("decentpy._C", so[0])
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
-
-
-_C = _load_C()
+from decentpy import _C
 
 
 def py_assign(sizes, keys, cap):

@@ -1,31 +1,13 @@
 """CPU fused mix-and-step kernel against a float64 PyTorch re-computation of the equations in
 csrc/kernels/mix_and_step.h (never against the extension itself)."""
-import importlib
-import importlib.util
 import math
-import os
-import glob
 
 import pytest
 import torch
 
 
-def _load_C():
-    try:
-        return importlib.import_module("decentpy._C")
-    except ImportError:
-        # decentpy/__init__.py may import modules that are still being written: load _C directly.
-        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        so = glob.glob(os.path.join(here, "decentpy", "_C*.so"))
-        if not so:
-            raise
-        spec = importlib.util.spec_from_file_location("decentpy._C", so[0])
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+from decentpy import _C
 
-
-_C = _load_C()
 
 NONE, SGD, ADAM, ACCUM = 0, 1, 2, 3
 KIND_NAMES = {NONE: "none", SGD: "sgd", ADAM: "adam", ACCUM: "accumadam"}

@@ -160,7 +160,6 @@ def test_wheel_installs_and_runs_in_fresh_venv(wheel, tmp_path):
     assert f"Version: {version}" in listed, listed
 
     out = _run([py, "-m", "decentpy"], cwd=work, env=env, timeout=300)
-    base = version.partition("+")[0]
     assert re.search(rf"^\s*decentpy:\s+{re.escape(version)}\b", out, re.M), out  # the full build version
     assert re.search(r"^\s*CPU kernels:\s+yes", out, re.M), out
     assert "NOT available" not in out, out
