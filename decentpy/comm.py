@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -89,6 +89,27 @@ class TorchCommunicator:
         else:
             works = [dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=self._subgroups[ranks], async_op=True)]
         return Exchange(list(works), bucket, ranks, self.rank)
+
+
+def first_difference_across_ranks(mine: Sequence[Any]) -> Optional[Tuple[int, int, Any, Any]]:
+    """Compare every rank's ``mine`` with rank 0's (a collective over the default group).
+
+    Returns the first ``(rank, position, rank 0's item, that rank's item)`` that differs (an item
+    is ``None`` past the end of a shorter list), or ``None``; the same answer on every rank, so
+    all of them can raise the same error.
+    """
+    everyone: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, list(mine))
+    ref = everyone[0]
+    for r, other in enumerate(everyone):
+        if other == ref:
+            continue
+        for k in range(max(len(ref), len(other))):
+            a = ref[k] if k < len(ref) else None
+            b = other[k] if k < len(other) else None
+            if a != b:
+                return r, k, a, b
+    return None
 
 
 def default_timeout() -> datetime.timedelta:

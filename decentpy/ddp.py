@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .bucket import BucketPlan, check_optimizer
-from .comm import default_timeout
+from .comm import default_timeout, first_difference_across_ranks
 from .nccl_comm import COMM_CHOICES, select_communicator
 from .grad_scaling import BucketGradScaling
 from .reducer import GossipReducer, OptimFn, SchedulerFn
@@ -153,20 +153,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                     "decentpy mixes dense buckets: construct it with sparse=False")
 
     def _check_same_model(self) -> None:
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)]
-        everyone: List[Any] = [None] * self._world_size
-        dist.all_gather_object(everyone, mine)
-        ref = everyone[0]
-        for r, other in enumerate(everyone):
-            if other == ref:
-                continue
-            for k in range(max(len(ref), len(other))):
-                a = ref[k] if k < len(ref) else None
-                b = other[k] if k < len(other) else None
-                if a != b:
-                    raise ValueError(
-                        f"the model differs between rank 0 and rank {r}: parameter #{k} is {a} on rank 0 but {b} "
-                        f"on rank {r} (name, shape, dtype); every rank must build the same model")
+        diff = first_difference_across_ranks(
+            [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)])
+        if diff is not None:
+            r, k, a, b = diff
+            raise ValueError(
+                f"the model differs between rank 0 and rank {r}: parameter #{k} is {a} on rank 0 but {b} "
+                f"on rank {r} (name, shape, dtype); every rank must build the same model")
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:

@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from . import _C
 from .bucket import Bucket, BucketPlan, check_optimizer, make_bucket
-from .comm import TorchCommunicator
+from .comm import TorchCommunicator, first_difference_across_ranks
 from .grad_scaling import BucketGradScaling
 from .optim import OptKind, fuse_torch_optimizer
 from .topology import Group, Topology
@@ -162,18 +162,14 @@ class GossipReducer:
                     self.rank, len(self.buckets), ", ".join(str(b.numel) for b in self.buckets), len(unused))
 
     def _check_same_order(self, order: List[int]) -> None:
-        mine = [(i, tuple(self.params[i].shape)) for i in order]
-        everyone: List[Optional[list]] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        ref = everyone[0]
-        for r, other in enumerate(everyone):
-            if other != ref:
-                pos = next(k for k, (x, y) in enumerate(zip(other, ref)) if x != y) if other and ref else 0
-                i = order[pos] if pos < len(order) else order[-1]
-                raise RuntimeError(
-                    f"gradient-ready order differs between rank 0 and rank {r} at position {pos} (this rank: "
-                    f"'{self.names[i]}'); every rank must run the same model and backward, since buckets are "
-                    "exchanged in that order")
+        diff = first_difference_across_ranks([(i, tuple(self.params[i].shape)) for i in order])
+        if diff is not None:
+            r, pos = diff[0], diff[1]
+            i = order[pos] if pos < len(order) else order[-1]
+            raise RuntimeError(
+                f"gradient-ready order differs between rank 0 and rank {r} at position {pos} (this rank: "
+                f"'{self.names[i]}'); every rank must run the same model and backward, since buckets are "
+                "exchanged in that order")
 
     def build_from_plan(self, plan: BucketPlan) -> None:
         self.buckets = []
