@@ -19,21 +19,19 @@ from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import functools
-import json
 import os
-import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
+
+import train_digits as td  # noqa: E402  (the example's data, model and helpers)
+from launcher import spawn_workers  # noqa: E402
 
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 OPTIMIZERS = ("sgd", "adamw", "accum-adam")
@@ -48,7 +46,6 @@ def _train_one(rank: int, world: int, data: Any, args: Dict[str, Any], optimizer
     import torch.nn.functional as F
 
     import decentpy.optim as dopt
-    import train_digits as td
     from decentpy import DecentralizedDataParallel
 
     lr = args["lr"] if args["lr"] is not None else td.DEFAULT_LR[optimizer]
@@ -106,80 +103,29 @@ def _train_one(rank: int, world: int, data: Any, args: Dict[str, Any], optimizer
                 steps=total)
 
 
-def _worker(rank: int, world: int, port: int, plan: Dict[str, Any], q: Any) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})
-    try:
-        import torch
-        import torch.distributed as dist
+def _worker_body(rank: int, world: int, plan: Dict[str, Any]) -> List[Dict[str, Any]]:
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        import train_digits as td
-
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-        rows = []
-        for seed in plan["seeds"]:
-            data = td.load_data(seed)
-            for optimizer in plan["optimizers"]:
-                for method in ["ddp", *plan["topologies"]]:
-                    res = _train_one(rank, world, data, plan, optimizer, method, seed)
-                    accs: List[Any] = [None] * world
-                    dist.all_gather_object(accs, res["acc"])
-                    if rank == 0:
-                        res.update(seed=seed, optimizer=optimizer, method=method,
-                                   acc_spread=max(accs) - min(accs))
-                        rows.append(res)
-                        print(f"  seed {seed} {optimizer:10s} {method:22s} test acc {res['acc']:.4f}  "
-                              f"({res['wall_s']:.1f} s)", flush=True)
-        dist.barrier()
-        q.put(("ok", rank, json.dumps(rows) if rank == 0 else ""))
-        dist.destroy_process_group()
-    except BaseException:
-        q.put(("error", rank, traceback.format_exc()))
+    rows = []
+    for seed in plan["seeds"]:
+        data = td.load_data(seed)
+        for optimizer in plan["optimizers"]:
+            for method in ["ddp", *plan["topologies"]]:
+                res = _train_one(rank, world, data, plan, optimizer, method, seed)
+                accs: List[Any] = [None] * world
+                dist.all_gather_object(accs, res["acc"])
+                if rank == 0:
+                    res.update(seed=seed, optimizer=optimizer, method=method,
+                               acc_spread=max(accs) - min(accs))
+                    rows.append(res)
+                    print(f"  seed {seed} {optimizer:10s} {method:22s} test acc {res['acc']:.4f}  "
+                          f"({res['wall_s']:.1f} s)", flush=True)
+    return rows
 
 
 def run(world: int, plan: Dict[str, Any], timeout_s: float) -> List[Dict[str, Any]]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, plan, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s
-    rows: Optional[List[Dict[str, Any]]] = None
-    errors: Dict[int, str] = {}
-    done = 0
-    try:
-        while done < world and not errors:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"workers did not finish within {timeout_s:.0f} s")
-            try:
-                kind, rank, payload = q.get(timeout=min(left, 5.0))
-            except queue_mod.Empty:
-                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"worker(s) {dead} died without a traceback")
-                continue
-            done += 1
-            if kind == "error":
-                errors[rank] = payload
-            elif rank == 0:
-                rows = json.loads(payload)
-    finally:
-        for p in procs:
-            p.join(timeout=10 if not errors else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise RuntimeError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items()))
-    assert rows is not None
-    return rows
+    """Rank 0's rows from ``world`` spawned workers (raises with every traceback on failure)."""
+    return spawn_workers(_worker_body, world, plan, timeout_s)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

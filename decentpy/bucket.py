@@ -89,22 +89,63 @@ class Bucket:
             torch._foreach_copy_([p.detach() for p in self.params], self.param_views)
 
     @torch.no_grad()
-    def adopt_grads(self) -> None:
-        """Make every ``.grad`` a view of the flat gradient block again.
+    def adopt_grad(self, slot: int, strict: bool = True) -> None:
+        """Make ``params[slot].grad`` a view of the flat gradient block again.
 
-        Users may set gradients to ``None`` (``zero_grad()``) or replace them; the new values are
-        copied in so that nothing is lost.
+        Autograd accumulates in place into a gradient that is already a view; a gradient that is
+        not (``None`` after ``zero_grad()``, or replaced by the user) is copied in, so nothing is
+        lost and the separate tensor is freed right away.
         """
-        for i, (p, view) in enumerate(zip(self.params, self.grad_views)):
+        p, view = self.params[slot], self.grad_views[slot]
+        g = p.grad
+        if g is view:
+            return
+        if p.dtype != view.dtype or p.device != view.device:
+            # Moved or cast after wrapping: before the layout is final the reducer rebuilds the
+            # buckets from the parameters as they are now; afterwards this cannot be repaired.
+            if strict:
+                raise RuntimeError(
+                    f"parameter '{self.names[slot]}' is now {p.dtype} on {p.device}, but its bucket holds "
+                    f"{view.dtype} on {view.device}: move or cast the model before wrapping it, or before "
+                    "its first training iteration")
+            return
+        if g is None:
+            view.zero_()
+        elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
+            if g.is_sparse:
+                raise RuntimeError(f"parameter '{self.names[slot]}' got a sparse gradient; decentpy needs dense ones")
+            view.copy_(g)
+        p.grad = view
+
+    def adopt_missing_grads(self) -> None:
+        """Gradients of parameters whose hook did not fire this iteration (unused ones)."""
+        for slot, seen in enumerate(self.seen):
+            if not seen:
+                self.adopt_grad(slot)
+
+    def moved_param(self) -> Optional[str]:
+        """Name of the first parameter if it left this bucket (``model.to()``/``.double()`` swap the
+        storage of every parameter, so one check per bucket catches them), else None."""
+        p, pv, gv = self.params[0], self.param_views[0], self.grad_views[0]
+        if p.dtype != pv.dtype or p.device != pv.device:
+            return self.names[0]
+        if self.params_are_views and p.data_ptr() != pv.data_ptr():
+            return self.names[0]
+        if gv.dtype != self.grad_block.dtype or gv.device != self.grad_block.device:
+            return self.names[0]  # the gradient view itself had its data swapped by the cast
+        return None
+
+    def layout_intact(self) -> bool:
+        """Every parameter (when views are on) and gradient still lives in this bucket's blocks."""
+        for p, pv, gv in zip(self.params, self.param_views, self.grad_views):
+            if p.dtype != pv.dtype or p.device != pv.device:
+                return False
+            if self.params_are_views and (p.data_ptr() != pv.data_ptr() or p.stride() != pv.stride()):
+                return False
             g = p.grad
-            if g is None:
-                view.zero_()
-                p.grad = view
-            elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
-                if g.is_sparse:
-                    raise RuntimeError(f"parameter '{self.names[i]}' got a sparse gradient; decentpy needs dense ones")
-                view.copy_(g)
-                p.grad = view
+            if g is not None and (g.data_ptr() != gv.data_ptr() or g.stride() != gv.stride()):
+                return False
+        return True
 
 
 def _segments_for(optimizer: Optimizer, params: Sequence[Tensor], offsets: Sequence[int], total: int,
@@ -147,34 +188,59 @@ def check_optimizer(opt: object, params: Sequence[Tensor], names: Sequence[str],
         raise ValueError(f"optim_fn returned an optimizer with parameter '{twice[0]}' in several groups {where}")
 
 
+@dataclass
+class FlatParams:
+    """Parameters of one bucket moved (or copied) into a flat block: the first stage of a bucket."""
+
+    params: List[Tensor]
+    offsets: List[int]
+    block: Tensor
+    views: List[Tensor]
+    as_views: bool
+
+
 @torch.no_grad()
-def make_bucket(index: int, params: List[Tensor], names: List[str], optimizer: Optimizer,
-                scheduler: Optional[LRScheduler], param_as_bucket_view: bool) -> Bucket:
-    """Flatten ``params`` into a bucket (parameters and gradients become views when asked)."""
+def flatten_params(params: List[Tensor], as_views: bool) -> FlatParams:
+    """Copy ``params`` into one aligned block; with ``as_views`` they become views of it.
+
+    Done for every bucket before any other block is allocated, so that the parameters' former
+    storage can be returned to the OS (see :mod:`decentpy.host_memory`) before the gradient,
+    exchange and optimizer blocks are placed.
+    """
     elem = params[0].element_size()
     offsets, total = _C.aligned_offsets([p.numel() for p in params], elem, ALIGN_BYTES)
-    param_block, param_views = _C.make_flat_block([p.detach() for p in params], offsets, total, True)
-    grads = [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in params]
-    for g, n in zip(grads, names):
-        if g.is_sparse:
-            raise RuntimeError(f"parameter '{n}' got a sparse gradient; decentpy needs dense gradients")
-    grad_block, grad_views = _C.make_flat_block(grads, offsets, total, True)
-    # Views must have the parameter's own layout (channels_last kept).
-    grad_views = [gv if gv.stride() == p.stride() else grad_block.as_strided(p.size(), p.stride(), o)
-                  for gv, p, o in zip(grad_views, params, offsets)]
-    if param_as_bucket_view:
-        for p, v in zip(params, param_views):
+    block, views = _C.make_flat_block([p.detach() for p in params], offsets, total, True)
+    if as_views:
+        for p, v in zip(params, views):
             p.data = v
+    return FlatParams(params, list(offsets), block, views, as_views)
+
+
+@torch.no_grad()
+def make_bucket(index: int, flat: FlatParams, names: List[str], optimizer: Optimizer,
+                scheduler: Optional[LRScheduler]) -> Bucket:
+    """The rest of a bucket around its flat parameters: gradient block, exchange buffer, segments."""
+    params, offsets = flat.params, flat.offsets
+    total = flat.block.numel()
+    for p, n in zip(params, names):
+        if p.grad is not None and p.grad.is_sparse:
+            raise RuntimeError(f"parameter '{n}' got a sparse gradient; decentpy needs dense gradients")
+    # A zero block (no per-parameter zero tensors when there are no gradients yet), viewed with the
+    # parameters' layout in the block (channels_last kept); existing gradients are copied in.
+    grad_block = torch.zeros_like(flat.block)
+    grad_views = [grad_block.as_strided(v.size(), v.stride(), o) for v, o in zip(flat.views, offsets)]
     for p, gv in zip(params, grad_views):
-        p.grad = gv
+        if p.grad is not None:  # ``.grad`` stays None until the first backward, as in torch
+            gv.copy_(p.grad)
+            p.grad = gv
     fused = isinstance(optimizer, FusedOptimizer) and len(optimizer.param_groups) <= MAX_GROUPS_PER_BUCKET
-    segments = _segments_for(optimizer, params, offsets, total, param_block.device)
-    comm = torch.zeros_like(param_block)
-    bucket = Bucket(index=index, params=params, names=names, offsets=list(offsets), param_block=param_block,
-                    grad_block=grad_block, comm=comm, param_views=param_views, grad_views=grad_views,
+    segments = _segments_for(optimizer, params, offsets, total, flat.block.device)
+    comm = torch.zeros_like(flat.block)
+    bucket = Bucket(index=index, params=params, names=names, offsets=offsets, param_block=flat.block,
+                    grad_block=grad_block, comm=comm, param_views=flat.views, grad_views=grad_views,
                     optimizer=optimizer, scheduler=scheduler, segments=segments, fused=fused,
-                    params_are_views=param_as_bucket_view)
+                    params_are_views=flat.as_views)
     bucket.reset_iteration()
     logger.debug("bucket %d: %d params, %d elements, %s, %s, fused=%s", index, len(params), total,
-                 param_block.dtype, param_block.device, fused)
+                 flat.block.dtype, flat.block.device, fused)
     return bucket

@@ -211,9 +211,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._reducer.adaptive_factor = float(factor)
 
     def get_lr(self) -> float:
-        """Learning rate of the first bucket's first parameter group (0.0 before the first step)."""
-        if not self._reducer.buckets:
-            return 0.0
+        """Learning rate of the first bucket's first parameter group."""
         b = self._reducer.buckets[0]
         if b.scheduler is not None:
             return float(b.scheduler.get_last_lr()[0])
@@ -319,15 +317,19 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         """
         r = self._reducer
         r.wait_all()
-        plan = r.plan
+        # Before the first iteration nothing has stepped and the layout is provisional: no layout or
+        # optimizer state is saved, and loading such a checkpoint leaves the layout to the trace.
+        final = r.layout_final
+        plan = r.plan if final else None
+        buckets = r.buckets if final else []
         return {
             "model": self._model.state_dict(),
             "step": r.step,
             "buckets": plan.buckets if plan is not None else None,
-            "optimizers": [b.optimizer.state_dict() for b in r.buckets],
-            "schedulers": [b.scheduler.state_dict() if b.scheduler is not None else None for b in r.buckets],
-            "exchange": [b.comm.clone() if b.comm_valid else None for b in r.buckets],
-            "skip_mix": [b.skip_mix for b in r.buckets],
+            "optimizers": [b.optimizer.state_dict() for b in buckets],
+            "schedulers": [b.scheduler.state_dict() if b.scheduler is not None else None for b in buckets],
+            "exchange": [b.comm.clone() if b.comm_valid else None for b in buckets],
+            "skip_mix": [b.skip_mix for b in buckets],
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "topology": self._topology.name,
             "world_size": self._world_size,
@@ -347,11 +349,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         r.wait_all()
         saved = state_dict["buckets"]
         if saved is not None:
-            if not r.buckets:
-                r.build_from_plan(BucketPlan([list(b) for b in saved]))
-            elif r.plan is not None and r.plan.buckets != [list(b) for b in saved]:
-                raise ValueError("checkpoint bucket layout differs from this run's; use the same model and "
-                                 "bucket_size_in_mb")
+            r.adopt_plan(BucketPlan([list(b) for b in saved]))
         result = self._model.load_state_dict(state_dict["model"], strict=strict)
         for b, opt_sd, sch_sd, ex, skip in zip(r.buckets, state_dict["optimizers"], state_dict["schedulers"],
                                                state_dict["exchange"], state_dict["skip_mix"]):

@@ -56,6 +56,8 @@ class OptKind:
 
 
 MAX_GROUPS_PER_BUCKET = 8  # decentpy::kMaxGroups
+# Parameter dtypes the fused kernels step (fp32 math, fp32 state); others take torch's path.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _flat_alias(t: Tensor) -> Tensor:
@@ -78,6 +80,13 @@ class FusedOptimizer(Optimizer):
 
     def __init__(self, params: Any, defaults: Dict[str, Any]) -> None:
         super().__init__(params, defaults)
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.dtype not in KERNEL_DTYPES:
+                    raise ValueError(
+                        f"{type(self).__name__} steps float32, bfloat16 and float16 parameters (fp32 math); got a "
+                        f"{p.dtype} parameter of shape {tuple(p.shape)}. For {p.dtype}, use the torch optimizer "
+                        "(e.g. torch.optim.AdamW), which decentpy steps after a separate mix")
         # Flat per-bucket state: name -> fp32 block, set up lazily by bucket_step.
         self._flat_state: Dict[str, Tensor] = {}
         self._flat_layout_key: Optional[Tuple[int, int]] = None
@@ -173,6 +182,11 @@ class FusedOptimizer(Optimizer):
             self.state[p]["step"] = self._shared_step
         self._flat_layout_key = key
         return [self._flat_state[n] for n in names]
+
+    def prepare_bucket_state(self, params: Sequence[Tensor], offsets: Sequence[int], total: int,
+                             device: torch.device) -> None:
+        """Allocate the bucket's flat state blocks ahead of the first step (zeros, step 0)."""
+        self._ensure_flat_state(params, offsets, total, device)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -358,6 +372,8 @@ def fuse_torch_optimizer(opt: Optimizer) -> Optimizer:
     entry = _GROUP_KEYS.get(type(opt))  # exact type: subclasses may change the maths
     if entry is None or len(opt.state) > 0:
         return opt
+    if any(p.dtype not in KERNEL_DTYPES for g in opt.param_groups for p in g["params"]):
+        return opt  # e.g. float64: torch's own step keeps full precision
     cls, keys = entry
     for g in opt.param_groups:
         if g.get("amsgrad") or g.get("maximize") or g.get("capturable") or g.get("differentiable"):

@@ -4,8 +4,12 @@ Like c10d's ``Reducer`` for DDP, one object sees every gradient become ready. Wh
 of a bucket are in (and every earlier bucket is done, so that all ranks launch their collectives
 in the same order), the bucket is processed: wait for the exchange launched last iteration, mix,
 step and launch the next exchange -- while autograd keeps computing the earlier layers.
-The first backward only records the gradient-ready order; at its end the buckets are built and
-stepped, so the first iteration gets its update too.
+Buckets are built at construction, in reverse registration order (as DDP does), so parameters
+and gradients live in the flat blocks from the start and the first backward accumulates straight
+into them: no iteration ever holds a second copy of the model. The first backward also records
+the gradient-ready order; at its end the layout is rebuilt only if that order packs the
+parameters into different buckets (or a parameter was given new storage since construction),
+and then every bucket is stepped, so the first iteration gets its update too.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from . import _C
-from .bucket import Bucket, BucketPlan, check_optimizer, make_bucket
+from .bucket import Bucket, BucketPlan, check_optimizer, flatten_params, make_bucket
 from .comm import TorchCommunicator, first_difference_across_ranks
 from .grad_scaling import BucketGradScaling
-from .optim import OptKind, fuse_torch_optimizer
+from .host_memory import release_free_host_memory
+from .optim import KERNEL_DTYPES, OptKind, fuse_torch_optimizer
 from .topology import Group, Topology
 
 logger = logging.getLogger(__name__)
@@ -71,11 +76,13 @@ class GossipReducer:
         self.adaptive_factor = 1.0          # p <- (1-f) p + f mix(p)
         self._bucket_of: List[int] = [-1] * len(params)
         self._slot_of: List[int] = [-1] * len(params)
+        self._layout_final = False          # the layout has been checked against the traced order
         self._trace: List[int] = []
         self._traced_seen: List[bool] = [False] * len(params)
         self._callback_queued = False
         self._prepared = False
         self._next_bucket = 0
+        self.build_from_plan(BucketPlan.build(params, list(reversed(range(len(params)))), bucket_cap_bytes))
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
 
     # -- hooks -------------------------------------------------------------------------------
@@ -93,6 +100,15 @@ class GossipReducer:
         """Called by a training-mode forward: the next backward is one iteration."""
         if self._callback_queued:
             return  # a forward inside backward (e.g. checkpoint recomputation) changes nothing
+        if self._layout_final:
+            for b in self.buckets:
+                moved = b.moved_param()
+                if moved is not None:
+                    raise RuntimeError(
+                        f"parameter '{moved}' no longer lives in decentpy's bucket {b.index}: its storage, dtype or "
+                        f"device changed after the first training iteration (model.to(), .double(), .half(), or a "
+                        f"new .data); move or cast the model before wrapping it, or before its first training "
+                        f"iteration")
         self._prepared = True
         self._next_bucket = 0
         self._trace = []
@@ -110,14 +126,16 @@ class GossipReducer:
             self._callback_queued = True
             self.grad_scaling.begin_iteration()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        if not self.buckets:
+        b = self.buckets[self._bucket_of[index]]
+        slot = self._slot_of[index]
+        # A separately allocated gradient is copied in and freed at once.
+        b.adopt_grad(slot, strict=self._layout_final)
+        if not self._layout_final:
             if self._traced_seen[index]:
                 raise RuntimeError(self._twice_message(index))
             self._traced_seen[index] = True
             self._trace.append(index)
             return
-        b = self.buckets[self._bucket_of[index]]
-        slot = self._slot_of[index]
         if b.seen[slot]:
             raise RuntimeError(self._twice_message(index))
         b.seen[slot] = True
@@ -140,8 +158,8 @@ class GossipReducer:
     def _end_of_backward(self) -> None:
         with torch.no_grad():
             try:
-                if not self.buckets:
-                    self._build_buckets(self._trace)
+                if not self._layout_final:
+                    self._finalise_layout(self._trace)
                 while self._next_bucket < len(self.buckets):  # buckets with unused parameters
                     self._process(self.buckets[self._next_bucket])
                     self._next_bucket += 1
@@ -152,14 +170,31 @@ class GossipReducer:
                 self._prepared = False
 
     # -- buckets -----------------------------------------------------------------------------
-    def _build_buckets(self, traced: Sequence[int]) -> None:
-        unused = [i for i in reversed(range(len(self.params))) if i not in set(traced)]
+    def _finalise_layout(self, traced: Sequence[int]) -> None:
+        """After the first backward: keep the construction layout unless the traced order differs."""
+        seen = set(traced)
+        unused = [i for i in reversed(range(len(self.params))) if i not in seen]
         order = list(traced) + unused
         self._check_same_order(order)
         plan = BucketPlan.build(self.params, order, self.bucket_cap_bytes)
-        self.build_from_plan(plan)
+        if not self._layout_holds(plan):
+            # Costs one extra copy of the parameters and gradients, once; only for models whose
+            # gradients arrive in an order other than reverse registration (or that were given new
+            # storage after wrapping).
+            self.build_from_plan(plan)
+            logger.info("rank %d: buckets rebuilt in gradient-ready order", self.rank)
+        self._layout_final = True
         logger.info("rank %d: %d buckets (%s), %d parameters without gradient in the first iteration",
                     self.rank, len(self.buckets), ", ".join(str(b.numel) for b in self.buckets), len(unused))
+
+    def _layout_holds(self, plan: BucketPlan) -> bool:
+        """Same bucket membership (the order inside a bucket does not matter) and intact views."""
+        current = self.plan
+        if current is None or len(current.buckets) != len(plan.buckets):
+            return False
+        if any(set(a) != set(b) for a, b in zip(current.buckets, plan.buckets)):
+            return False
+        return all(b.layout_intact() for b in self.buckets)
 
     def _check_same_order(self, order: List[int]) -> None:
         diff = first_difference_across_ranks([(i, tuple(self.params[i].shape)) for i in order])
@@ -171,20 +206,49 @@ class GossipReducer:
                 f"'{self.names[i]}'); every rank must run the same model and backward, since buckets are "
                 "exchanged in that order")
 
+    @property
+    def layout_final(self) -> bool:
+        return self._layout_final
+
+    def adopt_plan(self, plan: BucketPlan) -> None:
+        """Use a saved layout (a checkpoint's); only before the first iteration fixed one."""
+        if self._layout_final:
+            if self.plan is None or self.plan.buckets != plan.buckets:
+                raise ValueError("checkpoint bucket layout differs from this run's; use the same model and "
+                                 "bucket_size_in_mb")
+            return
+        if self.plan is None or self.plan.buckets != plan.buckets or not all(b.layout_intact() for b in self.buckets):
+            self.build_from_plan(plan)
+        self._layout_final = True
+
     def build_from_plan(self, plan: BucketPlan) -> None:
-        self.buckets = []
-        for bi, indices in enumerate(plan.buckets):
-            params = [self.params[i] for i in indices]
+        self.buckets = []  # the old blocks go as each parameter moves to its new one
+        # Stage 1, every bucket: parameters into their blocks, then the old storage goes back to
+        # the OS before the other blocks are placed (peak: one extra copy of the parameters).
+        flats = [flatten_params([self.params[i] for i in indices], self.param_as_bucket_view)
+                 for indices in plan.buckets]
+        on_cpu = any(f.block.device.type == "cpu" for f in flats)
+        if on_cpu:
+            release_free_host_memory()
+        for bi, (indices, flat) in enumerate(zip(plan.buckets, flats)):
             names = [self.names[i] for i in indices]
-            opt = self.optim_fn(list(zip(names, params)))
-            check_optimizer(opt, params, names, f"for bucket {bi}")
+            opt = self.optim_fn(list(zip(names, flat.params)))
+            check_optimizer(opt, flat.params, names, f"for bucket {bi}")
             opt = fuse_torch_optimizer(opt)
             sched = self.scheduler_fn(opt) if self.scheduler_fn is not None else None
-            bucket = make_bucket(bi, params, names, opt, sched, self.param_as_bucket_view)
+            bucket = make_bucket(bi, flat, names, opt, sched)
+            if bucket.fused:
+                # Allocated now, next to the bucket's blocks, rather than in the middle of the first
+                # backward: long-lived blocks then sit together and per-step temporaries reuse one
+                # region instead of fragmenting the heap.
+                opt.prepare_bucket_state(bucket.params, bucket.offsets, bucket.numel,  # type: ignore[attr-defined]
+                                         bucket.param_block.device)
             for slot, i in enumerate(indices):
                 self._bucket_of[i] = bi
                 self._slot_of[i] = slot
             self.buckets.append(bucket)
+        if on_cpu:
+            release_free_host_memory()  # the gradients' former storage (a rebuild)
 
     @property
     def plan(self) -> Optional[BucketPlan]:
@@ -228,7 +292,7 @@ class GossipReducer:
             send, send_scale = b.comm, nxt.neighbour_weight()
 
         if local_step:
-            b.adopt_grads()
+            b.adopt_missing_grads()
             factor, skip = self.grad_scaling.bucket_factor(b.grad_block)
         else:
             factor, skip = 1.0, True
@@ -245,8 +309,12 @@ class GossipReducer:
             if not views:
                 b.scatter_params()
         else:
-            _C.mix_and_step(OptKind.NONE, b.param_block, None, [], comm, None, b.segments, _NO_HYPER, a, c,
-                            1.0, 1.0, False, False, False, True)
+            kernel = b.param_block.dtype in KERNEL_DTYPES  # float64 mixes with torch ops
+            if kernel:
+                _C.mix_and_step(OptKind.NONE, b.param_block, None, [], comm, None, b.segments, _NO_HYPER, a,
+                                c, 1.0, 1.0, False, False, False, True)
+            elif comm is not None:
+                b.param_block.mul_(a).add_(comm, alpha=c)
             if not views:
                 b.scatter_params()
             if not skip:
@@ -256,7 +324,10 @@ class GossipReducer:
                 if not views:
                     b.gather_params()
             if send is not None:
-                _C.scale_copy_(send, b.param_block, send_scale)
+                if kernel:
+                    _C.scale_copy_(send, b.param_block, send_scale)
+                else:
+                    torch.mul(b.param_block, send_scale, out=send)
             b.grad_block.zero_()
         if local_step and not skip and b.scheduler is not None:
             b.scheduler.step()
@@ -268,7 +339,7 @@ class GossipReducer:
     @torch.no_grad()
     def shadow_iteration(self) -> None:
         """One iteration of a joined rank: every bucket waits, mixes and re-sends, in order."""
-        if not self.buckets:
+        if not self._layout_final:
             raise RuntimeError(
                 f"rank {self.rank} joined before its first training iteration; every rank needs at least one "
                 "iteration (which fixes the bucket layout) before it runs out of data")

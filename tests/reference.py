@@ -115,6 +115,8 @@ def decentpy_optim_fn(name: str) -> Callable:
         "accum_adamw": lambda named: O.optim_fn_accum_adamw(named, lr=0.01, weight_decay=0.1, accum_iter=3),
         "rmsprop": lambda named: torch.optim.RMSprop([p for _, p in named], lr=0.01),
         "sgd_plain": lambda named: torch.optim.SGD([p for _, p in named], lr=0.1),
+        # torch's AdamW with the same groups as "adamw": fused for fp32, torch's own step for fp64
+        "torch_adamw": lambda named: torch.optim.AdamW(O.split_decay_groups(named, 0.1), lr=0.01),
     }[name]
 
 

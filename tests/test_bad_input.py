@@ -36,6 +36,8 @@ def construct_worker(rank: int, world: int, case: str) -> str:
         optim_fn = lambda named: torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)  # noqa: E731
     elif case == "optim_missing_params":
         optim_fn = lambda named: torch.optim.SGD([named[0][1]], lr=0.1)  # noqa: E731
+    elif case == "fused_float64":
+        model = model.double()  # decentpy's fused optimizers step fp32/bf16/fp16 only
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
         DecentralizedDataParallel(model, optim_fn, **kwargs)
@@ -58,6 +60,7 @@ CASES = {
     "optim_not_optimizer": (2, ["optim_fn", "Optimizer", "list"]),
     "optim_wrong_params": (2, ["optim_fn", "not given"]),
     "optim_missing_params": (2, ["optim_fn", "leaves out", "0.bias"]),
+    "fused_float64": (2, ["Adam", "torch.float64", "torch.optim.AdamW"]),
 }
 
 
@@ -96,7 +99,7 @@ def used_twice_worker(rank: int, world: int) -> str:
     model = make_mlp(0)
     ddp = DecentralizedDataParallel(model, decentpy_optim_fn("adam"), topology="complete")
     x, y = batch(rank, 0)
-    loss_fn(ddp(x), y).backward()  # first iteration builds the buckets
+    loss_fn(ddp(x), y).backward()  # the first iteration fixes the bucket layout
     out = ddp(x)
     loss_fn(out, y).backward(retain_graph=True)
     try:
@@ -110,6 +113,27 @@ def test_second_gradient_in_one_iteration_is_refused_with_the_parameter_name() -
     res = run_workers(used_twice_worker, 2, timeout=180)
     for r in res:
         assert "received a gradient twice" in r and "'4." in r, r
+
+
+def cast_after_first_iteration_worker(rank: int, world: int) -> str:
+    from decentpy import DecentralizedDataParallel
+
+    model = make_mlp(0)
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("adamw"), topology="complete")
+    x, y = batch(rank, 0)
+    loss_fn(ddp(x), y).backward()
+    model.double()
+    try:
+        loss_fn(ddp(x.double()), y.double()).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_cast_after_first_iteration_is_a_clear_error() -> None:
+    res = run_workers(cast_after_first_iteration_worker, 2, timeout=120)
+    for msg in res:
+        assert "no longer lives" in msg and "before wrapping" in msg and "parameter '4.bias'" in msg, msg
 
 
 def reentrant_worker(rank: int, world: int) -> str:
