@@ -1,6 +1,10 @@
 """CPU fused mix-and-step kernel against a float64 PyTorch re-computation of the equations in
 csrc/kernels/mix_and_step.h (never against the extension itself)."""
 import math
+import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -646,3 +650,25 @@ def test_scale_copy_bad_inputs():
         _C.scale_copy_(torch.zeros(4), torch.zeros(4, dtype=torch.half), 1.0)
     with pytest.raises(RuntimeError, match=r"src has 5 elements"):
         _C.scale_copy_(torch.zeros(4), torch.zeros(5), 1.0)
+
+
+# --- every compiled ISA variant ---------------------------------------------------------------
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ISA variants exist on x86-64 only")
+@pytest.mark.parametrize("cap", ["default", "avx2"])
+def test_every_isa_variant_passes_the_kernel_tests(cap: str) -> None:
+    """The process picks one variant (the best the CPU has); rerun this file with torch's
+    ATEN_CPU_CAPABILITY forcing each lower one, so every compiled body meets the reference."""
+    if os.environ.get("ATEN_CPU_CAPABILITY"):
+        pytest.skip("already a forced-ISA run (no recursion)")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=cap)
+    picked = subprocess.run([sys.executable, "-c", "from decentpy import _C; print(_C.build_info()['cpu_kernel_isa'])"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert picked.returncode == 0, picked.stderr
+    if cap == "avx2" and picked.stdout.strip() == "default":
+        pytest.skip("this CPU has no AVX2")
+    assert picked.stdout.strip() == cap
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"kernel tests failed with the {cap} variant:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}"
+    assert " passed" in run.stdout and " failed" not in run.stdout
