@@ -80,6 +80,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "accum_scale]. zero_grad: write 0 to each grad element right after reading it (same "
         "pass; also with skip_update / kind None, where grad is only zeroed).");
 
+  m.def("check_segments", &decentpy::check_segments, py::arg("segments"), py::arg("numel"),
+        py::arg("num_groups"),
+        "Validate a CPU segment table (sorted, disjoint, covering [0, numel), groups < num_groups) "
+        "before it is copied to the GPU.");
+
   m.def("scale_copy_", &decentpy::scale_copy_, py::arg("dst"), py::arg("src"), py::arg("alpha"),
         py::call_guard<py::gil_scoped_release>(), "dst = alpha * src (dst may be src).");
 

@@ -164,7 +164,9 @@ def _segments_for(optimizer: Optimizer, params: Sequence[Tensor], offsets: Seque
             rows[-1][1] = end
         else:
             rows.append([begin, end, gi])
-    return torch.tensor(rows, dtype=torch.int64, device=device)
+    table = torch.tensor(rows, dtype=torch.int64)
+    _C.check_segments(table, total, len(optimizer.param_groups))  # the GPU kernel trusts it
+    return table.to(device)
 
 
 def check_optimizer(opt: object, params: Sequence[Tensor], names: Sequence[str], where: str) -> None:

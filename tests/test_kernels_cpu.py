@@ -73,7 +73,7 @@ def reference(kind, p, g, states, c, want_send, segs, hyper, a, b, s, gs, decoup
                     S[2][lo:hi] = acc
                 x = x - (lr / bc1) * mt / (vt.sqrt() / bc2 + eps)
             P[lo:hi] = x
-    send = f32(s) * P if want_send else None
+    send = f32(s) * P.to(p.dtype).double() if want_send else None  # s * p as stored
     return P, S, send
 
 
@@ -619,6 +619,38 @@ def test_bad_segments():
     kw = _good()
     kw["segments"] = torch.zeros(1, 3, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"segments has dtype Int"):
+        _call(**kw)
+
+
+def test_check_segments_for_device_tables():
+    # Tables bound for the GPU are validated on the host with check_segments (the kernel trusts them).
+    _C.check_segments(seg_tensor([(0, 30, 0), (30, 64, 1)]), 64, 2)
+    with pytest.raises(RuntimeError, match=r"segments\[1\].*does not continue at 30"):
+        _C.check_segments(seg_tensor([(0, 30, 0), (31, 64, 0)]), 64, 1)
+    with pytest.raises(RuntimeError, match=r"uses group 2 but hyper has 2 rows"):
+        _C.check_segments(seg_tensor([(0, 64, 2)]), 64, 2)
+    with pytest.raises(RuntimeError, match=r"segments end at 60 but param has 64"):
+        _C.check_segments(seg_tensor([(0, 60, 0)]), 64, 1)
+    with pytest.raises(RuntimeError, match=r"contiguous int64 \[nseg, 3\]"):
+        _C.check_segments(torch.zeros(2, 2, dtype=torch.int64), 64, 1)
+
+
+def test_state_buffers_must_not_overlap_other_buffers():
+    kw = _good()
+    kw["states"][1] = kw["states"][0]
+    with pytest.raises(RuntimeError, match=r"states\[1\] must not share memory with states\[0\]"):
+        _call(**kw)
+    kw = _good()
+    kw["comm"] = kw["states"][0]
+    with pytest.raises(RuntimeError, match=r"states\[0\] must not share memory with comm"):
+        _call(**kw)
+    kw = _good()
+    kw["send"] = kw["states"][1]
+    with pytest.raises(RuntimeError, match=r"states\[1\] must not share memory with send"):
+        _call(**kw)
+    kw = _good()
+    kw["grad"] = kw["states"][0]
+    with pytest.raises(RuntimeError, match=r"states\[0\] must not share memory with grad"):
         _call(**kw)
 
 

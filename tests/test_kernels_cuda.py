@@ -334,6 +334,45 @@ def test_mix_and_step_groups_and_straddling_segments(case, dtype, numel, offset)
              **cfg)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_grid_stride_loop_repeats(dtype):
+    # 2^24 + 3 elements: more 16-byte vectors than the grid has threads on any current GPU, so
+    # every thread runs several iterations and carries its segment cache across them.
+    numel = 2**24 + 3
+    torch.manual_seed(11)
+    cfg = dict(KIND_CASES["adamw"])
+    cfg["hyper"] = MULTI_HYPER
+    run_case(dtype=dtype, numel=numel, offset=1, segments=_straddling_segments(numel), **cfg)
+
+
+def test_kernels_run_on_the_current_stream():
+    # Inputs are written on a side stream behind a long kernel; the fused kernel and scale_copy_
+    # must queue behind them on that (current) stream. Results are read after an event on the
+    # side stream, never a device-wide synchronize, so a launch on another stream would be seen.
+    n = (1 << 20) + 3
+    side = torch.cuda.Stream()
+    want_p = torch.linspace(-1, 1, n, device=DEV)
+    want_c = torch.linspace(2, 3, n, device=DEV)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        param = torch.zeros(n, device=DEV)
+        comm = torch.zeros(n, device=DEV)
+        out = torch.zeros(n, device=DEV)
+        seg = torch.tensor([[0, n, 0]], dtype=torch.int64, device=DEV)
+        torch.cuda._sleep(200_000_000)
+        param.copy_(want_p)
+        comm.copy_(want_c)
+        _C.mix_and_step(NONE, param, None, [], comm, None, seg, [hyper_row()], 0.25, 0.75, 1.0,
+                        1.0, False, False, False, False)
+        _C.scale_copy_(out, param, 2.0)
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    mixed = 0.25 * want_p + 0.75 * want_c
+    torch.testing.assert_close(param, mixed, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, 2.0 * mixed, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_single_group_many_segments(dtype):
     # num_groups == 1 (no lookup) with a table of several segments all pointing at group 0.

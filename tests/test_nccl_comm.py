@@ -232,14 +232,66 @@ def test_abort_fails_every_later_call():
         comm.exchange(x, torch.ones(16, device="cuda"), 0, "x")
 
 
+_INIT_BOUNDED_SCRIPT = textwrap.dedent("""
+    import sys, time, torch
+    from decentpy import _C
+    torch.cuda.set_device(0)
+    start = time.monotonic()
+    try:  # a 2-rank communicator whose second rank never comes
+        _C.NcclCommunicator(_C.nccl_get_unique_id(), 0, 2, 0, 1500)
+    except _C.NcclCommError as e:
+        assert "did not complete within 1.5 s" in str(e), str(e)
+        assert time.monotonic() - start < 60
+        print("OK")
+        sys.exit(0)
+    sys.exit("no error raised")
+""")
+
+
+def _run_child(script: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """A GPU scenario in its own process: if it hangs or aborts, the test session survives."""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)
+
+
 @needs_nccl
 @pytest.mark.cuda
 def test_initialisation_is_bounded():
-    # A 2-rank communicator whose second rank never comes: bounded by the timeout, then aborted.
-    start = time.monotonic()
-    with pytest.raises(_C.NcclCommError, match=r"did not complete within 1\.5 s"):
-        new_comm(nranks=2, timeout_ms=1500)
-    assert time.monotonic() - start < 60
+    r = _run_child(_INIT_BOUNDED_SCRIPT)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+_STREAM_OUTLIVES_SCRIPT = textwrap.dedent("""
+    import gc, sys, torch
+    from decentpy import _C
+    torch.cuda.set_device(0)
+    comm = _C.NcclCommunicator(_C.nccl_get_unique_id(), 0, 1, 0, 30000)
+    side = torch.cuda.ExternalStream(comm.stream, device=0)
+    block = torch.ones(1 << 20, device="cuda")     # a bucket block sent on the communicator's stream
+    recv = torch.zeros(1 << 20, device="cuda")
+    block.record_stream(side)
+    recv.record_stream(side)
+    comm.exchange(block, recv, 0, "bucket 0").wait(10000)
+    torch.cuda.synchronize()
+    comm.close()
+    del comm, side
+    gc.collect()
+    del block, recv                                 # freed after the communicator: the allocator
+    gc.collect()                                    # records events on its stream now
+    torch.cuda.synchronize()
+    x = torch.empty(1 << 20, device="cuda")         # the cached blocks are reusable
+    x.fill_(1.0)
+    torch.cuda.synchronize()
+    print("OK")
+""")
+
+
+@needs_nccl
+@pytest.mark.cuda
+def test_buffers_recorded_on_the_stream_may_outlive_the_communicator():
+    r = _run_child(_STREAM_OUTLIVES_SCRIPT)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
 _WATCHDOG_SCRIPT = textwrap.dedent("""
@@ -271,9 +323,7 @@ _WATCHDOG_SCRIPT = textwrap.dedent("""
 @pytest.mark.cuda
 def test_watchdog_aborts_past_the_deadline():
     # In a child process: an aborted communicator must not take the test session with it.
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", _WATCHDOG_SCRIPT], capture_output=True, text=True,
-                       timeout=180, env=env, cwd=REPO)
+    r = _run_child(_WATCHDOG_SCRIPT)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
     assert "[decentpy NCCL watchdog]" in r.stderr and "bucket 5" in r.stderr
 

@@ -187,7 +187,12 @@ void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t 
       }
       (void)H;
       IoT::store(P + i, p0, p1);
-      if constexpr (Send) IoT::store(S + i, h.s * p0, h.s * p1);
+      if constexpr (Send) {
+        // send = s * p as stored (16-bit p is rounded first), as on CUDA: peers mix the
+        // parameters this worker holds, not unrounded intermediates.
+        if constexpr (!std::is_same<T, float>::value) IoT::load(P + i, p0, p1);
+        IoT::store(S + i, h.s * p0, h.s * p1);
+      }
     }
   }
   if (i < hi) {
@@ -210,7 +215,7 @@ void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t 
         if (zg) IoT::store1(G + i, 0.f);
       }
       IoT::store1(P + i, p);
-      if constexpr (Send) IoT::store1(S + i, h.s * p);
+      if constexpr (Send) IoT::store1(S + i, h.s * IoT::load1(P + i));  // p as stored
     }
   }
 }

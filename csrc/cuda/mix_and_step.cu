@@ -100,7 +100,8 @@ __device__ __forceinline__ void find_segment(const KArgs& a, int64_t i, SegCache
   c.begin = __ldg(&segs[lo].begin);
   c.end = __ldg(&segs[lo].end);
   int64_t g = __ldg(&segs[lo].group);
-  // Memory safety only: the binding validates the table; a bad group index is clamped.
+  // Memory safety only: a bad group index is clamped. The table is validated on the host (the
+  // launcher for CPU tables; check_segments before a table is copied to the device).
   if (g < 0) g = 0;
   if (g >= a.num_groups) g = a.num_groups - 1;
   c.group = static_cast<int>(g);

@@ -7,7 +7,7 @@
 //   if comm:            p = mix_a * p + mix_b * c                     (mix)
 //   if !skip_update:    g = grad[i] * grad_scale                      (unscale / clip factor)
 //                       p, state = optimizer update (group hyper of the segment holding i)
-//   if send:            send[i] = send_scale * p
+//   if send:            send[i] = send_scale * p   (p as stored: rounded to the param dtype first)
 //   if zero_grad:       grad[i] = 0 after it is read (gradients accumulate into the flat block, so
 //                       the next backward starts from zero). Also with skip_update / kind None,
 //                       where grad is not read: the kernel then only stores the zeros.

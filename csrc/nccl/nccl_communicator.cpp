@@ -138,12 +138,17 @@ struct CommState {
   ~CommState() {
     // close() ran (or the constructor failed); only device resources remain. Errors are ignored:
     // this may run during interpreter shutdown.
-    if (ready || stream) {
+    //
+    // The stream is deliberately never destroyed (as torch never destroys its pool streams):
+    // buffers sent on it were marked with Tensor.record_stream, and torch's caching allocator
+    // records an event on every such stream when it frees them -- possibly long after this
+    // communicator is gone (the parameters outlive the wrapper). A destroyed stream there would
+    // be an invalid handle inside a deleter. One stream per communicator is a bounded cost.
+    if (ready) {
       int prev = -1;
       const bool switched = cudaGetDevice(&prev) == cudaSuccess && prev != device &&
                             cudaSetDevice(device) == cudaSuccess;
-      if (ready) cudaEventDestroy(ready);
-      if (stream) cudaStreamDestroy(stream);
+      cudaEventDestroy(ready);
       if (switched) cudaSetDevice(prev);
     }
     cudaGetLastError();
@@ -312,10 +317,12 @@ static void watchdog_round(CommState* s, std::vector<std::shared_ptr<WorkState>>
 
 static void watchdog_loop(CommState* s) {
   bool device_ok = true;
+  std::string device_error;
   try {
     DECENTPY_CUDA_CHECK(cudaSetDevice(s->device));
-  } catch (const std::exception&) {
+  } catch (const std::exception& e) {
     device_ok = false;
+    device_error = e.what();
   }
   std::vector<std::shared_ptr<WorkState>> snap;
   for (;;) {
@@ -329,7 +336,19 @@ static void watchdog_loop(CommState* s) {
       if (s->stop) return;
       snap.assign(s->outstanding.begin(), s->outstanding.end());
     }
-    if (!device_ok) continue;
+    if (!device_ok) {
+      // Without the device this thread can neither poll events nor enforce deadlines: fail the
+      // communicator (once) instead of silently leaving its waits unbounded.
+      if (!s->failed) {
+        const std::string msg = s->who() + ": the watchdog thread could not select cuda:" +
+                                std::to_string(s->device) + " (" + device_error +
+                                "), so waits cannot be bounded. The NCCL communicator was aborted";
+        std::fprintf(stderr, "[decentpy NCCL watchdog] %s\n", msg.c_str());
+        s->abort(msg);
+      }
+      snap.clear();
+      continue;
+    }
     try {
       watchdog_round(s, snap);
     } catch (const std::exception& e) {  // never let an exception end the process
@@ -685,7 +704,15 @@ std::unique_ptr<NcclWork> enqueue(const std::shared_ptr<CommState>& sp, void* co
     s.wait_ready(s.comm, w->deadline_ns.load(),
                  label + " with peer rank(s) " + s.peers_str(w->peers) + " (launch)", true);
   }
-  DECENTPY_CUDA_CHECK(cudaEventRecord(w->done, s.stream));
+  try {
+    DECENTPY_CUDA_CHECK(cudaEventRecord(w->done, s.stream));
+  } catch (const std::exception& e) {
+    // The operation is in flight but cannot be tracked: nothing could bound a wait on it.
+    s.abort_locked(s.who() + ": " + label + " with peer rank(s) " + s.peers_str(w->peers) +
+                   " was launched but its completion event could not be recorded (" + e.what() +
+                   "). The NCCL communicator was aborted (ncclCommAbort)");
+    throw;
+  }
   {
     std::lock_guard<std::mutex> lk(s.mu);
     s.outstanding.push_back(w);
@@ -785,13 +812,20 @@ std::unique_ptr<NcclCommunicator> NcclCommunicator::split(int color, int key,
         if (c) s.api->CommAbort(c);
         throw;
       }
-      if (c) s.wait_ready(c, deadline, "ncclCommSplit into '" + name + "' (new communicator)", false);
     }
     if (!c) return nullptr;
-    child->comm = c;
+    if (!s.blocking) {  // aborts `c` itself if it fails or times out
+      s.wait_ready(c, deadline, "ncclCommSplit into '" + name + "' (new communicator)", false);
+    }
     int n = 0, rk = 0;
-    DECENTPY_NCCL_CHECK(s.api->CommCount(c, &n), c, "ncclCommCount");
-    DECENTPY_NCCL_CHECK(s.api->CommUserRank(c, &rk), c, "ncclCommUserRank");
+    try {  // a failure from here on must not leak the new communicator
+      DECENTPY_NCCL_CHECK(s.api->CommCount(c, &n), c, "ncclCommCount");
+      DECENTPY_NCCL_CHECK(s.api->CommUserRank(c, &rk), c, "ncclCommUserRank");
+    } catch (...) {
+      s.api->CommAbort(c);
+      throw;
+    }
+    child->comm = c;
     child->nranks = n;
     child->rank = rk;
   }

@@ -74,6 +74,30 @@ void* cuda_stream_of(const at::Tensor& t) {
 
 }  // namespace
 
+void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_groups) {
+  TORCH_CHECK(segments.defined() && segments.device().is_cpu(),
+              "check_segments: segments must be a CPU tensor (check it before moving it to the GPU)");
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 3 &&
+                  segments.is_contiguous(),
+              "check_segments: segments must be a contiguous int64 [nseg, 3] tensor, got ",
+              segments.scalar_type(), " ", segments.sizes());
+  const int64_t nseg = segments.size(0);
+  TORCH_CHECK(nseg >= 1 || numel == 0, "segments is empty; it must cover [0, ", numel, ")");
+  const int64_t* sp = segments.data_ptr<int64_t>();
+  int64_t expect = 0;
+  for (int64_t i = 0; i < nseg; ++i) {
+    const int64_t b = sp[3 * i], e = sp[3 * i + 1], grp = sp[3 * i + 2];
+    TORCH_CHECK(b == expect && e >= b, "mix_and_step: segments[", i, "] = (", b, ", ", e, ", ",
+                grp, ") does not continue at ", expect,
+                "; segments must be sorted, disjoint and cover [0, ", numel, ")");
+    TORCH_CHECK(grp >= 0 && grp < num_groups, "mix_and_step: segments[", i, "] uses group ", grp,
+                " but hyper has ", num_groups, " rows");
+    expect = e;
+  }
+  TORCH_CHECK(expect == numel, "mix_and_step: segments end at ", expect, " but param has ", numel,
+              " elements");
+}
+
 void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                   const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
                   const c10::optional<at::Tensor>& send, const at::Tensor& segments,
@@ -150,6 +174,13 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
                 param.device());
     TORCH_CHECK(t.is_contiguous(), what, " must be contiguous, got strides ", t.strides());
     check_no_overlap(t, what.c_str(), param, "param");
+    if (c.defined()) check_no_overlap(t, what.c_str(), c, "comm");
+    if (s.defined()) check_no_overlap(t, what.c_str(), s, "send");
+    if (g.defined() && !zero_grad) check_no_overlap(t, what.c_str(), g, "grad");
+    for (size_t j = 0; j < i; ++j) {
+      const std::string other = "states[" + std::to_string(j) + "]";
+      check_no_overlap(t, what.c_str(), states[j], other.c_str());
+    }
     if (zero_grad) {
       const std::string sn = "states[" + std::to_string(i) + "]";
       check_no_overlap(g, "mix_and_step: grad (zero_grad=True)", t, sn.c_str());
@@ -230,20 +261,10 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
     const int64_t nseg = segments.size(0);
     TORCH_CHECK(nseg >= 1, "mix_and_step: segments is empty; it must cover [0, ", param.numel(),
                 ")");
+    // A device table is not read back here (that would synchronise every call): it is checked
+    // with check_segments on the host before it is copied over (decentpy/bucket.py does).
     if (segments.device().is_cpu()) {
-      const int64_t* sp = segments.data_ptr<int64_t>();
-      int64_t expect = 0;
-      for (int64_t i = 0; i < nseg; ++i) {
-        const int64_t b = sp[3 * i], e = sp[3 * i + 1], grp = sp[3 * i + 2];
-        TORCH_CHECK(b == expect && e >= b, "mix_and_step: segments[", i, "] = (", b, ", ", e,
-                    ", ", grp, ") does not continue at ", expect,
-                    "; segments must be sorted, disjoint and cover [0, ", param.numel(), ")");
-        TORCH_CHECK(grp >= 0 && grp < static_cast<int64_t>(hyper.size()), "mix_and_step: segments[",
-                    i, "] uses group ", grp, " but hyper has ", hyper.size(), " rows");
-        expect = e;
-      }
-      TORCH_CHECK(expect == param.numel(), "mix_and_step: segments end at ", expect,
-                  " but param has ", param.numel(), " elements");
+      check_segments(segments, param.numel(), static_cast<int64_t>(hyper.size()));
     }
     a.segments = reinterpret_cast<const Segment*>(segments.data_ptr<int64_t>());
     a.num_segments = nseg;

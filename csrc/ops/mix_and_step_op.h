@@ -15,6 +15,11 @@ namespace decentpy {
 //  bias_correction2_sqrt, accum_scale].
 constexpr int kHyperFields = 11;
 
+// Raises unless `segments` (a CPU int64 [nseg, 3] table) is sorted, disjoint, covers [0, numel)
+// and names groups in [0, num_groups). mix_and_step checks CPU tables itself; a table meant for
+// the GPU is checked with this before it is copied there (reading it back would synchronise).
+void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_groups);
+
 // One fused mix-and-step pass over a flat bucket (see kernels/mix_and_step.h).
 // kind: OptKind as int (0 None, 1 SGD, 2 Adam, 3 AccumAdam).
 // states: SGD [] or [momentum_buffer]; Adam [exp_avg, exp_avg_sq]; AccumAdam [M, V, acc]; None [].
