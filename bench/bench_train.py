@@ -551,73 +551,62 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
           "runs, without the mixing); extra = peak RSS minus the torch-AdamW floor's")
 
 
+def _target(title: str, rows: List[Dict[str, Any]], met: Any, score: Any, fmt: Any,
+            higher_is_better: bool) -> Tuple[str, bool, str]:
+    """One target line: how many configurations meet it, the worst one, and every miss."""
+    bad = [r for r in rows if not met(r)]
+    worst = (min if higher_is_better else max)(rows, key=score)
+    detail = (f"{len(rows) - len(bad)}/{len(rows)} met; worst {fmt(worst)} "
+              f"({worst['cfg'].model}, n={worst['cfg'].workers}, {worst['cfg'].topology})")
+    if bad:
+        detail += "; missed: " + ", ".join(
+            f"{r['cfg'].model}/n={r['cfg'].workers}/{SHORT_TOPO[r['cfg'].topology]} {fmt(r)}" for r in bad)
+    return title, not bad, detail
+
+
 def check_targets(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
     out = []
     dp = [r for r in rows if r["cfg"].framework == "decentpy"]
     t1 = [r for r in dp if r["cfg"].workers in (4, 8) and r["vs_ref"] is not None]
     if t1:
-        bad = [r for r in t1 if r["vs_ref"] < 1.3]
-        worst = min(t1, key=lambda r: r["vs_ref"])
-        out.append(("decentpy >= 1.3x faster per step than decent-dp on every topology at 4 and 8 workers",
-                    not bad, f"{len(t1) - len(bad)}/{len(t1)} met; worst {worst['vs_ref']:.2f}x "
-                    f"({worst['cfg'].model}, n={worst['cfg'].workers}, {worst['cfg'].topology})"
-                    + ("; missed: " + ", ".join(f"{r['cfg'].model}/n={r['cfg'].workers}/"
-                                                 f"{SHORT_TOPO[r['cfg'].topology]} {r['vs_ref']:.2f}x"
-                                                 for r in bad) if bad else "")))
+        out.append(_target("decentpy >= 1.3x faster per step than decent-dp on every topology at 4 and 8 workers",
+                           t1, lambda r: r["vs_ref"] >= 1.3, lambda r: r["vs_ref"],
+                           lambda r: f"{r['vs_ref']:.2f}x", higher_is_better=True))
     t2 = [r for r in dp if r["vs_ddp"] is not None]
     if t2:
-        bad = [r for r in t2 if r["vs_ddp"] <= 1.0]
-        worst = min(t2, key=lambda r: r["vs_ddp"])
-        out.append(("decentpy faster than torch DDP (every topology and size)", not bad,
-                    f"{len(t2) - len(bad)}/{len(t2)} met; worst DDP/decentpy {worst['vs_ddp']:.2f}x "
-                    f"({worst['cfg'].model}, n={worst['cfg'].workers}, {worst['cfg'].topology})"
-                    + ("; missed: " + ", ".join(f"{r['cfg'].model}/n={r['cfg'].workers}/"
-                                                 f"{SHORT_TOPO[r['cfg'].topology]} {r['vs_ddp']:.2f}x"
-                                                 for r in bad) if bad else "")))
+        out.append(_target("decentpy faster than torch DDP (every topology and size)",
+                           t2, lambda r: r["vs_ddp"] > 1.0, lambda r: r["vs_ddp"],
+                           lambda r: f"DDP/decentpy {r['vs_ddp']:.2f}x", higher_is_better=True))
     for key, label in (("vs_floor", "the torch-AdamW floor: same model, data, batch and optimizer, no communication"),
                        ("vs_ffloor", "the stricter fused-AdamW floor: decentpy's own kernel, no communication")):
         t3 = [r for r in dp if r[key] is not None]
-        if not t3:
-            continue
-        bad = [r for r in t3 if r[key] > 1.15]
-        worst = max(t3, key=lambda r: r[key])
-        out.append((f"decentpy within 1.15x of {label}", not bad,
-                    f"{len(t3) - len(bad)}/{len(t3)} met; worst {worst[key]:.2f}x "
-                    f"({worst['cfg'].model}, n={worst['cfg'].workers}, {worst['cfg'].topology})"
-                    + ("; missed: " + ", ".join(f"{r['cfg'].model}/n={r['cfg'].workers}/"
-                                                 f"{SHORT_TOPO[r['cfg'].topology]} {r[key]:.2f}x"
-                                                 for r in bad) if bad else "")))
+        if t3:
+            out.append(_target(f"decentpy within 1.15x of {label}", t3,
+                               lambda r, k=key: r[k] <= 1.15, lambda r, k=key: r[k],
+                               lambda r, k=key: f"{r[k]:.2f}x", higher_is_better=False))
+
+    def mib(extra_key: str) -> Any:
+        return lambda r: f"extra {r[extra_key] / 2**20:+.1f} MiB vs P = {r['param_bytes'] / 2**20:.2f} MiB"
+
     t5 = [r for r in dp if r["extra_steady"] is not None]
     if t5:
         # The floor's optimizer.zero_grad() frees its gradients (set_to_none) between steps, so its
         # live memory lacks one P that decentpy keeps in the gradient block: credit it back.
         for r in t5:
             r["extra_steady_vs_grads"] = r["extra_steady"] - r["param_bytes"]
-        bad = [r for r in t5 if r["extra_steady_vs_grads"] > r["param_bytes"] + 2**20]
-        worst = max(t5, key=lambda r: r["extra_steady_vs_grads"])
-        out.append(("decentpy extra steady (live, after warm-up) memory per worker <= one copy of the parameters, "
-                    "against the floor with its gradients (+1 MiB tolerance)", not bad,
-                    f"{len(t5) - len(bad)}/{len(t5)} met; worst extra {worst['extra_steady_vs_grads'] / 2**20:+.1f} MiB "
-                    f"vs P = {worst['param_bytes'] / 2**20:.2f} MiB ({worst['cfg'].model}, n={worst['cfg'].workers}, "
-                    f"{worst['cfg'].topology})"))
+        out.append(_target("decentpy extra steady (live, after warm-up) memory per worker <= one copy of the "
+                           "parameters, against the floor with its gradients (+1 MiB tolerance)", t5,
+                           lambda r: r["extra_steady_vs_grads"] <= r["param_bytes"] + 2**20,
+                           lambda r: r["extra_steady_vs_grads"] - r["param_bytes"],
+                           mib("extra_steady_vs_grads"), higher_is_better=False))
     t4 = [r for r in dp if r["extra"] is not None]
     if t4:
         # tolerance: 1 MiB of RSS noise (page granularity, allocator, gloo threads)
-        bad = [r for r in t4 if r["extra"] > r["param_bytes"] + 2**20]
-        worst = max(t4, key=lambda r: r["extra"] - r["param_bytes"])
-        out.append(("decentpy extra peak memory per worker <= one copy of the parameters (beyond model, "
-                    "grads and optimizer state, i.e. the local floor; +1 MiB tolerance)", not bad,
-                    f"{len(t4) - len(bad)}/{len(t4)} met; worst extra {worst['extra'] / 2**20:+.1f} MiB vs "
-                    f"P = {worst['param_bytes'] / 2**20:.2f} MiB ({worst['cfg'].model}, n={worst['cfg'].workers}, "
-                    f"{worst['cfg'].topology})"))
+        out.append(_target("decentpy extra peak memory per worker <= one copy of the parameters (beyond model, "
+                           "grads and optimizer state, i.e. the local floor; +1 MiB tolerance)", t4,
+                           lambda r: r["extra"] <= r["param_bytes"] + 2**20,
+                           lambda r: r["extra"] - r["param_bytes"], mib("extra"), higher_is_better=False))
     return out
-
-
-CSV_FIELDS = ["framework", "topology", "workers", "model", "step_time_s", "bytes_per_step", "compute_time_s",
-              "model_bytes", "local_world_size", "step_time_p25_s", "step_time_p75_s", "timed_steps",
-              "own_compute_time_s", "peak_rss_mib", "extra_rss_mib", "extra_steady_rss_mib", "wrap_rss_mib",
-              "speedup_vs_decent_dp", "speedup_vs_ddp", "ratio_vs_floor", "ratio_vs_fused_floor", "cpu", "cores",
-              "torch"]
 
 
 def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> None:
