@@ -609,6 +609,13 @@ def check_targets(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
     return out
 
 
+CSV_FIELDS = ["framework", "topology", "workers", "model", "step_time_s", "bytes_per_step", "compute_time_s",
+              "model_bytes", "local_world_size", "step_time_p25_s", "step_time_p75_s", "timed_steps",
+              "own_compute_time_s", "peak_rss_mib", "extra_rss_mib", "extra_steady_rss_mib", "wrap_rss_mib",
+              "speedup_vs_decent_dp", "speedup_vs_ddp", "ratio_vs_floor", "ratio_vs_fused_floor", "cpu", "cores",
+              "torch"]
+
+
 def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as fh:
