@@ -192,3 +192,47 @@ def test_parameters_changed_after_wrapping_are_picked_up(change: str) -> None:
         assert r["rebuilt"] == (change != "double_from_start")
         assert all(r["in_blocks"])
         assert r["dtypes"] == ({"torch.float64"} if f64 else {"torch.float32"})
+
+
+# --- parameters without a gradient ----------------------------------------------------------------
+
+class WithUnused(nn.Module):
+    """``make_mlp(0)`` plus a layer that forward never uses (its parameters get no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_mlp(0)
+        self.unused = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def unused_worker(rank: int, world: int) -> dict:
+    from decentpy import DecentralizedDataParallel
+
+    model = WithUnused()
+    before = {n: p.detach().clone() for n, p in model.unused.named_parameters()}
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("sgd_plain"), topology="ring")
+    names = {id(p): n for n, p in model.named_parameters()}
+    for k in range(STEPS):
+        x, y = batch(rank, k)
+        loss_fn(ddp(x), y).backward()
+    ddp.consensus_distance()
+    return {"params": {n[len("net."):]: p.detach().double().clone() for n, p in model.named_parameters()
+                       if n.startswith("net.")},
+            "unused_kept": all(torch.equal(before[n], p) for n, p in model.unused.named_parameters()),
+            "unused_grads_zero": all(p.grad is not None and not p.grad.any() for p in model.unused.parameters()),
+            "last_bucket": [names[id(p)] for p in ddp._reducer.buckets[-1].params],
+            "in_blocks": _storage_of_blocks(ddp)}
+
+
+def test_parameters_without_gradient_get_a_bucket_and_a_zero_gradient_step() -> None:
+    res = run_workers(unused_worker, 4, timeout=180)
+    assert_close_params([r["params"] for r in res], _reference("ring", "sgd_plain"), rtol=2e-5, atol=2e-5,
+                        what="model with an unused layer")
+    for r in res:
+        assert r["unused_kept"], "plain SGD with a zero gradient must leave the unused layer as it was"
+        assert r["unused_grads_zero"]
+        assert set(r["last_bucket"]) >= {"unused.weight", "unused.bias"}, r["last_bucket"]
+        assert all(r["in_blocks"])
