@@ -5,11 +5,12 @@ of a bucket are in (and every earlier bucket is done, so that all ranks launch t
 in the same order), the bucket is processed: wait for the exchange launched last iteration, mix,
 step and launch the next exchange -- while autograd keeps computing the earlier layers.
 Buckets are built at construction, in reverse registration order (as DDP does), so parameters
-and gradients live in the flat blocks from the start and the first backward accumulates straight
-into them: no iteration ever holds a second copy of the model. The first backward also records
-the gradient-ready order; at its end the layout is rebuilt only if that order packs the
-parameters into different buckets (or a parameter was given new storage since construction),
-and then every bucket is stepped, so the first iteration gets its update too.
+live in the flat blocks from the start, and each gradient of the first backward is copied into
+its gradient block as it arrives (and freed): no iteration holds a second copy of the model. The
+first backward also records the gradient-ready order; at its end the layout is rebuilt only if
+that order packs the parameters into different buckets (or a parameter was given new storage,
+dtype or device since construction), and then every bucket is stepped, so the first iteration
+gets its update too.
 """
 
 from __future__ import annotations
