@@ -176,3 +176,26 @@ def test_uneven_inputs_every_topology_no_hang_and_matches_reference(with_torch_d
         ref = simulate(world, t.mixing_matrix, "adam", 3 + world - 1, skip=lambda i, k: k >= 3 + i)
         mean = {n: torch.stack([w[n] for w in ref]).mean(0) for n in ref[0]}
         assert_close_params([res[0][topo]], [mean], rtol=2e-5, atol=2e-5, what=f"uneven inputs, {topo}")
+
+
+# --- a rank with no data at all ---------------------------------------------------------------------
+
+def join_before_first_iteration_worker(rank: int, world: int) -> str:
+    from decentpy import DecentralizedDataParallel
+
+    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("sgd"), topology="ring")
+    with ddp.join():
+        for k in range(2 if rank == 0 else 0):  # rank 1 has no batch: it joins at once
+            x, y = batch(rank, k)
+            loss_fn(ddp(x), y).backward()
+    return "no error"
+
+
+def test_joining_before_the_first_iteration_names_the_rank() -> None:
+    # The first iteration confirms the bucket layout on all ranks (a collective), so a rank needs
+    # one before it can shadow the others; the rank that ran out of data says so. Its peer then
+    # fails on the closed connection instead of hanging.
+    res = run_workers(join_before_first_iteration_worker, 2, timeout=120, pg_timeout_s=20,
+                      allow_failures=True)
+    assert "rank 1 joined before its first training iteration" in res[1], res[1]
+    assert res[0] != "no error", "rank 0 cannot complete an iteration whose peer left"
