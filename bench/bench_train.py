@@ -322,14 +322,20 @@ class Runner:
         self.hwm = hwm if hwm is not None else self.rss1
 
 
-def _measure_memory(cfg: Config, rank: int, n: int, plan: Dict[str, Any]) -> List[float]:
-    """Build ``cfg`` alone, warm it up, free it: its memory figures (bytes) without the others alive."""
+def _warm_runner(cfg: Config, rank: int, plan: Dict[str, Any], steps: int) -> Runner:
+    """Build ``cfg`` on every rank (after a barrier) and run ``steps`` untimed steps."""
     import torch.distributed as dist
 
     dist.barrier()
     r = Runner(cfg, rank, plan["seed"])
-    for _ in range(plan["warmup"]):
+    for _ in range(steps):
         r.step()
+    return r
+
+
+def _measure_memory(cfg: Config, rank: int, plan: Dict[str, Any]) -> List[float]:
+    """Build ``cfg`` alone, warm it up, free it: its memory figures (bytes) without the others alive."""
+    r = _warm_runner(cfg, rank, plan, plan["warmup"])
     r.after_warmup()
     mem = [r.rss0, r.rss_model, r.rss1, r.hwm]
     r.finish()
@@ -368,10 +374,7 @@ def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
             if cfg.framework in seen:
                 continue
             seen.add(cfg.framework)
-            dist.barrier()
-            primer = Runner(cfg, rank, plan["seed"])
-            for _ in range(max(2, plan["warmup"])):
-                primer.step()
+            primer = _warm_runner(cfg, rank, plan, max(2, plan["warmup"]))
             primer.finish()
             del primer
             _trim()
@@ -381,15 +384,9 @@ def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
             base_rss = _rss_bytes()
         # Memory pass: each configuration alone (built, warmed up, freed), so that one
         # configuration's heap does not shape the next one's peak.
-        mems = [_measure_memory(cfg, rank, n, plan) for cfg in cfgs]
+        mems = [_measure_memory(cfg, rank, plan) for cfg in cfgs]
         # Timing pass: all configurations alive, timed in interleaved rounds.
-        runners: List[Runner] = []
-        for cfg in cfgs:
-            dist.barrier()
-            r = Runner(cfg, rank, plan["seed"])
-            for _ in range(plan["warmup"]):
-                r.step()
-            runners.append(r)
+        runners: List[Runner] = [_warm_runner(cfg, rank, plan, plan["warmup"]) for cfg in cfgs]
         for rnd in range(plan["rounds"]):
             order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
             for r in order:

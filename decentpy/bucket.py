@@ -123,24 +123,25 @@ class Bucket:
             if not seen:
                 self.adopt_grad(slot)
 
+    def _param_left(self, slot: int) -> bool:
+        """The parameter no longer has its view's dtype/device or (views on) its storage."""
+        p, pv = self.params[slot], self.param_views[slot]
+        if p.dtype != pv.dtype or p.device != pv.device:
+            return True
+        return self.params_are_views and p.data_ptr() != pv.data_ptr()
+
     def moved_param(self) -> Optional[str]:
         """Name of the first parameter if it left this bucket (``model.to()``/``.double()`` swap the
         storage of every parameter, so one check per bucket catches them), else None."""
-        p, pv, gv = self.params[0], self.param_views[0], self.grad_views[0]
-        if p.dtype != pv.dtype or p.device != pv.device:
-            return self.names[0]
-        if self.params_are_views and p.data_ptr() != pv.data_ptr():
-            return self.names[0]
-        if gv.dtype != self.grad_block.dtype or gv.device != self.grad_block.device:
-            return self.names[0]  # the gradient view itself had its data swapped by the cast
+        gv = self.grad_views[0]
+        if self._param_left(0) or gv.dtype != self.grad_block.dtype or gv.device != self.grad_block.device:
+            return self.names[0]  # (the gradient view itself has its data swapped by a cast)
         return None
 
     def layout_intact(self) -> bool:
         """Every parameter (when views are on) and gradient still lives in this bucket's blocks."""
-        for p, pv, gv in zip(self.params, self.param_views, self.grad_views):
-            if p.dtype != pv.dtype or p.device != pv.device:
-                return False
-            if self.params_are_views and (p.data_ptr() != pv.data_ptr() or p.stride() != pv.stride()):
+        for slot, (p, pv, gv) in enumerate(zip(self.params, self.param_views, self.grad_views)):
+            if self._param_left(slot) or (self.params_are_views and p.stride() != pv.stride()):
                 return False
             g = p.grad
             if g is not None and (g.data_ptr() != gv.data_ptr() or g.stride() != gv.stride()):

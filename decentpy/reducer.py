@@ -224,6 +224,7 @@ class GossipReducer:
 
     def build_from_plan(self, plan: BucketPlan) -> None:
         self.buckets = []  # the old blocks go as each parameter moves to its new one
+        had_grads = any(p.grad is not None for p in self.params)  # a rebuild, not construction
         # Stage 1, every bucket: parameters into their blocks, then the old storage goes back to
         # the OS before the other blocks are placed (peak: one extra copy of the parameters).
         flats = [flatten_params([self.params[i] for i in indices], self.param_as_bucket_view)
@@ -248,8 +249,8 @@ class GossipReducer:
                 self._bucket_of[i] = bi
                 self._slot_of[i] = slot
             self.buckets.append(bucket)
-        if on_cpu:
-            release_free_host_memory()  # the gradients' former storage (a rebuild)
+        if on_cpu and had_grads:
+            release_free_host_memory()  # the gradients' former storage
 
     @property
     def plan(self) -> Optional[BucketPlan]:

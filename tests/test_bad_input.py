@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -93,6 +95,15 @@ def test_bad_construction_raises_on_every_rank(case: str) -> None:
             assert "untouched=True" in text
 
 
+def _runtime_error_of(action: Callable[[], object]) -> str:
+    """The message of the RuntimeError ``action`` raises, or 'no error'."""
+    try:
+        action()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
 def used_twice_worker(rank: int, world: int) -> str:
     from decentpy import DecentralizedDataParallel
 
@@ -102,11 +113,7 @@ def used_twice_worker(rank: int, world: int) -> str:
     loss_fn(ddp(x), y).backward()  # the first iteration fixes the bucket layout
     out = ddp(x)
     loss_fn(out, y).backward(retain_graph=True)
-    try:
-        loss_fn(out, y).backward()  # a second backward over the same forward
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
+    return _runtime_error_of(lambda: loss_fn(out, y).backward())  # a second backward, same forward
 
 
 def test_second_gradient_in_one_iteration_is_refused_with_the_parameter_name() -> None:
@@ -123,11 +130,7 @@ def cast_after_first_iteration_worker(rank: int, world: int) -> str:
     x, y = batch(rank, 0)
     loss_fn(ddp(x), y).backward()
     model.double()
-    try:
-        loss_fn(ddp(x.double()), y.double()).backward()
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
+    return _runtime_error_of(lambda: loss_fn(ddp(x.double()), y.double()).backward())
 
 
 def test_cast_after_first_iteration_is_a_clear_error() -> None:
@@ -157,11 +160,7 @@ def reentrant_worker(rank: int, world: int) -> str:
     model = Twice()
     ddp = DecentralizedDataParallel(model, decentpy_optim_fn("adam"), topology="complete")
     x = torch.randn(2, 4, requires_grad=True)
-    try:
-        ddp(x).sum().backward()
-    except RuntimeError as exc:
-        return str(exc)
-    return "no error"
+    return _runtime_error_of(lambda: ddp(x).sum().backward())
 
 
 def test_reentrant_double_use_is_refused_with_the_parameter_name() -> None:

@@ -456,30 +456,15 @@ def test_zero_grad_numel_zero_and_version_bump():
 
 
 def test_zero_grad_bad_inputs():
-    kw = _good()
-    kw["grad"] = None
-    with pytest.raises(RuntimeError, match=r"grad is required"):
-        _call(**kw, zero_grad=True)
-    kw = _good()
-    kw["grad"], kw["skip_update"] = None, True
-    with pytest.raises(RuntimeError, match=r"zero_grad=True needs grad"):
-        _call(**kw, zero_grad=True)
-    kw = _good()
-    kw["grad"] = kw["param"]
-    with pytest.raises(RuntimeError, match=r"grad must not share memory with param"):
-        _call(**kw, zero_grad=True)
-    kw = _good()
-    kw["comm"] = kw["grad"]
-    with pytest.raises(RuntimeError, match=r"grad \(zero_grad=True\) must not share memory with comm"):
-        _call(**kw, zero_grad=True)
-    kw = _good()
-    kw["send"] = kw["grad"]
-    with pytest.raises(RuntimeError, match=r"grad \(zero_grad=True\) must not share memory with send"):
-        _call(**kw, zero_grad=True)
-    kw = _good()
-    kw["states"][0] = kw["grad"]
-    with pytest.raises(RuntimeError, match=r"grad \(zero_grad=True\) must not share memory with states\[0\]"):
-        _call(**kw, zero_grad=True)
+    _refuses(lambda kw: kw.update(grad=None), r"grad is required", zero_grad=True)
+    _refuses(lambda kw: kw.update(grad=None, skip_update=True), r"zero_grad=True needs grad", zero_grad=True)
+    _refuses(lambda kw: kw.update(grad=kw["param"]), r"grad must not share memory with param", zero_grad=True)
+    _refuses(lambda kw: kw.update(comm=kw["grad"]),
+             r"grad \(zero_grad=True\) must not share memory with comm", zero_grad=True)
+    _refuses(lambda kw: kw.update(send=kw["grad"]),
+             r"grad \(zero_grad=True\) must not share memory with send", zero_grad=True)
+    _refuses(lambda kw: kw["states"].__setitem__(0, kw["grad"]),
+             r"grad \(zero_grad=True\) must not share memory with states\[0\]", zero_grad=True)
     # Without zero_grad a read-only grad shared with comm is still accepted (old behaviour).
     kw = _good()
     kw["comm"] = kw["grad"].clone()
@@ -539,6 +524,14 @@ def _good(n=64, dtype=torch.float32, kind=ADAM):
 
 def _call(**kw):
     _C.mix_and_step(**kw)
+
+
+def _refuses(edit, match, **call_kw):
+    """A good call with ``edit(kw)`` applied raises RuntimeError matching ``match``."""
+    kw = _good()
+    edit(kw)
+    with pytest.raises(RuntimeError, match=match):
+        _call(**kw, **call_kw)
 
 
 def test_good_call_works():
@@ -636,22 +629,11 @@ def test_check_segments_for_device_tables():
 
 
 def test_state_buffers_must_not_overlap_other_buffers():
-    kw = _good()
-    kw["states"][1] = kw["states"][0]
-    with pytest.raises(RuntimeError, match=r"states\[1\] must not share memory with states\[0\]"):
-        _call(**kw)
-    kw = _good()
-    kw["comm"] = kw["states"][0]
-    with pytest.raises(RuntimeError, match=r"states\[0\] must not share memory with comm"):
-        _call(**kw)
-    kw = _good()
-    kw["send"] = kw["states"][1]
-    with pytest.raises(RuntimeError, match=r"states\[1\] must not share memory with send"):
-        _call(**kw)
-    kw = _good()
-    kw["grad"] = kw["states"][0]
-    with pytest.raises(RuntimeError, match=r"states\[0\] must not share memory with grad"):
-        _call(**kw)
+    _refuses(lambda kw: kw["states"].__setitem__(1, kw["states"][0]),
+             r"states\[1\] must not share memory with states\[0\]")
+    _refuses(lambda kw: kw.update(comm=kw["states"][0]), r"states\[0\] must not share memory with comm")
+    _refuses(lambda kw: kw.update(send=kw["states"][1]), r"states\[1\] must not share memory with send")
+    _refuses(lambda kw: kw.update(grad=kw["states"][0]), r"states\[0\] must not share memory with grad")
 
 
 def test_too_many_groups_and_bad_rows():

@@ -248,18 +248,20 @@ _INIT_BOUNDED_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_child(script: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """A GPU scenario in its own process: if it hangs or aborts, the test session survives."""
+def _run_child_ok(script: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """A GPU scenario in its own process (if it hangs or aborts, the test session survives); it
+    must exit 0 after printing OK."""
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=REPO)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    return r
 
 
 @needs_nccl
 @pytest.mark.cuda
 def test_initialisation_is_bounded():
-    r = _run_child(_INIT_BOUNDED_SCRIPT)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    _run_child_ok(_INIT_BOUNDED_SCRIPT)
 
 
 _STREAM_OUTLIVES_SCRIPT = textwrap.dedent("""
@@ -290,8 +292,7 @@ _STREAM_OUTLIVES_SCRIPT = textwrap.dedent("""
 @needs_nccl
 @pytest.mark.cuda
 def test_buffers_recorded_on_the_stream_may_outlive_the_communicator():
-    r = _run_child(_STREAM_OUTLIVES_SCRIPT)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    _run_child_ok(_STREAM_OUTLIVES_SCRIPT)
 
 
 _WATCHDOG_SCRIPT = textwrap.dedent("""
@@ -323,8 +324,7 @@ _WATCHDOG_SCRIPT = textwrap.dedent("""
 @pytest.mark.cuda
 def test_watchdog_aborts_past_the_deadline():
     # In a child process: an aborted communicator must not take the test session with it.
-    r = _run_child(_WATCHDOG_SCRIPT)
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    r = _run_child_ok(_WATCHDOG_SCRIPT)
     assert "[decentpy NCCL watchdog]" in r.stderr and "bucket 5" in r.stderr
 
 
