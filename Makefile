@@ -26,6 +26,7 @@ WORKERS ?= 4
 ARGS    ?=
 BENCH_ARGS ?=
 TORCH_VERSION ?= 2.13.0
+DECENT_DP_VERSION ?= 0.2.3
 NPROC   := $(shell nproc 2>/dev/null || echo 2)
 CMAKE   := $(shell command -v cmake 2>/dev/null)
 CMAKE_BUILD_DIR := build/cmake
@@ -42,7 +43,9 @@ deps: $(DEPS_STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-# Order-only on the interpreter: its mtime must not trigger reinstalls.
+# Order-only on the interpreter: its mtime must not trigger reinstalls. decent-dp is the reference
+# that the drop-in tests and bench-train compare with (pure Python, needs loguru); --no-deps: it
+# depends on an unpinned torch, which must not be replaced.
 $(DEPS_STAMP): | $(PY)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already in $(VENV)"; \
@@ -51,6 +54,7 @@ $(DEPS_STAMP): | $(PY)
 	  $(PIP) install $(PIP_Q) "torch==$(TORCH_VERSION)"; \
 	fi
 	$(PIP) install $(PIP_Q) numpy pytest scikit-learn ninja pybind11 setuptools wheel
+	$(PIP) install $(PIP_Q) --no-deps "decent-dp==$(DECENT_DP_VERSION)" loguru
 	@touch $@
 
 # --no-build-isolation: build against the torch installed above, never a freshly pulled one.
@@ -92,11 +96,9 @@ endif
 bench: $(BUILD_STAMP)
 	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
 
-# decent-dp (the reference, pure Python; needs loguru) and matplotlib are installed for the
-# benchmarks only. --no-deps: decent-dp depends on an unpinned torch, which must not be replaced.
+# matplotlib is installed for the benchmark plots only (decent-dp comes with `make deps`).
 .PHONY: bench-train bench-convergence
 bench-train: $(BUILD_STAMP)
-	$(PIP) install $(PIP_Q) --no-deps decent-dp loguru
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py $(BENCH_ARGS)
 

@@ -737,7 +737,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import decent_dp.ddp  # noqa: F401
         except ImportError as exc:
             print(f"decent-dp skipped: `import decent_dp.ddp` failed ({exc}); "
-                  "install it with `pip install decent-dp loguru` (or run `make bench-train`)")
+                  "install it with `pip install --no-deps decent-dp==0.2.3 loguru` (or run `make deps`)")
             frameworks = [f for f in frameworks if f != "decent-dp"]
     machine = machine_description()
     print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))

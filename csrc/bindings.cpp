@@ -1,4 +1,5 @@
 // Python bindings of decentpy._C (thin: all logic lives in csrc/ops, csrc/bucket, csrc/cpu).
+#include <ATen/record_function.h>
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
@@ -102,6 +103,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Zero-filled flat block plus one view per tensor (strides kept when dense).");
 
   m.def("build_info", &build_info, "What this build of decentpy._C contains.");
+
+  // at::RecordFunctionGuard has no Python binding; the exchange launcher needs it (see
+  // decentpy/comm.py: a c10d Work started under the profiler ends its RecordFunction in wait(),
+  // possibly after the profiler freed the event storage).
+  m.def("record_function_enabled", &at::isRecordFunctionEnabled,
+        "Whether RecordFunction (profiler) callbacks run on this thread.");
+  m.def("set_record_function_enabled", &at::enableRecordFunction, py::arg("enable"),
+        "Enable or disable RecordFunction callbacks on this thread (thread-local).");
 
   decentpy::bind_reduce_scatter(m);
   decentpy::bind_nccl(m);

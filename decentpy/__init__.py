@@ -14,7 +14,7 @@ from .version import __version__
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 from . import _C  # noqa: E402  (the compiled extension; fails loudly when not built)
-from . import optim  # noqa: E402
+from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
 from .config import show_config  # noqa: E402
 from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
 from .join import Join, Joinable, JoinHook  # noqa: E402
@@ -46,5 +46,7 @@ __all__ = [
     "make_topology",
     "register_topology",
     "optim",
+    "topo",
+    "utils",
     "show_config",
 ]

@@ -9,9 +9,11 @@ pass covers the whole bucket.
 
 from __future__ import annotations
 
+import copy
 import logging
+import weakref
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -67,6 +69,19 @@ class Bucket:
     pending: int = 0
     processed: bool = False
     seen: List[bool] = field(default_factory=list)
+    # what the optimizer and scheduler looked like when created (see modified_by_user)
+    fresh_groups: List[Dict[str, Any]] = field(default_factory=list)
+    fresh_scheduler: Optional[Dict[str, Any]] = None
+    optimizer_loaded: bool = False
+
+    def modified_by_user(self) -> bool:
+        """The optimizer or scheduler was loaded or edited since the bucket was built (through
+        ``ddp._optims`` / ``_lr_schedulers``): a layout rebuild must carry their state over."""
+        if self.optimizer_loaded:
+            return True
+        if not _same(self.fresh_groups, _hyperparameters(self.optimizer)):
+            return True
+        return self.scheduler is not None and not _same(self.fresh_scheduler, self.scheduler.state_dict())
 
     @property
     def numel(self) -> int:
@@ -147,6 +162,50 @@ class Bucket:
             if g is not None and (g.data_ptr() != gv.data_ptr() or g.stride() != gv.stride()):
                 return False
         return True
+
+
+def _hyperparameters(optimizer: Optimizer) -> List[Dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Deep equality of state-dict-like values (tensors compared by value)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool(torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def carry_over_state(old: Sequence[Bucket], optimizer: Optimizer, scheduler: Optional[LRScheduler]) -> None:
+    """Move per-parameter optimizer state, group hyperparameters and scheduler state from the
+    buckets of an old layout into a new bucket's fresh ``optimizer`` and ``scheduler``.
+
+    Each new parameter group takes the hyperparameters of the old group of its first parameter;
+    the scheduler takes the state of the old scheduler of its first parameter when both drive the
+    same number of groups (else it stays fresh).
+    """
+    group_of: Dict[int, Dict[str, Any]] = {}
+    owner: Dict[int, Bucket] = {}
+    for b in old:
+        for g in b.optimizer.param_groups:
+            for p in g["params"]:
+                group_of[id(p)] = g
+                owner[id(p)] = b
+    for g in optimizer.param_groups:
+        src = group_of.get(id(g["params"][0]))
+        if src is not None:
+            g.update({k: v for k, v in src.items() if k != "params"})
+        for p in g["params"]:
+            b = owner.get(id(p))
+            if b is not None and p in b.optimizer.state:
+                optimizer.state[p] = dict(b.optimizer.state[p])  # fused: copied into new flat blocks
+    first = owner.get(id(optimizer.param_groups[0]["params"][0]))
+    if scheduler is not None and first is not None and first.scheduler is not None:
+        if len(first.optimizer.param_groups) == len(optimizer.param_groups):
+            scheduler.load_state_dict(first.scheduler.state_dict())
 
 
 def _segments_for(optimizer: Optimizer, params: Sequence[Tensor], offsets: Sequence[int], total: int,
@@ -242,7 +301,16 @@ def make_bucket(index: int, flat: FlatParams, names: List[str], optimizer: Optim
     bucket = Bucket(index=index, params=params, names=names, offsets=offsets, param_block=flat.block,
                     grad_block=grad_block, comm=comm, param_views=flat.views, grad_views=grad_views,
                     optimizer=optimizer, scheduler=scheduler, segments=segments, fused=fused,
-                    params_are_views=flat.as_views)
+                    params_are_views=flat.as_views, fresh_groups=copy.deepcopy(_hyperparameters(optimizer)),
+                    fresh_scheduler=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None)
+    ref = weakref.ref(bucket)  # no cycle: the old blocks must go as soon as a rebuild drops the bucket
+
+    def mark_loaded(_: Optimizer) -> None:
+        b = ref()
+        if b is not None:
+            b.optimizer_loaded = True
+
+    optimizer.register_load_state_dict_post_hook(mark_loaded)
     bucket.reset_iteration()
     logger.debug("bucket %d: %d params, %d elements, %s, %s, fused=%s", index, len(params), total,
                  flat.block.dtype, flat.block.device, fused)

@@ -7,14 +7,16 @@ at construction. Every wait is bounded, and a timeout names the bucket and the p
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import _C
 from .topology import Group, Topology
 
 logger = logging.getLogger(__name__)
@@ -80,15 +82,40 @@ class TorchCommunicator:
         ranks = group.ranks
         if len(ranks) == 1:
             return None
+        with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
+            works = self._start(bucket, ranks, send, recv)
+        return Exchange(list(works), bucket, ranks, self.rank)
+
+    def _start(self, bucket: int, ranks: Tuple[int, ...], send: Tensor, recv: Tensor) -> List[dist.Work]:
         if len(ranks) == 2:
             peer = ranks[0] if ranks[1] == self.rank else ranks[1]
             pg = self._p2p_group
             ops = [dist.P2POp(dist.isend, send, peer, group=pg, tag=bucket),
                    dist.P2POp(dist.irecv, recv, peer, group=pg, tag=bucket)]
-            works = dist.batch_isend_irecv(ops)
-        else:
-            works = [dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=self._subgroups[ranks], async_op=True)]
-        return Exchange(list(works), bucket, ranks, self.rank)
+            return list(dist.batch_isend_irecv(ops))
+        return [dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=self._subgroups[ranks], async_op=True)]
+
+
+@contextlib.contextmanager
+def _untraced_work(label: str) -> Iterator[None]:
+    """Launch collectives whose ``Work`` carries no profiler RecordFunction.
+
+    A c10d ``Work`` created while the torch profiler is active starts an asynchronous
+    RecordFunction and ends it when the work finishes or is waited on. decentpy waits on an exchange
+    one iteration later, possibly after the profiler stopped and freed its event storage; ending
+    the RecordFunction then writes into freed memory (a crash at exit: ``free(): invalid next
+    size`` or SIGSEGV). So the works are created with RecordFunction disabled on this thread
+    (thread-local, restored at once), and the launch itself is recorded synchronously as
+    ``label`` so profiles still show it.
+    """
+    traced = torch.autograd._profiler_enabled()
+    with torch.autograd.profiler.record_function(label) if traced else contextlib.nullcontext():
+        before = _C.record_function_enabled()
+        _C.set_record_function_enabled(False)
+        try:
+            yield
+        finally:
+            _C.set_record_function_enabled(before)
 
 
 def first_difference_across_ranks(mine: Sequence[Any]) -> Optional[Tuple[int, int, Any, Any]]:

@@ -12,18 +12,20 @@ import datetime
 import logging
 import math
 import os
-from typing import Any, Dict, Iterator, List, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.optim.lr_scheduler import LRScheduler
 
 from .bucket import BucketPlan, check_optimizer
 from .comm import default_timeout, first_difference_across_ranks
 from .nccl_comm import COMM_CHOICES, select_communicator
 from .grad_scaling import BucketGradScaling
 from .reducer import GossipReducer, OptimFn, SchedulerFn
+from .topo import hook_edges
 from .topology import Topology, make_topology
 
 logger = logging.getLogger(__name__)
@@ -128,15 +130,21 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._params = [p for _, p in named]
         self._check_dense_gradients()
         # optim_fn is checked on the whole model once, so a wrong one fails here on every rank.
-        check_optimizer(optim_fn(list(named)), self._params, self._param_names, "for the whole model")
+        probe = optim_fn(list(named))
+        check_optimizer(probe, self._params, self._param_names, "for the whole model")
+        wants_edges = hasattr(probe, "pre_average_hook")
+        del probe
 
-        self._check_same_model()  # first collective
+        self._check_same_model(wants_edges)  # first collective
         self._broadcast_from_rank0()
         self._comm = select_communicator(comm, self._topology, self._timeout, device=self._params[0].device)
+        # Edges (with process groups) for optimizers that hook into the averaging; collective, so
+        # only after the check above proved every rank wants them.
+        edges = hook_edges(self._topology) if wants_edges else None
         self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
         self._reducer = GossipReducer(
             self._params, self._param_names, optim_fn, lr_scheduler_fn, self._topology, self._comm,
-            self._grad_scaling, self._bucket_size, self._param_as_bucket_view, self._timeout)
+            self._grad_scaling, self._bucket_size, self._param_as_bucket_view, self._timeout, edges)
         self._backups: List[Tensor] = []
         self._skip_mix_before_avg: List[bool] = []
         self._adaptive_factor = 1.0
@@ -152,11 +160,16 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                     f"module '{name}' ({type(mod).__name__}) produces sparse gradients (sparse=True); "
                     "decentpy mixes dense buckets: construct it with sparse=False")
 
-    def _check_same_model(self) -> None:
-        diff = first_difference_across_ranks(
-            [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)])
+    def _check_same_model(self, wants_edges: bool) -> None:
+        mine: List[Any] = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)]
+        mine.append(("optimizer defines pre_average_hook", wants_edges))
+        diff = first_difference_across_ranks(mine)
         if diff is not None:
             r, k, a, b = diff
+            if k == len(self._params) and isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0]:
+                raise ValueError(
+                    f"optim_fn returns an optimizer {'with' if a[1] else 'without'} pre_average_hook on rank 0 but "
+                    f"{'with' if b[1] else 'without'} one on rank {r}; every rank must use the same optimizer")
             raise ValueError(
                 f"the model differs between rank 0 and rank {r}: parameter #{k} is {a} on rank 0 but {b} "
                 f"on rank {r} (name, shape, dtype); every rank must build the same model")
@@ -183,10 +196,29 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         """Iterations completed (the schedule index of the next mix)."""
         return self._reducer.step
 
+    @property
+    def _optims(self) -> List[torch.optim.Optimizer]:
+        """The per-bucket optimizers, in bucket order (decent-dp's attribute; supported).
+
+        Each is a real ``torch.optim.Optimizer`` (decentpy's fused ones, or what ``optim_fn``
+        returned): ``param_groups``, ``state_dict()`` and ``load_state_dict()`` work as usual. The
+        list is final after the first training iteration (which may regroup the buckets; state
+        loaded or edited before then is carried over).
+        """
+        return [b.optimizer for b in self._reducer.buckets]
+
+    @property
+    def _lr_schedulers(self) -> List[Optional[LRScheduler]]:
+        """The per-bucket LR schedulers (``None`` entries without ``lr_scheduler_fn``), bucket order."""
+        return [b.scheduler for b in self._reducer.buckets]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.training and torch.is_grad_enabled():
+        # The wrapped model's mode decides (as in decent-dp), so `ddp.module.eval()` works too.
+        if self._model.training and torch.is_grad_enabled():
             Join.notify_join_context(self)  # tells joined ranks to shadow this iteration
             self._reducer.prepare()
+        elif torch.is_grad_enabled():
+            self._reducer.leave_iteration()
         with torch.autograd.profiler.record_function("DecentralizedDataParallel.forward"):
             return self._model(*args, **kwargs)
 
@@ -308,12 +340,39 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         return math.sqrt(float(total) / self._world_size)
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:  # type: ignore[override]
+    # state_dict() is nn.Module's: the model's keys prefixed "_model." (as decent-dp's), so that
+    # evaluation code that strips the prefix loads it into a plain model.
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,  # type: ignore[override]
+                        assign: bool = False) -> Any:
+        """Load model weights: this wrapper's ``state_dict()`` (keys ``_model.*``), a plain model's,
+        or torch DDP's (``module.*``). Values are copied into the bucket storage in place.
+
+        A full training state from :meth:`training_state_dict` (or a checkpoint of decentpy <= 0.1,
+        whose ``state_dict()`` returned it) is passed on to :meth:`load_training_state_dict`.
+        """
+        if _is_training_state(state_dict):
+            logger.warning("load_state_dict() got a full decentpy training state; loading it with "
+                           "load_training_state_dict() (call that directly to resume training)")
+            return self.load_training_state_dict(state_dict, strict=strict)  # type: ignore[arg-type]
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the parameters that live in decentpy's "
+                             "buckets; load with assign=False (the default), which copies the values in place")
+        prefixed = _with_model_prefix(state_dict, list(nn.Module.state_dict(self, keep_vars=True)))
+        r = self._reducer
+        r.wait_all()  # a pair exchange may still be reading the parameter blocks
+        with torch.no_grad():
+            result = nn.Module.load_state_dict(self, prefixed, strict=strict)
+            for b in r.buckets:
+                b.gather_params()  # param_as_bucket_view=False: the blocks follow the parameters
+        return result
+
+    def training_state_dict(self) -> Dict[str, Any]:
         """Everything needed to resume this worker's exact trajectory.
 
         Model, per-bucket optimizer and scheduler states, the scaler, the step, the bucket
         layout, and the bucket exchange that is in flight (completed first). Each rank saves
-        its own.
+        its own; :meth:`load_training_state_dict` resumes bit for bit.
         """
         r = self._reducer
         r.wait_all()
@@ -337,11 +396,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:  # type: ignore[override]
-        """Resume from :meth:`state_dict` (this rank's own checkpoint). A collective."""
-        for key in ("model", "step", "buckets"):
-            if key not in state_dict:
-                raise KeyError(f"not a decentpy checkpoint: missing '{key}' (got keys {sorted(state_dict)})")
+    def load_training_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:
+        """Resume from :meth:`training_state_dict` (this rank's own checkpoint). A collective."""
+        if not _is_training_state(state_dict):
+            raise KeyError("not a decentpy training state (needs 'model', 'step' and 'buckets'; got keys "
+                           f"{sorted(state_dict)[:8]}); model weights alone load with load_state_dict()")
         if state_dict.get("world_size", self._world_size) != self._world_size:
             raise ValueError(f"checkpoint was saved with world size {state_dict['world_size']}, "
                              f"this run has {self._world_size}")
@@ -365,6 +424,26 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._scaler.load_state_dict(state_dict["scaler"])
         r.step = int(state_dict["step"])
         return result
+
+
+_MODEL_PREFIX = "_model."
+_TRAINING_STATE_KEYS = ("model", "step", "buckets")
+
+
+def _is_training_state(state_dict: Mapping[str, Any]) -> bool:
+    return all(k in state_dict for k in _TRAINING_STATE_KEYS)
+
+
+def _with_model_prefix(state_dict: Mapping[str, Any], expected: List[str]) -> Dict[str, Any]:
+    """The keys renamed to this wrapper's (``_model.*``) from any of the usual forms: the wrapper's
+    own, a plain model's (no prefix) or torch DDP's (``module.*``) -- whichever matches ``expected``
+    best (so a model that has a submodule called ``module`` is not mistaken for a DDP checkpoint)."""
+    def renamed(old: str, new: str) -> Dict[str, Any]:
+        return {new + k[len(old):] if k.startswith(old) else k: v for k, v in state_dict.items()}
+
+    want = set(expected)
+    candidates = [dict(state_dict), renamed("", _MODEL_PREFIX), renamed("module.", _MODEL_PREFIX)]
+    return max(candidates, key=lambda c: len(want.intersection(c)))  # first wins a tie
 
 
 class _GossipJoinHook(JoinHook):

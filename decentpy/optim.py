@@ -43,6 +43,8 @@ __all__ = [
     "optim_fn_accum_adam",
     "optim_fn_accum_adamw",
     "lr_scheduler_fn_cosine_with_warmup",
+    "accum_adam_foreach",
+    "accum_adamw_foreach",
 ]
 
 
@@ -69,6 +71,31 @@ def _flat_alias(t: Tensor) -> Tensor:
             f"fused optimizers need dense parameters; got sizes {tuple(t.shape)} strides {t.stride()}"
         )
     return t.as_strided((t.numel(),), (1,))
+
+
+def _step_one_tensor(kind: int, p: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: List[float],
+                     decoupled_weight_decay: bool, momentum_init: bool, accum_boundary: bool) -> None:
+    """One kernel pass over one parameter (no mixing): the standalone form of the fused update."""
+    if grad.is_sparse:
+        raise RuntimeError(f"fused optimizers do not support sparse gradients (parameter of shape {tuple(p.shape)})")
+    for st in states:
+        if st.dtype != torch.float32 or st.shape != p.shape:
+            raise ValueError(f"optimizer state must be float32 with the parameter's shape {tuple(p.shape)}; got "
+                             f"{st.dtype} {tuple(st.shape)}")
+    if grad.stride() != p.stride():
+        grad = torch.empty_like(p).copy_(grad)  # same memory order as p
+    segments = torch.tensor([[0, p.numel(), 0]], dtype=torch.int64, device=p.device)
+    _C.mix_and_step(kind, _flat_alias(p), _flat_alias(grad), [_flat_alias(st) for st in states], None, None,
+                    segments, [hyper], 1.0, 0.0, 1.0, 1.0, decoupled_weight_decay, momentum_init, accum_boundary,
+                    False)
+
+
+def _adam_hyper_row(lr: float, weight_decay: float, betas: Tuple[float, float], eps: float, bias_step: int,
+                    accum_iter: int = 1) -> List[float]:
+    """The kernel's hyperparameter row of Adam/AdamW/AccumAdam(W) for bias-correction step ``bias_step``."""
+    b1, b2 = betas
+    return [float(lr), float(weight_decay), 0.0, 0.0, 0.0, float(b1), float(b2), float(eps),
+            1.0 - b1 ** bias_step, math.sqrt(1.0 - b2 ** bias_step), 1.0 / float(accum_iter)]
 
 
 class FusedOptimizer(Optimizer):
@@ -137,17 +164,10 @@ class FusedOptimizer(Optimizer):
                 step_t = self._step_tensor(p)
                 step_t += 1
                 step = int(step_t.item())
-                states = [_flat_alias(self._state_tensor(p, n)) for n in self._uses_state_for(group)]
-                grad = p.grad
-                if grad.stride() != p.stride():
-                    grad = torch.empty_like(p).copy_(grad)  # same memory order as p
+                states = [self._state_tensor(p, n) for n in self._uses_state_for(group)]
                 momentum_init, accum_boundary = self._flags(step)
-                segments = torch.tensor([[0, p.numel(), 0]], dtype=torch.int64, device=p.device)
-                _C.mix_and_step(
-                    self.kind, _flat_alias(p), _flat_alias(grad), states, None, None, segments,
-                    [self._hyper_row(group, step)], 1.0, 0.0, 1.0, 1.0,
-                    self.decoupled_weight_decay, momentum_init, accum_boundary, False,
-                )
+                _step_one_tensor(self.kind, p, p.grad, states, self._hyper_row(group, step),
+                                 self.decoupled_weight_decay, momentum_init, accum_boundary)
         self._opt_called = True
         return loss
 
@@ -285,11 +305,8 @@ class Adam(FusedOptimizer):
         return step
 
     def _hyper_row(self, group: Dict[str, Any], step: int) -> List[float]:
-        b1, b2 = group["betas"]
-        k = self._bias_step(group, step)
-        return [self._check_lr(group), float(group["weight_decay"]), 0.0, 0.0, 0.0, float(b1), float(b2),
-                float(group["eps"]), 1.0 - b1 ** k, math.sqrt(1.0 - b2 ** k),
-                1.0 / float(group.get("accum_iter", 1))]
+        return _adam_hyper_row(self._check_lr(group), group["weight_decay"], group["betas"], group["eps"],
+                               self._bias_step(group, step), group.get("accum_iter", 1))
 
 
 class AdamW(Adam):
@@ -333,12 +350,16 @@ class AccumAdam(Adam):
 
 
 class AccumAdamW(AccumAdam):
-    """AccumAdam with decoupled weight decay."""
+    """AccumAdam with decoupled weight decay.
+
+    ``weight_decay`` defaults to 0, as decent-dp's ``AccumAdamW`` (not torch AdamW's 1e-2), so a
+    script relying on the default trains the same.
+    """
 
     decoupled_weight_decay = True
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, accum_iter: int = 4) -> None:
+                 eps: float = 1e-8, weight_decay: float = 0.0, accum_iter: int = 4) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, accum_iter=accum_iter)
 
 
@@ -367,10 +388,11 @@ def fuse_torch_optimizer(opt: Optimizer) -> Optimizer:
 
     Only exact equivalents are converted: options the kernel does not implement (amsgrad,
     maximize, capturable, differentiable, an optimizer that already has state, Adam with
-    ``decoupled_weight_decay``) keep the optimizer as it is, stepped by the generic path.
+    ``decoupled_weight_decay``, an instance given a ``pre_average_hook``) keep the optimizer as it
+    is, stepped by the generic path.
     """
     entry = _GROUP_KEYS.get(type(opt))  # exact type: subclasses may change the maths
-    if entry is None or len(opt.state) > 0:
+    if entry is None or len(opt.state) > 0 or hasattr(opt, "pre_average_hook"):
         return opt
     if any(p.dtype not in KERNEL_DTYPES for g in opt.param_groups for p in g["params"]):
         return opt  # e.g. float64: torch's own step keeps full precision
@@ -453,3 +475,45 @@ def lr_scheduler_fn_cosine_with_warmup(optimizer: Optimizer, t_max: int, t_warmu
     main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t_max, eta_min=cosine_eta_min)
     warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=warmup_decay, total_iters=t_warmup)
     return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers=[warm, main], milestones=[t_warmup])
+
+
+# -- decent-dp's functional forms ----------------------------------------------------------------
+
+def _accum_adam_foreach(decoupled: bool, params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                        exp_avg_sqs: List[Tensor], accum_grads: List[Tensor], state_steps: List[Tensor],
+                        beta1: float, beta2: float, lr: float | Tensor, weight_decay: float, eps: float,
+                        accum_iter: int) -> None:
+    if not params:
+        return
+    lengths = {len(params), len(grads), len(exp_avgs), len(exp_avg_sqs), len(accum_grads), len(state_steps)}
+    if len(lengths) != 1:
+        raise ValueError(f"params, grads and the state lists must have the same length, got lengths {sorted(lengths)}")
+    torch._foreach_add_(state_steps, 1)
+    step = int(state_steps[0].item())  # the reference reads the shared step once, too
+    lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+    row = _adam_hyper_row(lr, weight_decay, (beta1, beta2), eps, -(-step // int(accum_iter)), int(accum_iter))
+    for p, g, m, v, acc in zip(params, grads, exp_avgs, exp_avg_sqs, accum_grads):
+        _step_one_tensor(OptKind.ACCUM_ADAM, p, g, [m, v, acc], row, decoupled, False, step % int(accum_iter) == 0)
+
+
+@torch.no_grad()
+def accum_adam_foreach(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                       exp_avg_sqs: List[Tensor], accum_grads: List[Tensor], state_steps: List[Tensor],
+                       beta1: float, beta2: float, lr: float | Tensor, weight_decay: float, eps: float,
+                       accum_iter: int) -> None:
+    """decent-dp's functional AccumAdam step (same arguments), one fused kernel pass per tensor.
+
+    ``state_steps`` are incremented; states must be float32 (the kernel's state dtype).
+    """
+    _accum_adam_foreach(False, params, grads, exp_avgs, exp_avg_sqs, accum_grads, state_steps, beta1, beta2,
+                        lr, weight_decay, eps, accum_iter)
+
+
+@torch.no_grad()
+def accum_adamw_foreach(params: List[Tensor], grads: List[Tensor], exp_avgs: List[Tensor],
+                        exp_avg_sqs: List[Tensor], accum_grads: List[Tensor], state_steps: List[Tensor],
+                        beta1: float, beta2: float, lr: float | Tensor, weight_decay: float, eps: float,
+                        accum_iter: int) -> None:
+    """decent-dp's functional AccumAdamW step (decoupled weight decay), as :func:`accum_adam_foreach`."""
+    _accum_adam_foreach(True, params, grads, exp_avgs, exp_avg_sqs, accum_grads, state_steps, beta1, beta2,
+                        lr, weight_decay, eps, accum_iter)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,11 +26,12 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from . import _C
-from .bucket import Bucket, BucketPlan, check_optimizer, flatten_params, make_bucket
+from .bucket import Bucket, BucketPlan, carry_over_state, check_optimizer, flatten_params, make_bucket
 from .comm import TorchCommunicator, first_difference_across_ranks
 from .grad_scaling import BucketGradScaling
 from .host_memory import release_free_host_memory
 from .optim import KERNEL_DTYPES, OptKind, fuse_torch_optimizer
+from .topo import Edge
 from .topology import Group, Topology
 
 logger = logging.getLogger(__name__)
@@ -57,7 +58,8 @@ class GossipReducer:
     def __init__(self, params: List[Tensor], names: List[str], optim_fn: OptimFn,
                  scheduler_fn: Optional[SchedulerFn], topology: Topology, comm: TorchCommunicator,
                  grad_scaling: BucketGradScaling, bucket_cap_bytes: int, param_as_bucket_view: bool,
-                 timeout: datetime.timedelta) -> None:
+                 timeout: datetime.timedelta,
+                 hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], Edge]] = None) -> None:
         self.params = params
         self.names = names
         self.optim_fn = optim_fn
@@ -68,6 +70,7 @@ class GossipReducer:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.param_as_bucket_view = param_as_bucket_view
         self.timeout = timeout
+        self.hook_edges = hook_edges        # (ranks, weight) -> Edge, for optimizers' pre_average_hook
         self.rank = dist.get_rank()
 
         self.step = 0                       # iterations completed (schedule index of the next mix)
@@ -82,6 +85,7 @@ class GossipReducer:
         self._traced_seen: List[bool] = [False] * len(params)
         self._callback_queued = False
         self._prepared = False
+        self._outside_iteration = False    # the last forward was not a training one (eval mode)
         self._next_bucket = 0
         self.build_from_plan(BucketPlan.build(params, list(reversed(range(len(params)))), bucket_cap_bytes))
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
@@ -111,17 +115,26 @@ class GossipReducer:
                         f"new .data); move or cast the model before wrapping it, or before its first training "
                         f"iteration")
         self._prepared = True
+        self._outside_iteration = False
         self._next_bucket = 0
         self._trace = []
         self._traced_seen = [False] * len(self.params)
         for b in self.buckets:
             b.reset_iteration()
 
+    def leave_iteration(self) -> None:
+        """Called by a forward with gradients in eval mode: its backward (if any) is not an iteration."""
+        if not self._callback_queued:
+            self._prepared = False
+            self._outside_iteration = True
+
     @torch.no_grad()
     def _on_grad_ready(self, index: int) -> None:
         if self.accumulate or not self.enabled:
             return
         if not self._prepared:
+            if self._outside_iteration:
+                return  # backward of an eval-mode forward: gradients accumulate locally, as with torch DDP
             raise RuntimeError(self._twice_message(index))
         if not self._callback_queued:
             self._callback_queued = True
@@ -223,7 +236,12 @@ class GossipReducer:
         self._layout_final = True
 
     def build_from_plan(self, plan: BucketPlan) -> None:
-        self.buckets = []  # the old blocks go as each parameter moves to its new one
+        # Optimizer/scheduler state that the user loaded or edited before the layout was final
+        # (through ddp._optims / _lr_schedulers) moves to the new buckets; otherwise the old blocks go
+        # as each parameter moves to its new one.
+        carry = [b for b in self.buckets if b.modified_by_user()]
+        old = self.buckets if carry else []
+        self.buckets = []
         had_grads = any(p.grad is not None for p in self.params)  # a rebuild, not construction
         # Stage 1, every bucket: parameters into their blocks, then the old storage goes back to
         # the OS before the other blocks are placed (peak: one extra copy of the parameters).
@@ -236,8 +254,14 @@ class GossipReducer:
             names = [self.names[i] for i in indices]
             opt = self.optim_fn(list(zip(names, flat.params)))
             check_optimizer(opt, flat.params, names, f"for bucket {bi}")
+            if hasattr(opt, "pre_average_hook") and self.hook_edges is None:
+                raise ValueError(
+                    f"optim_fn returned an optimizer with pre_average_hook for bucket {bi} but not for the whole "
+                    "model at construction; it must return the same kind of optimizer every time")
             opt = fuse_torch_optimizer(opt)
             sched = self.scheduler_fn(opt) if self.scheduler_fn is not None else None
+            if old:
+                carry_over_state(old, opt, sched)
             bucket = make_bucket(bi, flat, names, opt, sched)
             if bucket.fused:
                 # Allocated now, next to the bucket's blocks, rather than in the middle of the first
@@ -249,6 +273,7 @@ class GossipReducer:
                 self._bucket_of[i] = bi
                 self._slot_of[i] = slot
             self.buckets.append(bucket)
+        del old, carry
         if on_cpu and had_grads:
             release_free_host_memory()  # the gradients' former storage
 
@@ -284,6 +309,7 @@ class GossipReducer:
             if not b.comm_valid:
                 raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {k}")
             comm = b.comm
+            self._pre_average_hook(b, group)
             a, c = mix_coefficients(group)
             f = self.adaptive_factor
             a, c = (1.0 - f) + f * a, f * c
@@ -337,6 +363,16 @@ class GossipReducer:
         b.skip_mix = False
         if len(nxt.ranks) > 1:
             b.work = self.comm.launch(b.index, nxt, b.param_block, b.comm)
+
+    def _pre_average_hook(self, b: Bucket, group: Group) -> None:
+        """decent-dp's extension point: ``optimizer.pre_average_hook(edge, weight)`` right before the
+        bucket mixes with ``group`` (after its exchange completed, before the optimizer step)."""
+        hook = getattr(b.optimizer, "pre_average_hook", None)
+        if hook is None:
+            return
+        assert self.hook_edges is not None  # build_from_plan refuses such optimizers otherwise
+        edge = self.hook_edges[(group.ranks, group.weight)]
+        hook(edge, edge.weight)
 
     @torch.no_grad()
     def shadow_iteration(self) -> None:

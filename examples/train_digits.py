@@ -21,6 +21,7 @@ import argparse
 import functools
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -33,6 +34,7 @@ from torch import Tensor, nn
 import decentpy
 import decentpy.optim as dopt
 from decentpy import DecentralizedDataParallel as DDP
+from decentpy.utils import initialize_dist
 
 log = logging.getLogger("train_digits")
 
@@ -114,7 +116,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="workers per node as seen by the topology (torchrun --standalone would say all of them; "
         "alternating-exp-ring needs >= 2 per node and a power-of-two number of nodes)",
     )
-    p.add_argument("--backend", default="gloo")
+    p.add_argument("--backend", default=None,
+                   help="process-group backend (default: nccl when GPUs are visible, else gloo)")
+    p.add_argument("--save", default=None, metavar="DIR",
+                   help="write each rank's training state (DIR/<topology>/train_state_rank<r>.pt, resumable with "
+                        "load_training_state_dict) and the averaged model (DIR/<topology>/model.pt), then check that "
+                        "the model file loads into a plain SmallCNN with the same test accuracy")
     return p.parse_args(argv)
 
 
@@ -241,8 +248,16 @@ def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult
                 time.perf_counter() - te,
             )  # fmt: skip
 
+    if args.save:
+        out_dir = os.path.join(args.save, topology)
+        os.makedirs(out_dir, exist_ok=True)
+        # Each worker's own trajectory: model, per-bucket optimizer/scheduler state, step, layout and
+        # the exchange in flight (resume with ddp.load_training_state_dict(torch.load(...))).
+        torch.save(ddp.training_state_dict(), os.path.join(out_dir, f"train_state_rank{rank}.pt"))
     ddp.global_avg()  # every worker now holds the exact average of all models
     acc = evaluate(ddp, data.x_test, data.y_test)
+    if args.save and rank == 0:
+        save_and_check_model(ddp, os.path.join(args.save, topology, "model.pt"), data, acc)
     dist.barrier()
     wall = time.perf_counter() - t0 - setup_s
 
@@ -260,12 +275,27 @@ def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult
     return RunResult(topology, acc, setup_s, wall, loss_sum / max(count, 1.0), cons)
 
 
+def save_and_check_model(ddp: DDP, path: str, data: Data, acc: float) -> None:
+    """Save the averaged model as the wrapper's ``state_dict()`` (keys ``_model.*``) and load it the
+    way evaluation code does: into a plain model, prefix stripped, strictly."""
+    torch.save(ddp.state_dict(), path)
+    state = torch.load(path)
+    plain = SmallCNN()
+    plain.load_state_dict({k.removeprefix("_model."): v for k, v in state.items()})
+    plain.eval()
+    with torch.no_grad():
+        plain_acc = int((plain(data.x_test).argmax(1) == data.y_test).sum()) / len(data.y_test)
+    log.info("saved the averaged model to %s; loaded into a plain SmallCNN: test acc %.4f (wrapper: %.4f)",
+             path, plain_acc, acc)
+    if abs(plain_acc - acc) > 1e-12:
+        raise RuntimeError(f"the saved model evaluates to {plain_acc}, the wrapper to {acc}")
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Parse options, set up the process group, train (and optionally compare), shut down."""
     args = parse_args(argv)
     torch.set_num_threads(1)  # several workers share few cores
-    dist.init_process_group(backend=args.backend)
-    rank = dist.get_rank()
+    rank, _ = initialize_dist(backend=args.backend)  # torchrun's environment; nccl on GPUs, else gloo
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format="%(asctime)s %(message)s",
@@ -274,7 +304,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     try:
         if rank == 0:
             log.info("decentpy %s, torch %s, world size %d, backend %s", decentpy.__version__,
-                     torch.__version__, dist.get_world_size(), args.backend)  # fmt: skip
+                     torch.__version__, dist.get_world_size(), dist.get_backend())  # fmt: skip
         data = load_data(args.seed)
         results = [train_once(args, data, args.topology)]
         if args.compare and args.compare.lower() != "none":

@@ -40,6 +40,9 @@ def construct_worker(rank: int, world: int, case: str) -> str:
         optim_fn = lambda named: torch.optim.SGD([named[0][1]], lr=0.1)  # noqa: E731
     elif case == "fused_float64":
         model = model.double()  # decentpy's fused optimizers step fp32/bf16/fp16 only
+    elif case == "hook_on_one_rank":  # the hook's process groups are created collectively
+        optim_fn = lambda named: (_HookedSGD if rank == 1 else torch.optim.SGD)(  # noqa: E731
+            [p for _, p in named], lr=0.1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
         DecentralizedDataParallel(model, optim_fn, **kwargs)
@@ -63,7 +66,13 @@ CASES = {
     "optim_wrong_params": (2, ["optim_fn", "not given"]),
     "optim_missing_params": (2, ["optim_fn", "leaves out", "0.bias"]),
     "fused_float64": (2, ["Adam", "torch.float64", "torch.optim.AdamW"]),
+    "hook_on_one_rank": (2, ["without pre_average_hook on rank 0", "with one on rank 1"]),
 }
+
+
+class _HookedSGD(torch.optim.SGD):
+    def pre_average_hook(self, edge, weight) -> None:  # decent-dp's extension point
+        pass
 
 
 def construct_all_worker(rank: int, world: int, cases: list) -> dict:

@@ -78,6 +78,14 @@ def construction_worker(rank: int, world: int) -> dict:
         "order": [ids[id(p)] for b in ddp._reducer.buckets for p in b.params],
         "lr": ddp.get_lr(),
     }
+    # A backward after an eval-mode forward (of the inner model) is no iteration: gradients only
+    # accumulate, as with torch DDP; zero_grad() then discards them and training is unaffected.
+    model.eval()
+    x, y = batch(rank, 0)
+    loss_fn(ddp(x), y).backward()
+    out["eval_backward"] = (ddp.step_count, all(p.grad is not None for p in model.parameters()))
+    ddp.zero_grad()
+    model.train()
     for k in range(STEPS):
         x, y = batch(rank, k)
         loss_fn(ddp(x), y).backward()
@@ -96,6 +104,7 @@ def test_parameters_live_in_buckets_from_construction() -> None:
         assert r["grads_none"], "wrapping gave parameters a gradient before the first backward"
         assert all(r["in_blocks"]) and all(r["in_blocks_after"]), "a parameter or gradient left its bucket"
         assert r["grads_are_views"]
+        assert r["eval_backward"] == (0, True), "an eval-mode backward stepped or lost its gradients"
         # construction layout: reverse registration order, the order torch's autograd produces here
         assert r["order"] == list(reversed(registration))
         assert r["lr"] == pytest.approx(0.01)
@@ -119,7 +128,7 @@ def reorder_worker(rank: int, world: int, path: str) -> dict:
              for p in ddp.module.parameters()]
     for k in range(STEPS):
         if k == 2:
-            torch.save(ddp.state_dict(), f"{path}/ckpt{rank}.pt")
+            torch.save(ddp.training_state_dict(), f"{path}/ckpt{rank}.pt")
         x, y = batch(rank, k)
         loss_fn(ddp(x), y).backward()
         if k == 0:
@@ -128,8 +137,23 @@ def reorder_worker(rank: int, world: int, path: str) -> dict:
     ddp.consensus_distance()
     final = [[names[id(p)] for p in b.params] for b in ddp._reducer.buckets]
 
+    # Hyperparameters edited through decent-dp's `_optims` before the first iteration survive the
+    # rebuild: with lr 0 the (equal) workers only mix, so nothing moves.
+    edited = make()
+    before = _as_mlp_names(edited.module)
+    for opt in edited._optims:
+        for group in opt.param_groups:
+            group["lr"] = 0.0
+    edited_construction = [len(b.params) for b in edited._reducer.buckets]
+    for k in range(2):
+        x, y = batch(rank, k)
+        loss_fn(edited(x), y).backward()
+    edited_out = {"rebuilt": [len(b.params) for b in edited._reducer.buckets] != edited_construction,
+                  "lrs": [g["lr"] for o in edited._optims for g in o.param_groups],
+                  "unchanged": all(torch.equal(before[n], p) for n, p in _as_mlp_names(edited.module).items())}
+
     resumed = make()  # construction layout again; the checkpoint carries the rebuilt one
-    resumed.load_state_dict(torch.load(f"{path}/ckpt{rank}.pt", weights_only=False))
+    resumed.load_training_state_dict(torch.load(f"{path}/ckpt{rank}.pt", weights_only=False))
     rnames = {id(p): n for n, p in resumed.module.named_parameters()}
     loaded = [[rnames[id(p)] for p in b.params] for b in resumed._reducer.buckets]
     for k in range(2, STEPS):
@@ -138,7 +162,7 @@ def reorder_worker(rank: int, world: int, path: str) -> dict:
     resumed.consensus_distance()
     return {"construction": construction, "final": final, "loaded": loaded, "ready": ready,
             "params": _as_mlp_names(ddp.module), "resumed": _as_mlp_names(resumed.module),
-            "in_blocks": _storage_of_blocks(ddp) + _storage_of_blocks(resumed)}
+            "in_blocks": _storage_of_blocks(ddp) + _storage_of_blocks(resumed), "edited": edited_out}
 
 
 def test_buckets_rebuilt_in_gradient_ready_order() -> None:
@@ -153,6 +177,8 @@ def test_buckets_rebuilt_in_gradient_ready_order() -> None:
         for earlier, later in zip(r["final"], r["final"][1:]):
             assert max(pos[n] for n in earlier) < min(pos[n] for n in later)
         assert r["loaded"] == r["final"], "a checkpoint did not restore its bucket layout"
+        assert r["edited"]["rebuilt"] and r["edited"]["lrs"] and set(r["edited"]["lrs"]) == {0.0}
+        assert r["edited"]["unchanged"], "an lr edited through _optims was lost when the buckets were rebuilt"
         assert all(r["in_blocks"])
         for n in r["params"]:
             assert torch.equal(r["params"][n], r["resumed"][n]), f"resumed run diverged at '{n}'"

@@ -106,17 +106,39 @@ def checkpoint_worker(rank: int, world: int, path: str, topo: str, opt: str) -> 
         x, y = batch(rank, k)
         loss_fn(ddp(x), y).backward()
         if k == 3:
-            torch.save(ddp.state_dict(), f"{path}/ckpt{rank}.pt")
+            torch.save(ddp.training_state_dict(), f"{path}/ckpt{rank}.pt")
     ddp.consensus_distance()
     straight = _params(ddp.module)
 
+    # state_dict() is nn.Module's (keys "_model.*", as decent-dp's): evaluation code strips the prefix
+    # and loads it into a plain model; load_state_dict takes that, a plain model's and DDP's keys.
+    sd = ddp.state_dict()
+    plain = make_mlp(3)
+    plain.load_state_dict({k[len("_model."):]: v for k, v in sd.items()})
+    weights = {"keys": list(sd), "plain_keys": [f"_model.{k}" for k in plain.state_dict()],
+               "plain": _params(plain)}
+    for form, sd_in in (("wrapper", sd), ("plain", plain.state_dict()),
+                        ("ddp", {f"module.{k}": v for k, v in plain.state_dict().items()})):
+        other = make()
+        other.load_state_dict(sd_in)
+        weights[form] = _params(other.module)
+    with pytest.raises(ValueError, match="assign"):
+        other.load_state_dict(sd, assign=True)
+    copies = DecentralizedDataParallel(make_mlp(5), decentpy_optim_fn(opt), topology=topo, local_world_size=2,
+                                       param_as_bucket_view=False)
+    copies.load_state_dict(sd)  # parameters with storage of their own: the bucket blocks follow
+    weights["copies"] = _params(copies.module)
+    weights["copies_blocks"] = all(torch.equal(v, p) for b in copies._reducer.buckets
+                                   for v, p in zip(b.param_views, b.params))
+
     resumed = make()  # different random init on ranks != 0 before loading
-    resumed.load_state_dict(torch.load(f"{path}/ckpt{rank}.pt", weights_only=False))
+    resumed.load_training_state_dict(torch.load(f"{path}/ckpt{rank}.pt", weights_only=False))
     for k in range(4, 8):
         x, y = batch(rank, k)
         loss_fn(resumed(x), y).backward()
     resumed.consensus_distance()
-    return {"straight": straight, "resumed": _params(resumed.module), "lr": resumed.get_lr(), "lr0": ddp.get_lr()}
+    return {"straight": straight, "resumed": _params(resumed.module), "lr": resumed.get_lr(), "lr0": ddp.get_lr(),
+            "weights": weights}
 
 
 @pytest.mark.parametrize("topo,opt", [("ring", "accum_adam"), ("alternating-exp-ring", "sgd")])
@@ -127,6 +149,12 @@ def test_checkpoint_resume_continues_identical_trajectory(topo: str, opt: str) -
         for n in r["straight"]:
             assert torch.equal(r["straight"][n], r["resumed"][n]), f"resumed run diverged at '{n}'"
         assert r["lr"] == r["lr0"]
+        w = r["weights"]
+        assert w["keys"] == w["plain_keys"], "state_dict() keys are not the model's, prefixed '_model.'"
+        assert w["copies_blocks"], "param_as_bucket_view=False: the bucket blocks missed the loaded weights"
+        for form in ("plain", "wrapper", "ddp", "copies"):
+            for n in r["straight"]:
+                assert torch.equal(w[form][n], r["straight"][n]), f"{form}: weight '{n}' did not load"
 
 
 # --- gradient accumulation, channels_last, bf16, param_as_bucket_view=False -------------------------
