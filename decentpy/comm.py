@@ -73,6 +73,15 @@ class TorchCommunicator:
                 self._subgroups[group.ranks] = dist.new_group(list(group.ranks))
         logger.debug("rank %d: %d sub-groups", self.rank, len(self._subgroups))
 
+    def close(self) -> None:
+        """Destroy the sub-groups this communicator created (the default group stays)."""
+        groups = [g for g in self._subgroups.values() if g is not None]
+        if self._p2p_group is not None:
+            groups.append(self._p2p_group)
+        self._subgroups, self._p2p_group = {}, None
+        for g in groups:
+            dist.destroy_process_group(g)
+
     def launch(self, bucket: int, group: Group, send: Tensor, recv: Tensor) -> Optional[Exchange]:
         """Start the exchange of ``bucket`` within ``group``.
 

@@ -145,6 +145,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._reducer = GossipReducer(
             self._params, self._param_names, optim_fn, lr_scheduler_fn, self._topology, self._comm,
             self._grad_scaling, self._bucket_size, self._param_as_bucket_view, self._timeout, edges)
+        self._closed = False
         self._backups: List[Tensor] = []
         self._skip_mix_before_avg: List[bool] = []
         self._adaptive_factor = 1.0
@@ -212,7 +213,35 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         """The per-bucket LR schedulers (``None`` entries without ``lr_scheduler_fn``), bucket order."""
         return [b.scheduler for b in self._reducer.buckets]
 
+    def wait(self) -> None:
+        """Finish every exchange in flight (e.g. before timing, or before reading the buffers)."""
+        self._reducer.wait_all()
+
+    def close(self) -> None:
+        """Finish the exchanges in flight, remove the autograd hooks and release decentpy's process
+        groups / communicators. The model keeps its (trained) parameters; the wrapper cannot train
+        any more. Idempotent; also called by ``with DecentralizedDataParallel(...) as ddp:``."""
+        if self._closed:
+            return
+        self._reducer.wait_all()
+        self._reducer.remove_hooks()
+        groups = [e.group for e in (self._reducer.hook_edges or {}).values()]
+        for g in dict.fromkeys(g for g in groups if g is not None):
+            dist.destroy_process_group(g)
+        self._reducer.hook_edges = None
+        self._comm.close()
+        self._closed = True
+
+    def __enter__(self) -> "DecentralizedDataParallel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._closed:
+            raise RuntimeError("this DecentralizedDataParallel was closed; wrap the model again to keep training "
+                               "(ddp.module still holds it)")
         # The wrapped model's mode decides (as in decent-dp), so `ddp.module.eval()` works too.
         if self._model.training and torch.is_grad_enabled():
             Join.notify_join_context(self)  # tells joined ranks to shadow this iteration

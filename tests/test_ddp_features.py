@@ -124,12 +124,17 @@ def checkpoint_worker(rank: int, world: int, path: str, topo: str, opt: str) -> 
         weights[form] = _params(other.module)
     with pytest.raises(ValueError, match="assign"):
         other.load_state_dict(sd, assign=True)
-    copies = DecentralizedDataParallel(make_mlp(5), decentpy_optim_fn(opt), topology=topo, local_world_size=2,
-                                       param_as_bucket_view=False)
-    copies.load_state_dict(sd)  # parameters with storage of their own: the bucket blocks follow
-    weights["copies"] = _params(copies.module)
-    weights["copies_blocks"] = all(torch.equal(v, p) for b in copies._reducer.buckets
-                                   for v, p in zip(b.param_views, b.params))
+    with DecentralizedDataParallel(make_mlp(5), decentpy_optim_fn(opt), topology=topo, local_world_size=2,
+                                   param_as_bucket_view=False) as copies:
+        copies.load_state_dict(sd)  # parameters with storage of their own: the bucket blocks follow
+        weights["copies"] = _params(copies.module)
+        weights["copies_blocks"] = all(torch.equal(v, p) for b in copies._reducer.buckets
+                                       for v, p in zip(b.param_views, b.params))
+        x, y = batch(rank, 0)
+        loss_fn(copies(x), y).backward()
+    with pytest.raises(RuntimeError, match="closed"):
+        copies(x)  # closed by the with block: hooks removed, groups released
+    copies.close()  # idempotent
 
     resumed = make()  # different random init on ranks != 0 before loading
     resumed.load_training_state_dict(torch.load(f"{path}/ckpt{rank}.pt", weights_only=False))
