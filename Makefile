@@ -5,6 +5,7 @@
 #   make bench   kernel microbenchmarks
 #   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...)
 #   make bench-convergence  fixed-budget accuracy of each topology x optimizer vs DDP on digits
+#   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
 #   make wheel   build a wheel into dist/ (e.g. decentpy-0.1.0+cu130.torch213.sm80.sm90-...whl);
 #                honours DECENTPY_CUDA_ARCHS, CUDA_HOME, DECENTPY_NO_CUDA (docs/wheels.md)
@@ -32,13 +33,14 @@ CMAKE   := $(shell command -v cmake 2>/dev/null)
 CMAKE_BUILD_DIR := build/cmake
 
 DEPS_STAMP  := $(VENV)/.deps-stamp
+BENCH_DEPS_STAMP := $(VENV)/.bench-deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 EXT_INPUTS  := $(shell find csrc -type f 2>/dev/null) $(wildcard setup.py pyproject.toml)
 
 .PHONY: build deps wheel train test ctest pytest bench clean distclean
 
-build: $(BUILD_STAMP)
-deps: $(DEPS_STAMP)
+build: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
+deps: $(DEPS_STAMP) $(BENCH_DEPS_STAMP)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +57,12 @@ $(DEPS_STAMP): | $(PY)
 	fi
 	$(PIP) install $(PIP_Q) numpy pytest scikit-learn ninja pybind11 setuptools wheel
 	$(PIP) install $(PIP_Q) --no-deps "decent-dp==$(DECENT_DP_VERSION)" loguru
+	@touch $@
+
+# scipy is for the bench only (the runtime model's calibration, bench/runtime_fit.py), which the
+# tests import. Its own stamp: a venv made before it gets scipy without rebuilding the extension.
+$(BENCH_DEPS_STAMP): $(DEPS_STAMP)
+	$(PIP) install $(PIP_Q) scipy
 	@touch $@
 
 # --no-build-isolation: build against the torch installed above, never a freshly pulled one.
@@ -76,7 +84,7 @@ train: $(BUILD_STAMP)
 
 test: ctest pytest
 
-pytest: $(BUILD_STAMP)
+pytest: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 	$(PY) -m pytest -q tests
 
 ctest: $(BUILD_STAMP)
@@ -96,14 +104,18 @@ endif
 bench: $(BUILD_STAMP)
 	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
 
-# matplotlib is installed for the benchmark plots only (decent-dp comes with `make deps`).
-.PHONY: bench-train bench-convergence
+# matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
+.PHONY: bench-train bench-convergence runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py $(BENCH_ARGS)
 
 bench-convergence: $(BUILD_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_convergence.py $(BENCH_ARGS)
+
+runtime-model: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
+	$(PIP) install $(PIP_Q) matplotlib
+	$(PY) bench/runtime_model.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache bench/out $(BUILD_STAMP)

@@ -1,8 +1,8 @@
 """Smoke test of bench/bench_train.py in its quickest mode (2 workers, MLP, a few steps).
 
-Checks that the benchmark runs end to end and writes a CSV that bench/runtime_model.py can read
-(the calibration columns, positive times). decent-dp is optional: its part is skipped, with the
-reason, when ``import decent_dp`` fails.
+Checks that the benchmark runs end to end and writes a CSV that the runtime model's calibration
+(bench/runtime_fit.py) can read (the calibration columns, positive times). decent-dp is optional:
+its part is skipped, with the reason, when ``import decent_dp`` fails.
 """
 
 from __future__ import annotations
@@ -76,13 +76,13 @@ def test_bench_train_quick_decentpy_and_floor(bench_rows: tuple) -> None:
     assert float(by["local"]["bytes_per_step"]) == 0.0
     assert float(by["decentpy"]["ratio_vs_floor"]) > 0
 
-    # the CSV is what bench/runtime_model.py calibrates from
+    # the CSV is what the runtime model calibrates from (bench/runtime_fit.py)
     sys.path.insert(0, str(ROOT / "bench"))
     try:
-        import runtime_model
+        import runtime_fit
     finally:
         sys.path.pop(0)
-    ms = runtime_model.load_measurements(out / "bench_train.csv")
+    ms = runtime_fit.load_measurements(out / "bench_train.csv")
     assert ("decentpy", "ring", 2) in [(m.framework, m.topology, m.workers) for m in ms]
 
 

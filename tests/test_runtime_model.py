@@ -1,6 +1,6 @@
-"""Fast unit tests of bench/runtime_model.py (the analytic runtime model)."""
+"""Fast unit tests of the analytic runtime model: bench/runtime_model.py (the model),
+bench/runtime_fit.py (calibration) and bench/runtime_cli.py (the command line)."""
 
-import importlib.util
 import math
 import sys
 from dataclasses import replace
@@ -9,19 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import decentpy.topology as topology
+
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def _load(name, path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rm = _load("_runtime_model_under_test", ROOT / "bench" / "runtime_model.py")
-topology = rm._topology_module()
+# bench/ is not a package: its modules import each other by their plain names, as scripts do.
+sys.path.insert(0, str(ROOT / "bench"))
+try:
+    import runtime_cli as cli
+    import runtime_fit as fit
+    import runtime_model as rm
+finally:
+    sys.path.remove(str(ROOT / "bench"))
 
 GB = 1e9
 INF_HW = rm.Hardware(intra_bw=math.inf, inter_bw=math.inf, intra_lat=0.0, inter_lat=0.0,
@@ -240,8 +239,8 @@ def _synthetic(truth, noise, seed=0):
         for fw, topo, local in methods:
             for model, nbytes in (("tiny", 4e4), ("small", 2e6), ("big", 2e7)):
                 for compute in (0.003, 0.03):
-                    m = rm.Measurement(fw, topo, workers, model, 1.0, nbytes, compute, local)
-                    t = rm.predict(m, truth) * float(np.exp(rng.normal(0.0, noise)))
+                    m = fit.Measurement(fw, topo, workers, model, 1.0, nbytes, compute, local)
+                    t = fit.predict(m, truth) * float(np.exp(rng.normal(0.0, noise)))
                     out.append(replace(m, step_time_s=t))
     return out
 
@@ -250,7 +249,7 @@ def test_calibration_recovers_known_parameters():
     truth = rm.Hardware(intra_bw=1.5 * GB, inter_bw=1.5 * GB, intra_lat=150e-6,
                         inter_lat=150e-6, mem_bw=4 * GB, overlap=0.6)
     ms = _synthetic(truth, noise=0.02)
-    res = rm.calibrate(ms, restarts=2)
+    res = fit.calibrate(ms, restarts=2)
     h = res.hardware
     assert h.intra_bw == pytest.approx(truth.intra_bw, rel=0.15)
     assert h.intra_lat == pytest.approx(truth.intra_lat, rel=0.3)
@@ -263,7 +262,7 @@ def test_calibration_recovers_known_parameters():
 def test_calibration_exact_without_noise():
     truth = rm.Hardware(intra_bw=0.8 * GB, inter_bw=0.8 * GB, intra_lat=60e-6, inter_lat=60e-6,
                         mem_bw=8 * GB, overlap=0.9)
-    res = rm.calibrate(_synthetic(truth, noise=0.0), restarts=2)
+    res = fit.calibrate(_synthetic(truth, noise=0.0), restarts=2)
     assert res.median_abs_error < 1e-3
     assert res.hardware.intra_bw == pytest.approx(truth.intra_bw, rel=0.02)
 
@@ -283,13 +282,13 @@ def test_load_measurements_and_cli(tmp_path, capsys):
                      f"{m.compute_time_s}\n")
         fh.write("decentpy,not-a-topology,4,x,0.1,1000,0.01\n")  # skipped
         fh.write("decentpy,ring,4,x,,1000,0.01\n")  # skipped
-    loaded = rm.load_measurements(path)
+    loaded = fit.load_measurements(path)
     assert len(loaded) == sum(m.topology != "alternating-exp-ring" for m in ms)
     assert {m.topology for m in loaded} == {"allreduce", "complete", "ring", "one-peer-exp"}
     assert all(m.local == m.workers for m in loaded)
 
     out = tmp_path / "out"
-    assert rm.main(["--max-n", "64", "--calibrate", str(path), "--out", str(out)]) == 0
+    assert cli.main(["--max-n", "64", "--calibrate", str(path), "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "median |relative error|" in text
     assert "Published comparison" in text
@@ -297,7 +296,7 @@ def test_load_measurements_and_cli(tmp_path, capsys):
     assert (out / "runtime_model_published.csv").is_file()
     assert (out / "runtime_model.png").is_file() or (out / "runtime_model.svg").is_file()
 
-    assert rm.main(["--max-n", "32", "--calibrate", str(tmp_path / "missing.csv"),
+    assert cli.main(["--max-n", "32", "--calibrate", str(tmp_path / "missing.csv"),
                     "--out", str(out)]) == 0
     assert "calibration skipped" in capsys.readouterr().out
 
@@ -306,15 +305,15 @@ def test_load_measurements_rejects_missing_columns(tmp_path):
     path = tmp_path / "bad.csv"
     path.write_text("framework,workers\nddp,4\n")
     with pytest.raises(ValueError, match="missing column"):
-        rm.load_measurements(path)
+        fit.load_measurements(path)
 
 
 def test_vectorised_predictor_matches_predict():
     hw = rm.Hardware(intra_bw=2 * GB, inter_bw=2 * GB, intra_lat=80e-6, inter_lat=80e-6,
                      mem_bw=6 * GB, overlap=0.5)
     ms = _synthetic(hw, noise=0.0)
-    ms.append(rm.Measurement("decentpy", "ring", 1, "solo", 1.0, 1e6, 0.01, 1))
-    ms.append(rm.Measurement("torch-ddp", "allreduce", 1, "solo", 1.0, 1e6, 0.01, 1))
-    fast = rm._TiedPredictor(ms, rm.Workload(0.0, 0.0))(hw)
-    slow = np.array([rm.predict(m, hw) for m in ms])
+    ms.append(fit.Measurement("decentpy", "ring", 1, "solo", 1.0, 1e6, 0.01, 1))
+    ms.append(fit.Measurement("torch-ddp", "allreduce", 1, "solo", 1.0, 1e6, 0.01, 1))
+    fast = fit._TiedPredictor(ms, rm.Workload(0.0, 0.0))(hw)
+    slow = np.array([fit.predict(m, hw) for m in ms])
     np.testing.assert_allclose(fast, slow, rtol=1e-12)

@@ -1,0 +1,83 @@
+"""Plots of the runtime model's predictions (matplotlib when installed, else a plain SVG).
+
+The model is ``runtime_model.py``; this module only draws what it predicts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Dict, List, Optional
+
+__all__ = ["SHORT", "plot_iteration_times"]
+
+# Short labels of the methods, for plot legends and table headers.
+SHORT: Dict[str, str] = {
+    "allreduce": "DDP-AR",
+    "complete": "complete",
+    "ring": "ring",
+    "one-peer-exp": "1peer-exp",
+    "alternating-exp-ring": "AER",
+}
+
+
+def plot_iteration_times(path_png: Path, ns: List[int], series: Dict[str, List[Optional[float]]],
+                         title: str) -> Path:
+    """Predicted iteration time against n per method; a PNG with matplotlib, else an SVG (the
+    model needs no plotting library). Returns the path written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return _plot_svg(path_png.with_suffix(".svg"), ns, series, title)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D")]
+    for i, (name, ys) in enumerate(series.items()):
+        pts = [(n, y * 1e3) for n, y in zip(ns, ys) if y is not None]
+        if pts:
+            ls, mk = styles[i % len(styles)]
+            ax.plot(*zip(*pts), linestyle=ls, marker=mk, ms=4, lw=1.5, alpha=0.85,
+                    label=SHORT.get(name, name))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("workers n")
+    ax.set_ylabel("predicted iteration time (ms)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)
+    return path_png
+
+
+def _plot_svg(path: Path, ns: List[int], series: Dict[str, List[Optional[float]]], title: str
+              ) -> Path:
+    """The same plot as plain SVG, so a machine without matplotlib still gets a picture."""
+    w, h, pad = 720, 420, 60
+    xs = [math.log2(n) for n in ns]
+    ys = [y * 1e3 for v in series.values() for y in v if y is not None]
+    x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
+    y0, y1 = 0.0, max(ys) * 1.05 if ys else 1.0
+    sx = lambda x: pad + (x - x0) / (x1 - x0) * (w - 2 * pad)  # noqa: E731
+    sy = lambda y: h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad)  # noqa: E731
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}">',
+             f'<rect width="{w}" height="{h}" fill="white"/>',
+             f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="12">{title}</text>',
+             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>']
+    for n, x in zip(ns, xs):
+        parts.append(f'<text x="{sx(x)}" y="{h - pad + 15}" font-size="10" '
+                     f'text-anchor="middle">{n}</text>')
+    parts.append(f'<text x="10" y="{pad - 8}" font-size="10">{y1:.0f} ms</text>')
+    for i, (name, vals) in enumerate(series.items()):
+        pts = " ".join(f"{sx(x):.1f},{sy(y * 1e3):.1f}" for x, y in zip(xs, vals) if y is not None)
+        c = colors[i % len(colors)]
+        parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
+        parts.append(f'<text x="{w - pad + 5}" y="{pad + 14 * i}" font-size="10" fill="{c}">'
+                     f'{SHORT.get(name, name)}</text>')
+    parts.append("</svg>")
+    path.write_text("\n".join(parts))
+    return path
