@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import ctypes
 import gc
 import math
 import os
@@ -244,11 +243,11 @@ def _reset_hwm() -> bool:
 
 
 def _trim() -> None:
+    """Free dead objects and return free heap pages to the OS, so RSS counts live memory only."""
+    from decentpy.host_memory import release_free_host_memory
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    release_free_host_memory()
 
 
 class Runner:
@@ -311,9 +310,10 @@ class Runner:
 
     def finish(self) -> None:
         """Complete in-flight exchanges before the configuration is dropped."""
-        reducer = getattr(self.net, "_reducer", None)  # decentpy
-        if reducer is not None:
-            reducer.wait_all()
+        from decentpy import DecentralizedDataParallel
+
+        if isinstance(self.net, DecentralizedDataParallel):  # decent-dp's wrapper has no wait()
+            self.net.wait()
 
     def after_warmup(self) -> None:
         hwm = _hwm_bytes() if self.hwm_ok else None
