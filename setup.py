@@ -126,7 +126,9 @@ cpp_sources = sorted(
 )
 
 debug = env_flag("DECENTPY_DEBUG")
-cxx_flags = ["-O0" if debug else "-O3", "-fopenmp", "-Wno-psabi", "-Wno-maybe-uninitialized"]
+# -fvisibility=hidden: only PyInit__C is exported (pybind11's recommendation; its own types are
+# hidden, and bound types of default visibility would warn).
+cxx_flags = ["-O0" if debug else "-O3", "-fopenmp", "-Wno-psabi", "-Wno-maybe-uninitialized", "-fvisibility=hidden"]
 # Python's CFLAGS carry -g: no debug info unless asked (smaller .so, faster builds).
 cxx_flags.append("-g" if debug else "-g0")
 cpu_arch = os.environ.get("DECENTPY_CPU_ARCH", "").strip()

@@ -29,19 +29,9 @@ import time
 
 import torch
 
-try:
-    from decentpy import _C
-except ImportError:  # the package may be half-written: load the extension directly
-    import glob
-    import importlib.util
+from decentpy import _C
 
-    _here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _so = glob.glob(os.path.join(_here, "decentpy", "_C*.so"))
-    _spec = importlib.util.spec_from_file_location("decentpy._C", _so[0])
-    _C = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_C)
-
-ADAM = 2
+ADAM = _C.OptKind.ADAM
 TARGET_A, TARGET_B, TARGET_COPY = 1.5, 4.0, 0.70
 
 
@@ -102,10 +92,9 @@ def bench_device(device, numel, repeats, zero_grad=True):
 
     w, s = 0.5, 0.5  # all-reduce style: p = (w - s) p + c, send = s p
     lr, wd, betas, eps = 1e-3, 0.01, (0.9, 0.999), 1e-8
-    step = 10
-    bc1 = 1 - betas[0] ** step
-    bc2 = (1 - betas[1] ** step) ** 0.5
-    hyper = [[lr, wd, 0.0, 0.0, 0.0, betas[0], betas[1], eps, bc1, bc2, 1.0]]
+    step = 10  # bias-correction step (the kernel derives the corrections from it)
+    groups = [_C.GroupHyper(lr=lr, weight_decay=wd, beta1=betas[0], beta2=betas[1], eps=eps,
+                            bias_step=step)]
     segments = torch.tensor([[0, numel, 0]], dtype=torch.int64, device=device)
 
     # Fused kernel buffers.
@@ -113,16 +102,18 @@ def bench_device(device, numel, repeats, zero_grad=True):
     m, v = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
 
     def fused():
-        _C.mix_and_step(ADAM, p, g, [m, v], c, c, segments, hyper, w - s, 1.0, s, 1.0, True,
-                        False, False, False, zero_grad=zero_grad)
+        _C.mix_and_step(kind=ADAM, param=p, grad=g, states=[m, v], comm=c, send=c,
+                        segments=segments, groups=groups, mix_a=w - s, mix_b=1.0, send_scale=s,
+                        grad_scale=1.0, decoupled_weight_decay=True, zero_grad=zero_grad)
 
     # (d) the unfused zeroing that zero_grad replaces (own buffers: same traffic as `fused`).
     pd, cd, gd = rnd(), rnd(), rnd(1e-3)
     md, vd = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
 
     def fused_then_zero():
-        _C.mix_and_step(ADAM, pd, gd, [md, vd], cd, cd, segments, hyper, w - s, 1.0, s, 1.0, True,
-                        False, False, False, zero_grad=False)
+        _C.mix_and_step(kind=ADAM, param=pd, grad=gd, states=[md, vd], comm=cd, send=cd,
+                        segments=segments, groups=groups, mix_a=w - s, mix_b=1.0, send_scale=s,
+                        grad_scale=1.0, decoupled_weight_decay=True, zero_grad=False)
         gd.zero_()
 
     # Torch sequences.

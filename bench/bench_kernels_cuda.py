@@ -26,7 +26,6 @@ import sys
 
 import torch
 
-NONE, SGD, ADAM, ACCUM_ADAM = 0, 1, 2, 3
 COPY_TARGET = 0.85
 SPEEDUP_TARGET = 2.0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,20 +70,21 @@ def copy_ms(total_bytes, runs, warmup):
     return ms
 
 
-def hyper_row(lr=1e-3, wd=0.01, momentum=0.0, beta1=0.9, beta2=0.999, eps=1e-8, step=10,
-              accum_scale=0.25):
-    bc1 = 1.0 - beta1 ** step
-    bc2s = (1.0 - beta2 ** step) ** 0.5
-    return [lr, wd, momentum, 0.0, 0.0, beta1, beta2, eps, bc1, bc2s, accum_scale]
+def group(_C, lr=1e-3, wd=0.01, momentum=0.0, beta1=0.9, beta2=0.999, eps=1e-8, step=10,
+          accum_iter=4):
+    """One parameter group (the kernel derives the bias corrections from the 1-based step)."""
+    return _C.GroupHyper(lr=lr, weight_decay=wd, momentum=momentum, beta1=beta1, beta2=beta2,
+                         eps=eps, bias_step=step, accum_iter=accum_iter)
 
 
-# name -> (kind, number of fp32 state buffers read, written, decoupled, accum_boundary, hyper)
+# name -> (kind name in _C.OptKind, number of fp32 state buffers read, written, decoupled,
+#          accum_boundary, group keyword arguments)
 CASES = {
-    "SGD-momentum": (SGD, 1, 1, False, False, hyper_row(lr=1e-2, momentum=0.9)),
-    "Adam": (ADAM, 2, 2, False, False, hyper_row()),
-    "AdamW": (ADAM, 2, 2, True, False, hyper_row()),
-    "AccumAdamW": (ACCUM_ADAM, 3, 1, True, False, hyper_row()),
-    "AccumAdamW@boundary": (ACCUM_ADAM, 3, 3, True, True, hyper_row()),
+    "SGD-momentum": ("SGD", 1, 1, False, False, dict(lr=1e-2, momentum=0.9)),
+    "Adam": ("ADAM", 2, 2, False, False, {}),
+    "AdamW": ("ADAM", 2, 2, True, False, {}),
+    "AccumAdamW": ("ACCUM_ADAM", 3, 1, True, False, {}),
+    "AccumAdamW@boundary": ("ACCUM_ADAM", 3, 3, True, True, {}),
 }
 
 
@@ -114,7 +114,9 @@ def torch_sequence(name, p, c, g, send, impl, a, b, s):
 
 
 def bench_one(_C, name, dtype, nbytes, runs, warmup, rows):
-    kind, st_read, st_write, decoupled, boundary, hyper = CASES[name]
+    kind_name, st_read, st_write, decoupled, boundary, group_kw = CASES[name]
+    kind = getattr(_C.OptKind, kind_name)
+    groups = [group(_C, **group_kw)]
     esize = torch.finfo(dtype).bits // 8
     numel = nbytes // esize
     dev = "cuda"
@@ -122,16 +124,17 @@ def bench_one(_C, name, dtype, nbytes, runs, warmup, rows):
     c = torch.randn(numel, device=dev).to(dtype)
     g = torch.randn(numel, device=dev).to(dtype)
     send = torch.empty_like(p)
-    nstates = {SGD: 1, ADAM: 2, ACCUM_ADAM: 3}[kind]
+    nstates = {"SGD": 1, "ADAM": 2, "ACCUM_ADAM": 3}[kind_name]
     states = [torch.zeros(numel, device=dev, dtype=torch.float32) for _ in range(nstates)]
-    if kind != SGD:
+    if kind != _C.OptKind.SGD:
         states[1].fill_(1e-4)
     segs = torch.tensor([[0, numel, 0]], dtype=torch.int64, device=dev)
     a, b, s = 0.5, 0.5, 1.0
 
     def ours():
-        _C.mix_and_step(kind, p, g, states, c, send, segs, [hyper], a, b, s, 1.0, decoupled,
-                        False, boundary, False)
+        _C.mix_and_step(kind=kind, param=p, grad=g, states=states, comm=c, send=send,
+                        segments=segs, groups=groups, mix_a=a, mix_b=b, send_scale=s,
+                        grad_scale=1.0, decoupled_weight_decay=decoupled, accum_boundary=boundary)
 
     # reads p, c, g; writes p, send; state reads / writes (fp32)
     moved = 5 * numel * esize + (st_read + st_write) * numel * 4

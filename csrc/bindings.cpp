@@ -11,6 +11,7 @@
 #include "cpu/mix_and_step_cpu.h"
 #include "ops/mix_and_step_op.h"
 #include "ops/reduce_scatter_pack.h"
+#include "kernels/update.h"
 #ifdef DECENTPY_WITH_CUDA
 #include "cuda/mix_and_step_cuda.h"
 #endif
@@ -69,17 +70,72 @@ py::dict build_info() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "decentpy C++ extension: fused mix-and-step kernels and bucket packing";
 
-  m.def("mix_and_step", &decentpy::mix_and_step, py::arg("kind"), py::arg("param"),
-        py::arg("grad"), py::arg("states"), py::arg("comm"), py::arg("send"), py::arg("segments"),
-        py::arg("hyper"), py::arg("mix_a"), py::arg("mix_b"), py::arg("send_scale"),
-        py::arg("grad_scale"), py::arg("decoupled_weight_decay"), py::arg("momentum_init"),
-        py::arg("accum_boundary"), py::arg("skip_update"), py::arg("zero_grad") = false,
+  // The kernel contract's types, bound rather than copied: Python reads them from here.
+  py::enum_<decentpy::OptKind>(m, "OptKind", "Optimizer update run by the fused kernel.")
+      .value("NONE", decentpy::OptKind::None)
+      .value("SGD", decentpy::OptKind::SGD)
+      .value("ADAM", decentpy::OptKind::Adam)
+      .value("ACCUM_ADAM", decentpy::OptKind::AccumAdam);
+  m.attr("MAX_GROUPS") = decentpy::kMaxGroups;
+
+  using decentpy::GroupHyper;
+  py::class_<GroupHyper>(m, "GroupHyper",
+                         "Hyper-parameters of one parameter group for one step (kernels/mix_and_step.h).")
+      .def(py::init([](float lr, float weight_decay, float momentum, float dampening, bool nesterov,
+                       float beta1, float beta2, float eps, int64_t bias_step, int32_t accum_iter) {
+             GroupHyper h;
+             h.lr = lr;
+             h.weight_decay = weight_decay;
+             h.momentum = momentum;
+             h.dampening = dampening;
+             h.nesterov = nesterov ? 1 : 0;
+             h.beta1 = beta1;
+             h.beta2 = beta2;
+             h.eps = eps;
+             h.bias_step = bias_step;
+             h.accum_iter = accum_iter;
+             return h;
+           }),
+           py::kw_only(), py::arg("lr") = 0.f, py::arg("weight_decay") = 0.f, py::arg("momentum") = 0.f,
+           py::arg("dampening") = 0.f, py::arg("nesterov") = false, py::arg("beta1") = 0.9f,
+           py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f, py::arg("bias_step") = 1,
+           py::arg("accum_iter") = 1)
+      .def_readwrite("lr", &GroupHyper::lr)
+      .def_readwrite("weight_decay", &GroupHyper::weight_decay)
+      .def_readwrite("momentum", &GroupHyper::momentum)
+      .def_readwrite("dampening", &GroupHyper::dampening)
+      .def_property("nesterov", [](const GroupHyper& h) { return h.nesterov != 0; },
+                    [](GroupHyper& h, bool v) { h.nesterov = v ? 1 : 0; })
+      .def_readwrite("beta1", &GroupHyper::beta1)
+      .def_readwrite("beta2", &GroupHyper::beta2)
+      .def_readwrite("eps", &GroupHyper::eps)
+      .def_readwrite("bias_step", &GroupHyper::bias_step)
+      .def_readwrite("accum_iter", &GroupHyper::accum_iter)
+      .def("__repr__", [](const GroupHyper& h) {
+        return "GroupHyper(lr=" + std::to_string(h.lr) + ", weight_decay=" + std::to_string(h.weight_decay) +
+               ", momentum=" + std::to_string(h.momentum) + ", bias_step=" + std::to_string(h.bias_step) + ", ...)";
+      });
+
+  m.def("mix_and_step", &decentpy::mix_and_step, py::kw_only(), py::arg("kind"), py::arg("param"),
+        py::arg("grad") = py::none(), py::arg("states") = std::vector<at::Tensor>{},
+        py::arg("comm") = py::none(), py::arg("send") = py::none(), py::arg("segments") = py::none(),
+        py::arg("groups") = std::vector<GroupHyper>{}, py::arg("mix_a") = 1.0, py::arg("mix_b") = 0.0,
+        py::arg("send_scale") = 1.0, py::arg("grad_scale") = 1.0, py::arg("grad_norm") = py::none(),
+        py::arg("scaler_scale") = py::none(), py::arg("clip_norm") = 0.0,
+        py::arg("decoupled_weight_decay") = false, py::arg("momentum_init") = false,
+        py::arg("accum_boundary") = false, py::arg("skip_update") = false, py::arg("zero_grad") = false,
         py::call_guard<py::gil_scoped_release>(),
-        "Fused mix + optimizer step + send-buffer write over one flat bucket (in place). "
-        "kind: 0 None, 1 SGD, 2 Adam, 3 AccumAdam. hyper rows: [lr, weight_decay, momentum, "
-        "dampening, nesterov, beta1, beta2, eps, bias_correction1, bias_correction2_sqrt, "
-        "accum_scale]. zero_grad: write 0 to each grad element right after reading it (same "
-        "pass; also with skip_update / kind None, where grad is only zeroed).");
+        "Fused mix + optimizer step + send-buffer write over one flat bucket (in place); keyword "
+        "arguments only. See csrc/kernels/mix_and_step.h for the contract.");
+
+  m.def("grad_factor",
+        [](float norm, float scale, float clip) {
+          const decentpy::GradFactor f = decentpy::grad_factor(norm, scale, clip);
+          return py::make_tuple(f.factor, f.skip);
+        },
+        py::arg("norm"), py::arg("scale"), py::arg("clip"),
+        "(factor, skip) for a bucket's gradient norm, the GradScaler's scale and the clip norm: the "
+        "rule the kernels apply (kernels/update.h), for optimizers stepped outside the kernel.");
 
   m.def("check_segments", &decentpy::check_segments, py::arg("segments"), py::arg("numel"),
         py::arg("num_groups"),

@@ -20,7 +20,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from . import _C
+from . import _C, kernels
+from .grad_scaling import UNSCALED, BucketGradScaling, GradArgs
 from .optim import MAX_GROUPS_PER_BUCKET, FusedOptimizer
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class Bucket:
     pending: int = 0
     processed: bool = False
     seen: List[bool] = field(default_factory=list)
+    stepped: Optional[bool] = None    # a local step ran: None (no), or whether it was skipped (host view)
     # what the optimizer and scheduler looked like when created (see modified_by_user)
     fresh_groups: List[Dict[str, Any]] = field(default_factory=list)
     fresh_scheduler: Optional[Dict[str, Any]] = None
@@ -91,6 +93,73 @@ class Bucket:
         self.pending = len(self.params)
         self.processed = False
         self.seen = [False] * len(self.params)
+        self.stepped = None
+
+    @torch.no_grad()
+    def step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send_scale: Optional[float],
+             grads: GradArgs, local_step: bool) -> None:
+        """Mix ``recv`` in (``p <- mix_a p + mix_b recv``; none when ``recv`` is None), take the local
+        optimizer step (unless ``local_step`` is False: a joined worker), zero the gradients, and,
+        with ``send_scale``, write ``send_scale * p`` into the receive buffer as the next buffer to
+        send. The step counter and scheduler move in :meth:`finish_iteration`. The caller has made
+        every gradient a view of ``grad_block`` first (:meth:`adopt_missing_grads`)."""
+        send = self.comm if send_scale is not None else None
+        scale = 1.0 if send_scale is None else send_scale
+        if not self.params_are_views:
+            self.gather_params()
+        if self.fused:
+            # zero_grad: the kernel zeroes grad_block in the same pass (also when the update is skipped,
+            # so the next iteration never sees skipped, non-finite gradients): no separate zero_() pass.
+            self.optimizer.bucket_step(self.params, self.offsets,  # type: ignore[attr-defined]
+                                       self.param_block, self.grad_block, self.segments, recv, send, mix_a, mix_b,
+                                       scale, grads if local_step else UNSCALED, not local_step, zero_grad=True)
+            if not self.params_are_views:
+                self.scatter_params()
+            self.stepped = False if local_step else None
+            return
+        self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step)
+
+    def _generic_step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send: Optional[Tensor],
+                      send_scale: float, grads: GradArgs, local_step: bool) -> None:
+        """Optimizers the kernel does not implement: a separate mix, then their own ``step()``."""
+        kernel = self.param_block.dtype in kernels.KERNEL_DTYPES  # float64 mixes with torch ops
+        if recv is not None:
+            if kernel:
+                kernels.mix(self.param_block, recv, mix_a, mix_b)
+            else:
+                self.param_block.mul_(mix_a).add_(recv, alpha=mix_b)
+        if not self.params_are_views:
+            self.scatter_params()
+        skip = True
+        if local_step:
+            # Whether to call step() at all must be known here: with a scaler or clipping this reads
+            # the gradient norm back (a sync on a GPU; fused optimizers avoid it).
+            factor, skip = BucketGradScaling.host_factor(grads)
+            if not skip:
+                if factor != 1.0:
+                    self.grad_block.mul_(factor)
+                self.optimizer.step()
+                if not self.params_are_views:
+                    self.gather_params()
+            self.stepped = skip
+        if send is not None:
+            if kernel:
+                kernels.scale_copy(send, self.param_block, send_scale)
+            else:
+                torch.mul(self.param_block, send_scale, out=send)
+        self.grad_block.zero_()
+
+    def finish_iteration(self, skipped: Optional[bool]) -> None:
+        """After the iteration: count the step and advance the scheduler if the update happened.
+        ``skipped``: the device's verdict (gradient norm not finite), when the kernel decided."""
+        if self.stepped is None:
+            return
+        updated = not (self.stepped if skipped is None else skipped)
+        if self.fused:
+            self.optimizer.finish_bucket_step(updated)  # type: ignore[attr-defined]
+        if updated and self.scheduler is not None:
+            self.scheduler.step()
+        self.stepped = None
 
     @torch.no_grad()
     def gather_params(self) -> None:
@@ -243,8 +312,9 @@ def check_optimizer(opt: object, params: Sequence[Tensor], names: Sequence[str],
             seen[id(p)] = seen.get(id(p), 0) + 1
     missing = [n for p, n in zip(params, names) if id(p) not in seen]
     if missing:
-        raise ValueError(f"optim_fn returned an optimizer that leaves out parameter '{missing[0]}' {where}; "
-                         "it must optimise every parameter passed to it")
+        shown = ", ".join(f"'{n}'" for n in missing[:8]) + (", ..." if len(missing) > 8 else "")
+        raise ValueError(f"optim_fn returned an optimizer that leaves out {len(missing)} parameter(s) {where}: "
+                         f"{shown}; it must optimise every parameter passed to it")
     twice = [given[k] for k, c in seen.items() if c > 1]
     if twice:
         raise ValueError(f"optim_fn returned an optimizer with parameter '{twice[0]}' in several groups {where}")

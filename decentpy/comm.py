@@ -1,8 +1,7 @@
-"""Communication of bucket exchanges over ``torch.distributed``.
-
-A group of two ranks is a *peer exchange* (send my bucket, receive the peer's) on the default
-process group; a larger group is an in-place all-reduce on a sub-group created once, collectively,
-at construction. Every wait is bounded, and a timeout names the bucket and the peers.
+"""The exchange primitives over ``torch.distributed`` (the :class:`decentpy.exchange.Communicator`
+interface): a point-to-point exchange on one shared process group, and an in-place all-reduce on a
+sub-group created once, collectively, at construction. Which exchange a step uses is decided by
+:mod:`decentpy.exchange`. Every wait is bounded, and a timeout names the bucket and the peers.
 """
 
 from __future__ import annotations
@@ -17,7 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from .topology import Group, Topology
+from .exchange import communication_needs
+from .topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Exchange:
 
 
 class TorchCommunicator:
-    """Exchanges over ``torch.distributed`` (gloo on CPU, NCCL, MPI)."""
+    """Exchange primitives over ``torch.distributed`` (gloo on CPU, NCCL, MPI)."""
 
     def __init__(self, topology: Topology, timeout: datetime.timedelta) -> None:
         self.rank = dist.get_rank()
@@ -64,13 +64,12 @@ class TorchCommunicator:
         # new_group is collective over the default group: every rank creates every group, in the
         # same (schedule) order. decentpy's traffic never uses the default group itself, so it
         # cannot interleave with the user's collectives (torch DDP beside it, Join's all-reduces).
-        groups = topology.unique_groups()
+        p2p, collective = communication_needs(topology)
         self._p2p_group: Optional[dist.ProcessGroup] = None
-        if any(len(g.ranks) == 2 for g in groups):
+        if p2p:
             self._p2p_group = dist.new_group(list(range(self.world_size)))
-        for group in groups:
-            if len(group.ranks) > 2 and group.ranks not in self._subgroups:
-                self._subgroups[group.ranks] = dist.new_group(list(group.ranks))
+        for ranks in collective:
+            self._subgroups[ranks] = dist.new_group(list(ranks))
         logger.debug("rank %d: %d sub-groups", self.rank, len(self._subgroups))
 
     def close(self) -> None:
@@ -82,27 +81,20 @@ class TorchCommunicator:
         for g in groups:
             dist.destroy_process_group(g)
 
-    def launch(self, bucket: int, group: Group, send: Tensor, recv: Tensor) -> Optional[Exchange]:
-        """Start the exchange of ``bucket`` within ``group``.
-
-        Pairs: ``send`` goes to the peer, the peer's bucket lands in ``recv``. Larger groups:
-        ``recv`` (which holds the scaled send values) is all-reduced in place.
-        """
-        ranks = group.ranks
-        if len(ranks) == 1:
-            return None
+    def send_recv(self, bucket: int, peer: int, send: Tensor, recv: Tensor) -> Exchange:
+        """``send`` goes to ``peer``; the peer's counterpart lands in ``recv``."""
+        pg = self._p2p_group
+        ops = [dist.P2POp(dist.isend, send, peer, group=pg, tag=bucket),
+               dist.P2POp(dist.irecv, recv, peer, group=pg, tag=bucket)]
         with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
-            works = self._start(bucket, ranks, send, recv)
-        return Exchange(list(works), bucket, ranks, self.rank)
+            works = list(dist.batch_isend_irecv(ops))
+        return Exchange(works, bucket, tuple(sorted((self.rank, peer))), self.rank)
 
-    def _start(self, bucket: int, ranks: Tuple[int, ...], send: Tensor, recv: Tensor) -> List[dist.Work]:
-        if len(ranks) == 2:
-            peer = ranks[0] if ranks[1] == self.rank else ranks[1]
-            pg = self._p2p_group
-            ops = [dist.P2POp(dist.isend, send, peer, group=pg, tag=bucket),
-                   dist.P2POp(dist.irecv, recv, peer, group=pg, tag=bucket)]
-            return list(dist.batch_isend_irecv(ops))
-        return [dist.all_reduce(recv, op=dist.ReduceOp.SUM, group=self._subgroups[ranks], async_op=True)]
+    def all_reduce(self, bucket: int, ranks: Tuple[int, ...], buffer: Tensor) -> Exchange:
+        """``buffer`` summed in place over ``ranks``."""
+        with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
+            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._subgroups[ranks], async_op=True)
+        return Exchange([work], bucket, ranks, self.rank)
 
 
 @contextlib.contextmanager
@@ -146,6 +138,21 @@ def first_difference_across_ranks(mine: Sequence[Any]) -> Optional[Tuple[int, in
             if a != b:
                 return r, k, a, b
     return None
+
+
+def raise_if_any_rank_failed(failure: Optional[BaseException], what: str) -> None:
+    """A collective: if ``failure`` is set on any rank, raise on every rank (the failing rank its own
+    exception, the others a RuntimeError naming that rank and its message), so that no rank goes on
+    to a collective its peers will never join."""
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    everyone: List[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if failure is not None:
+        raise failure
+    bad = [(r, m) for r, m in enumerate(everyone) if m is not None]
+    if bad:
+        r, m = bad[0]
+        raise RuntimeError(f"{what} failed on rank {r}: {m}")
 
 
 def default_timeout() -> datetime.timedelta:

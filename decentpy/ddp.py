@@ -12,7 +12,7 @@ import datetime
 import logging
 import math
 import os
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
-from .bucket import BucketPlan, check_optimizer
-from .comm import default_timeout, first_difference_across_ranks
+from .bucket import Bucket, BucketPlan
+from .comm import default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
 from .nccl_comm import COMM_CHOICES, select_communicator
 from .grad_scaling import BucketGradScaling
 from .reducer import GossipReducer, OptimFn, SchedulerFn
@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 OPTIM_FN_TYPE = OptimFn
 LR_SCHEDULER_FN_TYPE = SchedulerFn
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 class DecentralizedDataParallel(nn.Module, Joinable):
@@ -66,7 +65,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             extension has it, else torch.distributed), ``'torch'`` or ``'nccl'``.
     """
 
-    FLOAT_DTYPES = list(_FLOAT_DTYPES)
+    #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
+    FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
     def __init__(
         self,
@@ -112,9 +112,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         # Pure function of the sizes: raises identically on every rank, before any collective.
         self._topology = make_topology(topology, self._world_size, self._local_world_size)
 
-        if dist.get_backend() == dist.Backend.NCCL and torch.cuda.is_available():
-            if any(p.device.type == "cpu" for p in model.parameters()):
-                model = model.to(torch.device("cuda", torch.cuda.current_device()))
         self._model = model
         self._scaler = scaler
         self._grad_clip_norm = float(grad_clip_norm)
@@ -122,38 +119,53 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._sync_buffer_in_global_avg = bool(sync_buffer_in_global_avg)
         self._bucket_size = int(bucket_size_in_mb * 1024 * 1024)
         self._timeout = timeout if timeout is not None else default_timeout()
-
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("the model has no parameter that requires a gradient: nothing to train")
-        self._param_names = [n for n, _ in named]
-        self._params = [p for _, p in named]
-        self._check_dense_gradients()
-        # optim_fn is checked on the whole model once, so a wrong one fails here on every rank.
-        probe = optim_fn(list(named))
-        check_optimizer(probe, self._params, self._param_names, "for the whole model")
-        wants_edges = hasattr(probe, "pre_average_hook")
-        del probe
-
-        self._check_same_model(wants_edges)  # first collective
-        self._broadcast_from_rank0()
-        self._comm = select_communicator(comm, self._topology, self._timeout, device=self._params[0].device)
-        # Edges (with process groups) for optimizers that hook into the averaging; collective, so
-        # only after the check above proved every rank wants them.
-        edges = hook_edges(self._topology) if wants_edges else None
-        self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
-        self._reducer = GossipReducer(
-            self._params, self._param_names, optim_fn, lr_scheduler_fn, self._topology, self._comm,
-            self._grad_scaling, self._bucket_size, self._param_as_bucket_view, self._timeout, edges)
         self._closed = False
         self._backups: List[Tensor] = []
         self._skip_mix_before_avg: List[bool] = []
-        self._adaptive_factor = 1.0
+
+        # Local work first (checks, buckets, the per-bucket optimizers); whether it failed anywhere is
+        # the subject of the first collective, so a bad input raises on every rank and none hangs.
+        failure: Optional[BaseException] = None
+        try:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            if not named:
+                raise ValueError("the model has no parameter that requires a gradient: nothing to train")
+            self._param_names = [n for n, _ in named]
+            self._params = [p for _, p in named]
+            self._check_device()
+            self._check_dense_gradients()
+            self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
+            self._reducer = GossipReducer(
+                self._params, self._param_names, optim_fn, lr_scheduler_fn, self._topology, self._grad_scaling,
+                self._bucket_size, self._param_as_bucket_view, self._timeout)
+        except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
+            failure = exc
+        raise_if_any_rank_failed(failure, "constructing DecentralizedDataParallel")
+        wants_edges = self._reducer.has_pre_average_hook()
+        self._check_same_model(wants_edges)
+        self._broadcast_from_rank0()
+        comm_ = select_communicator(comm, self._topology, self._timeout, device=self._params[0].device)
+        # Edges (with process groups) for optimizers that hook into the averaging; collective, so
+        # only after the check above proved every rank wants them.
+        self._reducer.attach(comm_, hook_edges(self._topology) if wants_edges else None)
+        self._comm = comm_
         if self._rank == 0:
             logger.info("decentpy: %s, world size %d, local world size %d, bucket cap %.1f MiB",
                         self._topology.describe(), self._world_size, self._local_world_size, bucket_size_in_mb)
 
     # -- construction checks -----------------------------------------------------------------
+    def _check_device(self) -> None:
+        """With NCCL the parameters must be on this rank's GPU (moving them silently would leave the
+        caller's references, e.g. an optimizer built on them, on the CPU)."""
+        if dist.get_backend() != dist.Backend.NCCL:
+            return
+        bad = next(((n, p.device) for n, p in zip(self._param_names, self._params) if p.device.type != "cuda"), None)
+        if bad is not None:
+            raise ValueError(
+                f"the process group's backend is nccl but parameter '{bad[0]}' is on {bad[1]}; move the model to "
+                "this rank's GPU before wrapping it, e.g. model.to(torch.device('cuda', local_rank)) after "
+                "torch.cuda.set_device(local_rank) (decentpy.utils.initialize_dist does the latter)")
+
     def _check_dense_gradients(self) -> None:
         for name, mod in self._model.named_modules():
             if getattr(mod, "sparse", False) is True and any(p.requires_grad for p in mod.parameters(False)):
@@ -196,6 +208,19 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     def step_count(self) -> int:
         """Iterations completed (the schedule index of the next mix)."""
         return self._reducer.step
+
+    @property
+    def buckets(self) -> Tuple[Bucket, ...]:
+        """The buckets, in exchange order (read-only view for inspection: each has its parameters,
+        flat blocks, optimizer and scheduler; the layout is final after the first iteration)."""
+        return tuple(self._reducer.buckets)
+
+    def skip_next_mix(self) -> None:
+        """Complete the exchanges in flight and do not average with them: the next iteration's mix
+        is the identity. For after giving every worker the same parameters by hand (the values in
+        flight would be stale); :meth:`global_avg` does this itself."""
+        self._reducer.wait_all()
+        self._reducer.mark_equal()
 
     @property
     def _optims(self) -> List[torch.optim.Optimizer]:
@@ -332,7 +357,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._skip_mix_before_avg = [b.skip_mix for b in r.buckets]
         _average_(tensors, self._world_size)
         if self._sync_buffer_in_global_avg if sync_buffers is None else sync_buffers:
-            _average_([b for b in self._model.buffers() if b.dtype in _FLOAT_DTYPES], self._world_size)
+            _average_([b for b in self._model.buffers() if b.dtype in self.FLOAT_DTYPES], self._world_size)
         r.mark_equal()
         if return_d2c:
             sq = sum(float(torch.sum((t.double() - b.double()) ** 2)) for t, b in zip(tensors, self._backups))

@@ -1,62 +1,97 @@
 """Per-bucket gradient unscaling, finiteness check and clipping for the in-backward step.
 
 torch's ``GradScaler.step`` expects a whole optimizer step after backward; decentpy steps each
-bucket inside backward, so it unscales in the kernel (``grad_scale``) and advances the scaler with
-torch's own update rule once per iteration.
+bucket inside backward. Without a host synchronisation per bucket: each bucket's gradient norm
+stays on the device, and the fused kernel reads it together with the scaler's scale to derive the
+gradient factor and whether to skip the update (``grad_factor`` in csrc/kernels/update.h, the one
+definition of that rule). At the end of the iteration the scaler advances with torch's own update
+rule on the device, and the per-bucket skip decisions are read back once, for the optimizers' step
+counters and the LR schedulers: the only synchronisation of the iteration.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from . import _C
+
+
+@dataclass(frozen=True)
+class GradArgs:
+    """How the kernel scales one bucket's gradients: by ``factor``, or, with ``norm`` set, by the
+    factor and skip it derives from ``norm``, ``scale`` (the GradScaler's, or None) and ``clip``."""
+
+    factor: float = 1.0
+    norm: Optional[Tensor] = None
+    scale: Optional[Tensor] = None
+    clip: float = 0.0
+
+
+UNSCALED = GradArgs()
+
 
 class BucketGradScaling:
-    """Computes each bucket's gradient factor and whether it must skip its update."""
+    """Gradient norms per bucket (on the device) and the end-of-iteration scaler update."""
 
     def __init__(self, scaler: Optional["torch.amp.GradScaler"], clip_norm: float) -> None:
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.clip_norm = float(clip_norm)
-        self._inv_scale: Optional[float] = None
-        self._found_inf = False
+        self._norms: Dict[int, Tensor] = {}
 
     @property
     def active(self) -> bool:
         return self.scaler is not None or self.clip_norm > 0
 
     def begin_iteration(self) -> None:
-        self._inv_scale = None
-        self._found_inf = False
+        self._norms = {}
 
-    def bucket_factor(self, grad_block: Tensor) -> Tuple[float, bool]:
-        """(factor to multiply the gradients by, skip the update) for one bucket."""
+    def _scale_tensor(self, device: torch.device) -> Optional[Tensor]:
+        if self.scaler is None:
+            return None
+        scale = self.scaler._scale
+        if scale is None:
+            raise RuntimeError("the GradScaler has no scale yet: call scaler.scale(loss).backward() (decentpy "
+                               "unscales each bucket's gradients inside that backward)")
+        if scale.device != device:
+            raise RuntimeError(f"the GradScaler's scale is on {scale.device} but the gradients are on {device}")
+        return scale
+
+    def bucket_args(self, bucket: int, grad_block: Tensor) -> GradArgs:
+        """The kernel's gradient arguments for one bucket (no host synchronisation)."""
         if not self.active:
-            return 1.0, False
-        inv_scale = 1.0
-        if self.scaler is not None:
-            if self._inv_scale is None:
-                self._inv_scale = 1.0 / float(self.scaler.get_scale())
-            inv_scale = self._inv_scale
-        norm = float(torch.linalg.vector_norm(grad_block, dtype=torch.float32)) * inv_scale
-        if not torch.isfinite(torch.tensor(norm)):
-            self._found_inf = True
-            return 0.0, True
-        factor = inv_scale
-        if self.clip_norm > 0 and norm > self.clip_norm:
-            factor *= self.clip_norm / (norm + 1e-6)
-        return factor, False
+            return UNSCALED
+        norm = torch.linalg.vector_norm(grad_block, dtype=torch.float32).reshape(1)
+        self._norms[bucket] = norm
+        return GradArgs(norm=norm, scale=self._scale_tensor(grad_block.device), clip=self.clip_norm)
 
-    def end_iteration(self) -> None:
-        """Advance the scaler (back off if any bucket overflowed, grow after enough clean steps)."""
-        if self.scaler is None or self._inv_scale is None or self.scaler._scale is None:
-            return
-        s = self.scaler
-        scale = s._scale  # GradScaler keeps these as tensors; update them with torch's own rule
-        if not isinstance(getattr(s, "_growth_tracker", None), torch.Tensor):
-            s._lazy_init_scale_growth_tracker(scale.device)
-        tracker = s._growth_tracker
-        found = torch.full((), float(self._found_inf), dtype=torch.float32, device=scale.device)
-        torch._amp_update_scale_(scale, tracker, found, s.get_growth_factor(), s.get_backoff_factor(),
-                                 s.get_growth_interval())
+    @staticmethod
+    def host_factor(args: GradArgs) -> Tuple[float, bool]:
+        """(factor, skip) on the host, for optimizers stepped by torch (the generic path): whether to
+        call ``step()`` at all needs the answer now, so this reads the norm (a sync on a GPU)."""
+        if args.norm is None:
+            return args.factor, False
+        scale = float(args.scale) if args.scale is not None else 1.0
+        return _C.grad_factor(float(args.norm), scale, args.clip)
+
+    def end_iteration(self) -> Dict[int, bool]:
+        """Advance the scaler (back off if any bucket overflowed, grow after enough clean steps) and
+        return, per bucket that computed a norm, whether its update was skipped (one read-back)."""
+        if not self._norms:
+            return {}
+        buckets: List[int] = sorted(self._norms)
+        found = ~torch.isfinite(torch.cat([self._norms[b] for b in buckets]))
+        if self.scaler is not None and self.scaler._scale is not None:
+            s = self.scaler
+            scale = s._scale  # GradScaler keeps these as tensors; update them with torch's own rule
+            if not isinstance(getattr(s, "_growth_tracker", None), torch.Tensor):
+                s._lazy_init_scale_growth_tracker(scale.device)
+            found_inf = found.any().to(torch.float32).reshape(())
+            torch._amp_update_scale_(scale, s._growth_tracker, found_inf, s.get_growth_factor(),
+                                     s.get_backoff_factor(), s.get_growth_interval())
+        skipped = found.tolist()  # the iteration's one read-back: step counters and LR schedulers
+        self._norms = {}
+        return dict(zip(buckets, skipped))

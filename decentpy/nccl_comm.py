@@ -1,11 +1,10 @@
 """Exchanges over decentpy's own NCCL communicator (``decentpy._C.NcclCommunicator``).
 
-Same interface as :class:`decentpy.comm.TorchCommunicator`: ``launch(bucket, group, send, recv)``
-returns an exchange (or ``None`` for a group of one) whose ``wait(timeout)`` must run before the
-buffers are read or written. A group of two is a grouped ``ncclSend``/``ncclRecv`` on one world
-communicator; a larger group is an in-place all-reduce on a sub-communicator made once, at
-construction, with ``ncclCommSplit`` (collective: every rank splits for every group, in the same
-order).
+The :class:`decentpy.exchange.Communicator` primitives, as :class:`decentpy.comm.TorchCommunicator`
+has them: ``send_recv`` is a grouped ``ncclSend``/``ncclRecv`` on one world communicator;
+``all_reduce`` is in place on a sub-communicator made once, at construction, with ``ncclCommSplit``
+(collective: every rank splits for every group, in the same order). Each returns an exchange
+whose ``wait(timeout)`` must run before the buffers are read or written.
 
 The world communicator comes from an ``ncclUniqueId`` that rank 0 puts in the default process
 group's c10d store. Every operation runs on the communicator's own stream, after the work already
@@ -35,7 +34,8 @@ from torch import Tensor
 
 from . import _C
 from .comm import PeerTimeoutError, TorchCommunicator
-from .topology import Group, Topology
+from .exchange import communication_needs
+from .topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -280,10 +280,7 @@ class NcclCommunicator:
         # ncclCommSplit is collective over the world communicator: every rank, every group, same order.
         self._subcomms: Dict[Tuple[int, ...], object] = {}
         try:
-            for group in topology.unique_groups():
-                ranks = group.ranks
-                if len(ranks) <= 2 or ranks in self._subcomms:
-                    continue
+            for ranks in communication_needs(topology)[1]:
                 member = self.rank in ranks
                 sub = self._world.split(0 if member else -1, self.rank,
                                         name=f"decentpy group {list(ranks)}")
@@ -300,30 +297,24 @@ class NcclCommunicator:
         logger.debug("rank %d: NCCL world communicator on %s, %d sub-communicators", self.rank, dev,
                      sum(1 for s in self._subcomms.values() if s is not None))
 
-    # -- the TorchCommunicator interface -------------------------------------------------------
-    def launch(self, bucket: int, group: Group, send: Tensor, recv: Tensor) -> Optional[NcclExchange]:
-        """Start the exchange of ``bucket`` within ``group``.
+    # -- the Communicator primitives -----------------------------------------------------------
+    def send_recv(self, bucket: int, peer: int, send: Tensor, recv: Tensor) -> NcclExchange:
+        """``send`` goes to ``peer``; the peer's counterpart lands in ``recv``."""
+        return self._start(bucket, tuple(sorted((self.rank, peer))), self._world,
+                           lambda c, label: c.exchange(send, recv, peer, label), (send, recv))
 
-        Pairs: ``send`` goes to the peer, the peer's bucket lands in ``recv``. Larger groups:
-        ``recv`` (which holds the scaled send values) is all-reduced in place."""
-        ranks = group.ranks
-        if len(ranks) == 1:
-            return None
-        label = f"bucket {bucket}"
+    def all_reduce(self, bucket: int, ranks: Tuple[int, ...], buffer: Tensor) -> NcclExchange:
+        """``buffer`` summed in place over ``ranks`` (on that group's split communicator)."""
+        comm = self._subcomms.get(ranks)
+        if comm is None:
+            raise RuntimeError(
+                f"rank {self.rank}: no NCCL sub-communicator for group {ranks} (bucket {bucket}); the "
+                "topology must list every group at construction and contain this rank")
+        return self._start(bucket, ranks, comm, lambda c, label: c.all_reduce(buffer, label), (buffer,))
+
+    def _start(self, bucket: int, ranks: Tuple[int, ...], comm, op, tensors: Tuple[Tensor, ...]) -> NcclExchange:
         try:
-            if len(ranks) == 2:
-                peer = ranks[0] if ranks[1] == self.rank else ranks[1]
-                comm = self._world
-                work = comm.exchange(send, recv, peer, label)
-                tensors: Tuple[Tensor, ...] = (send, recv)
-            else:
-                comm = self._subcomms.get(ranks)
-                if comm is None:
-                    raise RuntimeError(
-                        f"rank {self.rank}: no NCCL sub-communicator for group {ranks} (bucket {bucket}); the "
-                        "topology must list every group at construction and contain this rank")
-                work = comm.all_reduce(recv, label)
-                tensors = (recv,)
+            work = op(comm, f"bucket {bucket}")
         except _C.NcclCommError as exc:
             raise PeerTimeoutError(str(exc)) from exc
         # The caching allocator must not hand these blocks out again before the NCCL stream is done

@@ -23,7 +23,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from . import _C
+from . import kernels
+from .grad_scaling import GradArgs
+from .kernels import KERNEL_DTYPES, OptKind
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +50,7 @@ __all__ = [
 ]
 
 
-class OptKind:
-    """Kernel selector, mirrors ``decentpy::OptKind`` in csrc/kernels/mix_and_step.h."""
-
-    NONE = 0
-    SGD = 1
-    ADAM = 2
-    ACCUM_ADAM = 3
-
-
-MAX_GROUPS_PER_BUCKET = 8  # decentpy::kMaxGroups
-# Parameter dtypes the fused kernels step (fp32 math, fp32 state); others take torch's path.
-KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_GROUPS_PER_BUCKET = kernels.MAX_GROUPS  # parameter groups one bucket's kernel pass can mix
 
 
 def _flat_alias(t: Tensor) -> Tensor:
@@ -73,7 +64,7 @@ def _flat_alias(t: Tensor) -> Tensor:
     return t.as_strided((t.numel(),), (1,))
 
 
-def _step_one_tensor(kind: int, p: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: List[float],
+def _step_one_tensor(kind: OptKind, p: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: "kernels.GroupHyper",
                      decoupled_weight_decay: bool, momentum_init: bool, accum_boundary: bool) -> None:
     """One kernel pass over one parameter (no mixing): the standalone form of the fused update."""
     if grad.is_sparse:
@@ -84,24 +75,25 @@ def _step_one_tensor(kind: int, p: Tensor, grad: Tensor, states: Sequence[Tensor
                              f"{st.dtype} {tuple(st.shape)}")
     if grad.stride() != p.stride():
         grad = torch.empty_like(p).copy_(grad)  # same memory order as p
-    segments = torch.tensor([[0, p.numel(), 0]], dtype=torch.int64, device=p.device)
-    _C.mix_and_step(kind, _flat_alias(p), _flat_alias(grad), [_flat_alias(st) for st in states], None, None,
-                    segments, [hyper], 1.0, 0.0, 1.0, 1.0, decoupled_weight_decay, momentum_init, accum_boundary,
-                    False)
+    kernels.fused_step(kind, _flat_alias(p), _flat_alias(grad), [_flat_alias(st) for st in states],
+                       kernels.segments_for_numel(p.numel(), p.device), [hyper],
+                       decoupled_weight_decay=decoupled_weight_decay, momentum_init=momentum_init,
+                       accum_boundary=accum_boundary)
 
 
-def _adam_hyper_row(lr: float, weight_decay: float, betas: Tuple[float, float], eps: float, bias_step: int,
-                    accum_iter: int = 1) -> List[float]:
-    """The kernel's hyperparameter row of Adam/AdamW/AccumAdam(W) for bias-correction step ``bias_step``."""
+def _adam_group(lr: float, weight_decay: float, betas: Tuple[float, float], eps: float, bias_step: int,
+                accum_iter: int = 1) -> "kernels.GroupHyper":
+    """The kernel's hyper-parameters of an Adam/AdamW/AccumAdam(W) group at bias-correction step
+    ``bias_step`` (the kernel derives the bias corrections from it)."""
     b1, b2 = betas
-    return [float(lr), float(weight_decay), 0.0, 0.0, 0.0, float(b1), float(b2), float(eps),
-            1.0 - b1 ** bias_step, math.sqrt(1.0 - b2 ** bias_step), 1.0 / float(accum_iter)]
+    return kernels.GroupHyper(lr=float(lr), weight_decay=float(weight_decay), beta1=float(b1), beta2=float(b2),
+                              eps=float(eps), bias_step=int(bias_step), accum_iter=int(accum_iter))
 
 
 class FusedOptimizer(Optimizer):
     """Base class of the fused optimizers: one kernel pass per bucket (or per tensor standalone)."""
 
-    kind: int = OptKind.NONE
+    kind: OptKind = OptKind.NONE
     decoupled_weight_decay: bool = False
     state_names: Tuple[str, ...] = ()
 
@@ -120,7 +112,7 @@ class FusedOptimizer(Optimizer):
         self._shared_step: Optional[Tensor] = None
 
     # -- what subclasses provide -----------------------------------------------------------
-    def _hyper_row(self, group: Dict[str, Any], step: int) -> List[float]:
+    def _hyper(self, group: Dict[str, Any], step: int) -> "kernels.GroupHyper":
         raise NotImplementedError
 
     def _uses_state(self) -> Tuple[str, ...]:
@@ -166,7 +158,7 @@ class FusedOptimizer(Optimizer):
                 step = int(step_t.item())
                 states = [self._state_tensor(p, n) for n in self._uses_state_for(group)]
                 momentum_init, accum_boundary = self._flags(step)
-                _step_one_tensor(self.kind, p, p.grad, states, self._hyper_row(group, step),
+                _step_one_tensor(self.kind, p, p.grad, states, self._hyper(group, step),
                                  self.decoupled_weight_decay, momentum_init, accum_boundary)
         self._opt_called = True
         return loss
@@ -212,13 +204,13 @@ class FusedOptimizer(Optimizer):
         super().load_state_dict(state_dict)
         self._flat_layout_key = None  # re-link the loaded values into flat blocks on next use
 
-    def hyper_rows(self, step: int) -> List[List[float]]:
+    def group_hypers(self, step: int) -> List["kernels.GroupHyper"]:
         if len(self.param_groups) > MAX_GROUPS_PER_BUCKET:
             raise ValueError(
                 f"a bucket may mix at most {MAX_GROUPS_PER_BUCKET} parameter groups, "
                 f"this optimizer has {len(self.param_groups)}"
             )
-        return [self._hyper_row(g, step) for g in self.param_groups]
+        return [self._hyper(g, step) for g in self.param_groups]
 
     @torch.no_grad()
     def bucket_step(
@@ -233,26 +225,34 @@ class FusedOptimizer(Optimizer):
         mix_a: float,
         mix_b: float,
         send_scale: float,
-        grad_scale: float,
+        grads: "GradArgs",
         skip_update: bool,
         zero_grad: bool = False,
     ) -> None:
         """Mix, step and fill the send buffer for one bucket in one kernel pass.
 
-        With ``zero_grad`` the kernel also zeroes ``grad_block`` in the same pass, right after reading
-        each gradient (and also when ``skip_update`` is set: the skipped gradients are discarded).
+        ``grads`` says how the kernel scales the gradients (a factor, or a gradient norm and the
+        GradScaler's scale on the device, from which the kernel derives the factor and whether to
+        skip). The step counter moves in :meth:`finish_bucket_step`, once the caller knows whether
+        the update happened (on a GPU that is known only at the end of the iteration). With
+        ``zero_grad`` the kernel also zeroes ``grad_block`` in the same pass, right after reading each
+        gradient (and also when the update is skipped: the skipped gradients are discarded).
         """
         states = self._ensure_flat_state(params, offsets, param_block.numel(), param_block.device)
         assert self._shared_step is not None
         step = int(self._shared_step.item()) + (0 if skip_update else 1)
         momentum_init, accum_boundary = self._flags(step)
-        _C.mix_and_step(
-            self.kind, param_block, grad_block, states, comm, send, segments,
-            self.hyper_rows(max(step, 1)), mix_a, mix_b, send_scale, grad_scale,
-            self.decoupled_weight_decay, momentum_init, accum_boundary, skip_update,
-            zero_grad=zero_grad,
-        )
-        if not skip_update:
+        kernels.fused_step(self.kind, param_block, grad_block, states, segments, self.group_hypers(max(step, 1)),
+                           comm=comm, send=send, mix_a=mix_a, mix_b=mix_b, send_scale=send_scale,
+                           grad_scale=grads.factor, grad_norm=grads.norm, scaler_scale=grads.scale,
+                           clip_norm=grads.clip, decoupled_weight_decay=self.decoupled_weight_decay,
+                           momentum_init=momentum_init, accum_boundary=accum_boundary, skip_update=skip_update,
+                           zero_grad=zero_grad)
+
+    def finish_bucket_step(self, updated: bool) -> None:
+        """Count the step of the last :meth:`bucket_step` if its update happened."""
+        if updated:
+            assert self._shared_step is not None
             self._shared_step += 1
         self._opt_called = True  # tells LR schedulers that this optimizer has stepped
 
@@ -285,9 +285,10 @@ class SGD(FusedOptimizer):
     def _flags(self, step: int) -> Tuple[bool, bool]:
         return step == 1, False
 
-    def _hyper_row(self, group: Dict[str, Any], step: int) -> List[float]:
-        return [self._check_lr(group), float(group["weight_decay"]), float(group["momentum"]),
-                float(group["dampening"]), float(bool(group["nesterov"])), 0.9, 0.999, 1e-8, 1.0, 1.0, 1.0]
+    def _hyper(self, group: Dict[str, Any], step: int) -> "kernels.GroupHyper":
+        return kernels.GroupHyper(lr=self._check_lr(group), weight_decay=float(group["weight_decay"]),
+                                  momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                                  nesterov=bool(group["nesterov"]))
 
 
 class Adam(FusedOptimizer):
@@ -304,9 +305,9 @@ class Adam(FusedOptimizer):
     def _bias_step(self, group: Dict[str, Any], step: int) -> int:
         return step
 
-    def _hyper_row(self, group: Dict[str, Any], step: int) -> List[float]:
-        return _adam_hyper_row(self._check_lr(group), group["weight_decay"], group["betas"], group["eps"],
-                               self._bias_step(group, step), group.get("accum_iter", 1))
+    def _hyper(self, group: Dict[str, Any], step: int) -> "kernels.GroupHyper":
+        return _adam_group(self._check_lr(group), group["weight_decay"], group["betas"], group["eps"],
+                           self._bias_step(group, step), group.get("accum_iter", 1))
 
 
 class AdamW(Adam):
@@ -322,7 +323,7 @@ class AdamW(Adam):
 class AccumAdam(Adam):
     """Adam whose moments move once per ``accum_iter`` steps, from the averaged gradient.
 
-    Tames the variance of small local batches in decentralized training (see DESIGN.md). Step t
+    Tames the variance of small local batches in decentralized training (README, Optimizers). Step t
     uses bias corrections of block k = ceil(t / accum_iter).
     """
 
@@ -491,7 +492,7 @@ def _accum_adam_foreach(decoupled: bool, params: List[Tensor], grads: List[Tenso
     torch._foreach_add_(state_steps, 1)
     step = int(state_steps[0].item())  # the reference reads the shared step once, too
     lr = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
-    row = _adam_hyper_row(lr, weight_decay, (beta1, beta2), eps, -(-step // int(accum_iter)), int(accum_iter))
+    row = _adam_group(lr, weight_decay, (beta1, beta2), eps, -(-step // int(accum_iter)), int(accum_iter))
     for p, g, m, v, acc in zip(params, grads, exp_avgs, exp_avg_sqs, accum_grads):
         _step_one_tensor(OptKind.ACCUM_ADAM, p, g, [m, v, acc], row, decoupled, False, step % int(accum_iter) == 0)
 

@@ -25,12 +25,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from . import _C
 from .bucket import Bucket, BucketPlan, carry_over_state, check_optimizer, flatten_params, make_bucket
-from .comm import TorchCommunicator, first_difference_across_ranks
+from .comm import first_difference_across_ranks
 from .grad_scaling import BucketGradScaling
 from .host_memory import release_free_host_memory
-from .optim import KERNEL_DTYPES, OptKind, fuse_torch_optimizer
+from .exchange import Communicator, ExchangeSchedule
+from .grad_scaling import UNSCALED
+from .optim import fuse_torch_optimizer
 from .topo import Edge
 from .topology import Group, Topology
 
@@ -39,44 +40,31 @@ logger = logging.getLogger(__name__)
 OptimFn = Callable[[List[Tuple[str, Tensor]]], Optimizer]
 SchedulerFn = Callable[[Optimizer], LRScheduler]
 
-_NO_HYPER = [[0.0] * 11]
-
-
-def mix_coefficients(group: Group) -> Tuple[float, float]:
-    """(a, b) of ``p = a*p + b*comm`` for the group's exchange (pair: comm is the peer's bucket;
-    larger group: comm is the all-reduced sum of s*p over the group)."""
-    w = group.weight
-    if len(group.ranks) == 2:
-        return w, 1.0 - w
-    s = group.neighbour_weight()
-    return w - s, 1.0
-
-
 class GossipReducer:
     """Bucket-by-bucket mix-and-step inside backward, with exchanges overlapping compute."""
 
     def __init__(self, params: List[Tensor], names: List[str], optim_fn: OptimFn,
-                 scheduler_fn: Optional[SchedulerFn], topology: Topology, comm: TorchCommunicator,
-                 grad_scaling: BucketGradScaling, bucket_cap_bytes: int, param_as_bucket_view: bool,
-                 timeout: datetime.timedelta,
-                 hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], Edge]] = None) -> None:
+                 scheduler_fn: Optional[SchedulerFn], topology: Topology, grad_scaling: BucketGradScaling,
+                 bucket_cap_bytes: int, param_as_bucket_view: bool, timeout: datetime.timedelta) -> None:
+        """Local only (no collective): builds the buckets and their optimizers; :meth:`attach` then
+        gives the reducer its communicator."""
         self.params = params
         self.names = names
         self.optim_fn = optim_fn
         self.scheduler_fn = scheduler_fn
         self.topology = topology
-        self.comm = comm
+        self.comm: Optional[Communicator] = None
         self.grad_scaling = grad_scaling
         self.bucket_cap_bytes = bucket_cap_bytes
         self.param_as_bucket_view = param_as_bucket_view
         self.timeout = timeout
-        self.hook_edges = hook_edges        # (ranks, weight) -> Edge, for optimizers' pre_average_hook
+        self.hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], Edge]] = None  # for pre_average_hook
         self.rank = dist.get_rank()
+        self.plans = ExchangeSchedule(topology, self.rank)
 
         self.step = 0                       # iterations completed (schedule index of the next mix)
         self.buckets: List[Bucket] = []
         self.accumulate = False             # gradient accumulation (no_sync)
-        self.enabled = True                 # False while joined workers shadow others (Join)
         self.adaptive_factor = 1.0          # p <- (1-f) p + f mix(p)
         self._bucket_of: List[int] = [-1] * len(params)
         self._slot_of: List[int] = [-1] * len(params)
@@ -89,6 +77,20 @@ class GossipReducer:
         self._next_bucket = 0
         self.build_from_plan(BucketPlan.build(params, list(reversed(range(len(params)))), bucket_cap_bytes))
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
+
+    def attach(self, comm: Communicator,
+               hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], Edge]] = None) -> None:
+        """The communicator (and, for optimizers with ``pre_average_hook``, the edges) to exchange with."""
+        self.comm = comm
+        self.hook_edges = hook_edges
+
+    def has_pre_average_hook(self) -> bool:
+        """Whether the buckets' optimizers define decent-dp's ``pre_average_hook`` (all or none)."""
+        found = {hasattr(b.optimizer, "pre_average_hook") for b in self.buckets}
+        if len(found) > 1:
+            raise ValueError("optim_fn returned optimizers with pre_average_hook for some buckets and without for "
+                             "others; it must return the same kind of optimizer every time")
+        return found == {True}
 
     # -- hooks -------------------------------------------------------------------------------
     def _make_hook(self, index: int) -> Callable[[Tensor], None]:
@@ -130,7 +132,7 @@ class GossipReducer:
 
     @torch.no_grad()
     def _on_grad_ready(self, index: int) -> None:
-        if self.accumulate or not self.enabled:
+        if self.accumulate:
             return
         if not self._prepared:
             if self._outside_iteration:
@@ -177,7 +179,9 @@ class GossipReducer:
                 while self._next_bucket < len(self.buckets):  # buckets with unused parameters
                     self._process(self.buckets[self._next_bucket])
                     self._next_bucket += 1
-                self.grad_scaling.end_iteration()
+                skipped = self.grad_scaling.end_iteration()  # the iteration's one read-back, if any
+                for b in self.buckets:
+                    b.finish_iteration(skipped.get(b.index))
                 self.step += 1
             finally:
                 self._callback_queued = False
@@ -254,10 +258,11 @@ class GossipReducer:
             names = [self.names[i] for i in indices]
             opt = self.optim_fn(list(zip(names, flat.params)))
             check_optimizer(opt, flat.params, names, f"for bucket {bi}")
-            if hasattr(opt, "pre_average_hook") and self.hook_edges is None:
+            if self.comm is not None and hasattr(opt, "pre_average_hook") != (self.hook_edges is not None):
                 raise ValueError(
-                    f"optim_fn returned an optimizer with pre_average_hook for bucket {bi} but not for the whole "
-                    "model at construction; it must return the same kind of optimizer every time")
+                    f"optim_fn returned an optimizer {'with' if self.hook_edges is None else 'without'} "
+                    f"pre_average_hook for bucket {bi} after the first iteration regrouped the buckets, unlike at "
+                    "construction; it must return the same kind of optimizer every time")
             opt = fuse_torch_optimizer(opt)
             sched = self.scheduler_fn(opt) if self.scheduler_fn is not None else None
             if old:
@@ -296,73 +301,28 @@ class GossipReducer:
             self.wait_exchange(b)
 
     def _process(self, b: Bucket, local_step: bool = True) -> None:
-        """Wait, mix, step (unless ``local_step`` is False: a joined worker), launch the next exchange."""
+        """Wait, plan, step (unless ``local_step`` is False: a joined worker), launch the next exchange."""
         if b.processed:
             return
         b.processed = True
         self.wait_exchange(b)
-        k = self.step
-        group = self.topology.group_of(self.rank, k)
-        comm: Optional[Tensor] = None
+        received, nxt = self.plans.at(self.step), self.plans.at(self.step + 1)
+        recv: Optional[Tensor] = None
         a, c = 1.0, 0.0
-        if not b.skip_mix and len(group.ranks) > 1:
+        if received.mixes and not b.skip_mix:
             if not b.comm_valid:
-                raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {k}")
-            comm = b.comm
-            self._pre_average_hook(b, group)
-            a, c = mix_coefficients(group)
-            f = self.adaptive_factor
-            a, c = (1.0 - f) + f * a, f * c
-        nxt = self.topology.group_of(self.rank, k + 1)
-        send: Optional[Tensor] = None
-        send_scale = 1.0
-        if len(nxt.ranks) > 2:
-            send, send_scale = b.comm, nxt.neighbour_weight()
-
+                raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
+            self._pre_average_hook(b, received.group)
+            recv = b.comm
+            a, c = received.mix_coefficients(self.adaptive_factor)
         if local_step:
-            b.adopt_missing_grads()
-            factor, skip = self.grad_scaling.bucket_factor(b.grad_block)
-        else:
-            factor, skip = 1.0, True
-
-        views = b.params_are_views
-        if not views:
-            b.gather_params()
-        if b.fused:
-            # zero_grad: the kernel zeroes grad_block in the same pass (also when skip is set, so the
-            # next iteration never sees skipped, non-finite gradients): no separate zero_() pass.
-            b.optimizer.bucket_step(b.params, b.offsets,  # type: ignore[attr-defined]
-                                    b.param_block, b.grad_block, b.segments, comm, send, a, c, send_scale,
-                                    factor, skip, zero_grad=True)
-            if not views:
-                b.scatter_params()
-        else:
-            kernel = b.param_block.dtype in KERNEL_DTYPES  # float64 mixes with torch ops
-            if kernel:
-                _C.mix_and_step(OptKind.NONE, b.param_block, None, [], comm, None, b.segments, _NO_HYPER, a,
-                                c, 1.0, 1.0, False, False, False, True)
-            elif comm is not None:
-                b.param_block.mul_(a).add_(comm, alpha=c)
-            if not views:
-                b.scatter_params()
-            if not skip:
-                if factor != 1.0:
-                    b.grad_block.mul_(factor)
-                b.optimizer.step()
-                if not views:
-                    b.gather_params()
-            if send is not None:
-                if kernel:
-                    _C.scale_copy_(send, b.param_block, send_scale)
-                else:
-                    torch.mul(b.param_block, send_scale, out=send)
-            b.grad_block.zero_()
-        if local_step and not skip and b.scheduler is not None:
-            b.scheduler.step()
+            b.adopt_missing_grads()  # every gradient in grad_block before its norm is taken
+        grads = self.grad_scaling.bucket_args(b.index, b.grad_block) if local_step else UNSCALED
+        b.step(recv, a, c, nxt.send_scale(), grads, local_step)
         b.comm_valid = False
         b.skip_mix = False
-        if len(nxt.ranks) > 1:
-            b.work = self.comm.launch(b.index, nxt, b.param_block, b.comm)
+        assert self.comm is not None, "internal error: the reducer has no communicator (attach() first)"
+        b.work = nxt.launch(self.comm, b.index, b.param_block, b.comm)
 
     def _pre_average_hook(self, b: Bucket, group: Group) -> None:
         """decent-dp's extension point: ``optimizer.pre_average_hook(edge, weight)`` right before the

@@ -6,12 +6,13 @@ return value or traceback, and kills all of them when the timeout passes, so a h
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
 import socket
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch.multiprocessing as mp
 
@@ -105,3 +106,23 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     merged = dict(results)
     merged.update(failures)
     return [merged[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def single_process_group(backend: str) -> Iterator[None]:
+    """A world of one process in this process (HashStore: no sockets); destroyed on exit. Skips the
+    test when a default group already exists here."""
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a default process group already exists in this process")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

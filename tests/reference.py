@@ -1,9 +1,9 @@
 """A plain-PyTorch, float64, single-process re-computation of decentralized training.
 
 All workers live in one process. Iteration k on worker i: gradient at the un-mixed parameters,
-mix ``z_i = sum_j W(k)_ij x_j``, then the worker's own optimizer steps from z_i (DESIGN.md).
+mix ``z_i = sum_j W(k)_ij x_j``, then the worker's own optimizer steps from z_i (README, How a step runs).
 Optimizers are torch's own (SGD/Adam/AdamW/RMSprop) or, for AccumAdam, a direct transcription
-of the equations in DESIGN.md. Nothing here uses decentpy's kernels or wrapper.
+of the equations in the README (Optimizers). Nothing here uses decentpy's kernels or wrapper.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def decay_groups(model: nn.Module, wd: float) -> List[dict]:
 
 
 class RefAccumAdam:
-    """AccumAdam(W) transcribed from DESIGN.md, float64."""
+    """AccumAdam(W) transcribed from the README's equations, float64."""
 
     def __init__(self, groups: List[dict], lr: float, betas: Tuple[float, float], eps: float, accum_iter: int,
                  decoupled: bool) -> None:
@@ -166,3 +166,44 @@ def assert_close_params(got: Sequence[Dict[str, Tensor]], want: Sequence[Dict[st
                 err = (a - b).abs().max().item()
                 raise AssertionError(f"{what}: rank {r} parameter '{name}' differs from the reference by {err:.3g} "
                                      f"(rtol={rtol}, atol={atol})")
+
+
+# --- the gradient factor of the fused kernels (csrc/kernels/update.h grad_factor), in float64 ---
+
+F32_MAX = torch.finfo(torch.float32).max
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def grad_factor64(norm: float, scale: float, clip: float) -> Tuple[float, bool]:
+    """(factor, skip) of the gradient-norm rule in float64: n = norm / scale; skip when n is not
+    finite in float32 (the kernel's precision); factor = (1 / scale) * (clip / (n + 1e-6) if
+    clip > 0 and n > clip else 1)."""
+    norm, scale, clip = _f32(norm), _f32(scale), _f32(clip)
+    n = norm / scale
+    if not math.isfinite(n) or abs(n) > F32_MAX:
+        return 0.0, True
+    factor = 1.0 / scale
+    if clip > 0 and n > clip:
+        factor *= clip / (n + 1e-6)
+    return factor, False
+
+
+# name -> (grad_norm, scaler_scale or None, clip_norm): the update happens.
+GRAD_NORM_CASES = {
+    "unscale": (3000.0, 1024.0, 0.0),
+    "unscale_clip": (3000.0, 1024.0, 0.5),            # n = 2.93 > clip: clipped
+    "unscale_clip_inactive": (3000.0, 1024.0, 10.0),  # n < clip: unscaled only
+    "odd_scale_clip": (123.456, 3.0, 1.0),
+    "clip_no_scaler": (7.5, None, 2.0),
+    "norm_only": (7.5, None, 0.0),                    # factor 1
+}
+# The unscaled norm is not finite: the update is skipped (mix, send and zero_grad still happen).
+SKIP_NORM_CASES = {
+    "inf_norm": (math.inf, 1024.0, 0.0),
+    "nan_norm": (math.nan, 1024.0, 1.0),
+    "inf_norm_no_scaler": (math.inf, None, 0.5),
+    "overflow": (1e10, 1e-30, 0.0),                   # 1e10 / 1e-30 overflows float32
+}

@@ -47,7 +47,7 @@ def _as_mlp_names(model: nn.Module) -> Dict[str, torch.Tensor]:
 def _storage_of_blocks(ddp) -> List[bool]:
     """For every parameter and gradient: does it live in its bucket's blocks?"""
     ok = []
-    for b in ddp._reducer.buckets:
+    for b in ddp.buckets:
         for p in b.params:
             ok.append(p.untyped_storage().data_ptr() == b.param_block.untyped_storage().data_ptr())
             ok.append(p.grad is None or p.grad.untyped_storage().data_ptr()
@@ -75,7 +75,7 @@ def construction_worker(rank: int, world: int) -> dict:
         "values_kept": all(torch.equal(before[n], p) for n, p in model.named_parameters()),
         "grads_none": all(p.grad is None for p in model.parameters()),
         "in_blocks": _storage_of_blocks(ddp),
-        "order": [ids[id(p)] for b in ddp._reducer.buckets for p in b.params],
+        "order": [ids[id(p)] for b in ddp.buckets for p in b.params],
         "lr": ddp.get_lr(),
     }
     # A backward after an eval-mode forward (of the inner model) is no iteration: gradients only
@@ -122,7 +122,7 @@ def reorder_worker(rank: int, world: int, path: str) -> dict:
 
     ddp = make()
     names = {id(p): n for n, p in ddp.module.named_parameters()}
-    construction = [[names[id(p)] for p in b.params] for b in ddp._reducer.buckets]
+    construction = [[names[id(p)] for p in b.params] for b in ddp.buckets]
     ready: List[str] = []
     hooks = [p.register_post_accumulate_grad_hook(lambda p: ready.append(names[id(p)]))
              for p in ddp.module.parameters()]
@@ -135,7 +135,7 @@ def reorder_worker(rank: int, world: int, path: str) -> dict:
             for h in hooks:
                 h.remove()
     ddp.consensus_distance()
-    final = [[names[id(p)] for p in b.params] for b in ddp._reducer.buckets]
+    final = [[names[id(p)] for p in b.params] for b in ddp.buckets]
 
     # Hyperparameters edited through decent-dp's `_optims` before the first iteration survive the
     # rebuild: with lr 0 the (equal) workers only mix, so nothing moves.
@@ -144,18 +144,18 @@ def reorder_worker(rank: int, world: int, path: str) -> dict:
     for opt in edited._optims:
         for group in opt.param_groups:
             group["lr"] = 0.0
-    edited_construction = [len(b.params) for b in edited._reducer.buckets]
+    edited_construction = [len(b.params) for b in edited.buckets]
     for k in range(2):
         x, y = batch(rank, k)
         loss_fn(edited(x), y).backward()
-    edited_out = {"rebuilt": [len(b.params) for b in edited._reducer.buckets] != edited_construction,
+    edited_out = {"rebuilt": [len(b.params) for b in edited.buckets] != edited_construction,
                   "lrs": [g["lr"] for o in edited._optims for g in o.param_groups],
                   "unchanged": all(torch.equal(before[n], p) for n, p in _as_mlp_names(edited.module).items())}
 
     resumed = make()  # construction layout again; the checkpoint carries the rebuilt one
     resumed.load_training_state_dict(torch.load(f"{path}/ckpt{rank}.pt", weights_only=False))
     rnames = {id(p): n for n, p in resumed.module.named_parameters()}
-    loaded = [[rnames[id(p)] for p in b.params] for b in resumed._reducer.buckets]
+    loaded = [[rnames[id(p)] for p in b.params] for b in resumed.buckets]
     for k in range(2, STEPS):
         x, y = batch(rank, k)
         loss_fn(resumed(x), y).backward()
@@ -190,7 +190,7 @@ def changed_after_wrap_worker(rank: int, world: int, change: str) -> dict:
 
     model = make_mlp(0).double() if change == "double_from_start" else make_mlp(0)
     ddp = DecentralizedDataParallel(model, decentpy_optim_fn("torch_adamw"), topology="one-peer-exp")
-    construction = [b.param_block.untyped_storage().data_ptr() for b in ddp._reducer.buckets]
+    construction = [b.param_block.untyped_storage().data_ptr() for b in ddp.buckets]
     with torch.no_grad():
         if change == "new_storage":  # same values, storage of its own
             model[2].weight.data = model[2].weight.data.clone()
@@ -202,8 +202,8 @@ def changed_after_wrap_worker(rank: int, world: int, change: str) -> dict:
         loss_fn(ddp(x.to(dtype)), y.to(dtype)).backward()
     ddp.consensus_distance()
     return {"params": {n: p.detach().double().clone() for n, p in model.named_parameters()},
-            "rebuilt": [b.param_block.untyped_storage().data_ptr() for b in ddp._reducer.buckets] != construction,
-            "dtypes": {str(b.param_block.dtype) for b in ddp._reducer.buckets},
+            "rebuilt": [b.param_block.untyped_storage().data_ptr() for b in ddp.buckets] != construction,
+            "dtypes": {str(b.param_block.dtype) for b in ddp.buckets},
             "in_blocks": _storage_of_blocks(ddp)}
 
 
@@ -249,7 +249,7 @@ def unused_worker(rank: int, world: int) -> dict:
                        if n.startswith("net.")},
             "unused_kept": all(torch.equal(before[n], p) for n, p in model.unused.named_parameters()),
             "unused_grads_zero": all(p.grad is not None and not p.grad.any() for p in model.unused.parameters()),
-            "last_bucket": [names[id(p)] for p in ddp._reducer.buckets[-1].params],
+            "last_bucket": [names[id(p)] for p in ddp.buckets[-1].params],
             "in_blocks": _storage_of_blocks(ddp)}
 
 

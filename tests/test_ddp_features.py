@@ -49,10 +49,10 @@ def mixing_worker(rank: int, world: int, topo: str) -> dict:
         g = torch.Generator().manual_seed(rank)
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype))
-    for b in ddp._reducer.buckets:
+    for b in ddp.buckets:
         for grp in b.optimizer.param_groups:
             grp["lr"] = 0.0
-    ddp._reducer.mark_equal()  # the first mix after the perturbation is the identity again
+    ddp.skip_next_mix()  # the exchange in flight carries the unperturbed values: do not mix it
     means, dists = [], []
     for k in range(1, 7):
         flat = _flat(model)
@@ -128,7 +128,7 @@ def checkpoint_worker(rank: int, world: int, path: str, topo: str, opt: str) -> 
                                    param_as_bucket_view=False) as copies:
         copies.load_state_dict(sd)  # parameters with storage of their own: the bucket blocks follow
         weights["copies"] = _params(copies.module)
-        weights["copies_blocks"] = all(torch.equal(v, p) for b in copies._reducer.buckets
+        weights["copies_blocks"] = all(torch.equal(v, p) for b in copies.buckets
                                        for v, p in zip(b.param_views, b.params))
         x, y = batch(rank, 0)
         loss_fn(copies(x), y).backward()
@@ -220,7 +220,7 @@ def layout_worker(rank: int, world: int, variant: str) -> dict:
                     layouts_ok &= p.grad.stride() == p.stride()
     ddp.consensus_distance()
     views = [b.param_block.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
-             for b in ddp._reducer.buckets for p in b.params]
+             for b in ddp.buckets for p in b.params]
     return {"params": _params(model), "layouts_ok": layouts_ok, "views": views}
 
 
@@ -240,12 +240,12 @@ def test_layouts_and_dtypes_match_reference(variant: str) -> None:
 
 # --- GradScaler: non-finite gradients skip the update and are never sent; clipping -----------------
 
-def amp_worker(rank: int, world: int) -> dict:
+def amp_worker(rank: int, world: int, opt: str) -> dict:
     from decentpy import DecentralizedDataParallel
 
     model = make_mlp(0)
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
-    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("sgd"), topology="complete", scaler=scaler,
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology="complete", scaler=scaler,
                                     grad_clip_norm=0.5)
     scales = []
     for k in range(5):
@@ -261,10 +261,11 @@ def amp_worker(rank: int, world: int) -> dict:
     return {"params": _params(model), "finite": finite, "scales": scales}
 
 
-def test_grad_scaler_skips_nonfinite_worker_and_clips_per_bucket() -> None:
+@pytest.mark.parametrize("opt", ["sgd", "adam"])  # adam: a skipped step must not count (bias correction)
+def test_grad_scaler_skips_nonfinite_worker_and_clips_per_bucket(opt: str) -> None:
     from decentpy.topology import make_topology
 
-    res = run_workers(amp_worker, 4, timeout=240)
+    res = run_workers(amp_worker, 4, opt, timeout=240)
 
     def clip(rank: int, k: int, grads: List[torch.Tensor]) -> None:
         norm = float(torch.sqrt(sum((g ** 2).sum() for g in grads)))  # one bucket: per-bucket clip
@@ -275,7 +276,7 @@ def test_grad_scaler_skips_nonfinite_worker_and_clips_per_bucket() -> None:
     def skipped(rank: int, k: int) -> bool:
         return rank == 1 and k == 2
 
-    want = simulate(4, make_topology("complete", 4, 1).mixing_matrix, "sgd", 5, grad_hook=clip, skip=skipped)
+    want = simulate(4, make_topology("complete", 4, 1).mixing_matrix, opt, 5, grad_hook=clip, skip=skipped)
     for r in res:
         assert r["finite"], "a worker received or kept non-finite parameters"
     assert_close_params([r["params"] for r in res], want, rtol=2e-5, atol=2e-5, what="GradScaler + clipping")
@@ -293,8 +294,8 @@ def eval_worker(rank: int, world: int) -> dict:
     loss_fn(ddp(x), y).backward()
     before = ddp.step_count
     launches = []
-    real_launch = ddp._comm.launch
-    ddp._comm.launch = lambda *a, **k: launches.append(a) or real_launch(*a, **k)
+    real_launch = ddp._comm.send_recv  # ring on 2 ranks: pair exchanges
+    ddp._comm.send_recv = lambda *a, **k: launches.append(a) or real_launch(*a, **k)
     ddp.eval()
     with torch.no_grad():
         for _ in range(3):

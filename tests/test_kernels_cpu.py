@@ -11,9 +11,10 @@ import torch
 
 
 from decentpy import _C
+from reference import GRAD_NORM_CASES, SKIP_NORM_CASES, grad_factor64
 
 
-NONE, SGD, ADAM, ACCUM = 0, 1, 2, 3
+NONE, SGD, ADAM, ACCUM = _C.OptKind.NONE, _C.OptKind.SGD, _C.OptKind.ADAM, _C.OptKind.ACCUM_ADAM
 KIND_NAMES = {NONE: "none", SGD: "sgd", ADAM: "adam", ACCUM: "accumadam"}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -23,17 +24,22 @@ def f32(x):
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def hyper_row(lr=0.01, wd=0.0, momentum=0.0, dampening=0.0, nesterov=False, beta1=0.9,
-              beta2=0.999, eps=1e-8, step=1, accum_iter=1):
-    bc1 = 1 - beta1 ** step
-    bc2 = math.sqrt(1 - beta2 ** step)
-    return [lr, wd, momentum, dampening, 1.0 if nesterov else 0.0, beta1, beta2, eps, bc1, bc2,
-            1.0 / accum_iter]
+def group(lr=0.01, wd=0.0, momentum=0.0, dampening=0.0, nesterov=False, beta1=0.9,
+          beta2=0.999, eps=1e-8, step=1, accum_iter=1):
+    """One parameter group's hyper-parameters (the kernel derives the bias corrections from the
+    1-based ``step``)."""
+    return _C.GroupHyper(lr=lr, weight_decay=wd, momentum=momentum, dampening=dampening,
+                         nesterov=nesterov, beta1=beta1, beta2=beta2, eps=eps, bias_step=step,
+                         accum_iter=accum_iter)
 
 
-def reference(kind, p, g, states, c, want_send, segs, hyper, a, b, s, gs, decoupled, init,
+
+def reference(kind, p, g, states, c, want_send, segs, groups, a, b, s, gs, decoupled, init,
               boundary, skip):
-    """float64 re-computation. Returns (param64, [states64], send64 or None)."""
+    """float64 re-computation. Returns (param64, [states64], send64 or None).
+
+    ``groups`` are GroupHyper (their fields are the float32 values the kernel reads); the bias
+    corrections are derived from ``bias_step`` in float64, as the kernel derives them."""
     P = p.double().clone()
     S = [t.double().clone() for t in states]
     if c is not None:
@@ -41,7 +47,12 @@ def reference(kind, p, g, states, c, want_send, segs, hyper, a, b, s, gs, decoup
     if kind != NONE and not skip:
         G = g.double() * f32(gs)
         for lo, hi, gi in segs:
-            lr, wd, mom, damp, nest, b1, b2, eps, bc1, bc2, accs = [f32(v) for v in hyper[gi]]
+            h = groups[gi]
+            lr, wd, mom, damp, nest = h.lr, h.weight_decay, h.momentum, h.dampening, h.nesterov
+            b1, b2, eps = h.beta1, h.beta2, h.eps
+            bc1 = 1 - b1 ** h.bias_step
+            bc2 = math.sqrt(1 - b2 ** h.bias_step)
+            accs = 1.0 / h.accum_iter
             x = P[lo:hi].clone()
             gg = G[lo:hi].clone()
             if kind == SGD:
@@ -107,12 +118,19 @@ def ulp_tol(dtype):
 
 def run_case(kind, dtype, n, comm_mode="none", momentum=0.9, nesterov=False, dampening=0.0,
              init=False, decoupled=False, boundary=False, skip=False, grad_scale=1.0, wd=0.01,
-             ngroups=3, seed=0, mix=(0.6, 0.4), send_scale=1.0, zero_grad=False, nan_grad=False):
+             ngroups=3, seed=0, mix=(0.6, 0.4), send_scale=1.0, zero_grad=False, nan_grad=False,
+             grad_norm=None, scaler_scale=None, clip_norm=0.0):
     """comm_mode: none | comm | send | comm+send | alias (send is the comm buffer).
 
     zero_grad: run the kernel with zero_grad=True as well and check that it leaves grad exactly
     zero and gives bit-identical param / states / send to zero_grad=False. nan_grad: poison some
-    gradients with nan / inf (with skip=True: the non-finite step that is skipped)."""
+    gradients with nan / inf (with skip=True: the non-finite step that is skipped).
+
+    grad_norm (a float): pass it (and scaler_scale, a float or None, and clip_norm) to the kernel
+    as one-element tensors, so the kernel derives the gradient factor and the skip itself; the
+    reference gets grad_factor64's (factor, skip) instead (grad_scale must then be 1).
+
+    Returns the kernel's (param, grad, states, comm, send)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rnd(scale=1.0, positive=False):
@@ -134,22 +152,31 @@ def run_case(kind, dtype, n, comm_mode="none", momentum=0.9, nesterov=False, dam
             states.append(rnd(0.2).float())
     c = rnd().to(dtype) if comm_mode in ("comm", "comm+send", "alias") else None
     want_send = comm_mode in ("send", "comm+send", "alias")
-    hyper = [
-        hyper_row(lr=0.1, wd=wd, momentum=momentum, dampening=dampening, nesterov=nesterov,
-                  step=3, accum_iter=4),
-        hyper_row(lr=0.03, wd=0.0, momentum=momentum * 0.5, dampening=0.1, nesterov=not nesterov,
-                  beta1=0.8, beta2=0.99, eps=1e-6, step=1, accum_iter=2),
-        hyper_row(lr=0.2, wd=wd * 10, momentum=momentum, nesterov=nesterov, beta1=0.95,
-                  beta2=0.9, eps=1e-3, step=10, accum_iter=1),
+    groups = [
+        group(lr=0.1, wd=wd, momentum=momentum, dampening=dampening, nesterov=nesterov,
+              step=3, accum_iter=4),
+        group(lr=0.03, wd=0.0, momentum=momentum * 0.5, dampening=0.1, nesterov=not nesterov,
+              beta1=0.8, beta2=0.99, eps=1e-6, step=1, accum_iter=2),
+        group(lr=0.2, wd=wd * 10, momentum=momentum, nesterov=nesterov, beta1=0.95,
+              beta2=0.9, eps=1e-3, step=10, accum_iter=1),
     ][:ngroups]
     if kind == SGD and not ns:
-        for row in hyper:
-            row[2] = 0.0
-    segs = make_segments(n, len(hyper))
+        for h in groups:
+            h.momentum = 0.0
+    segs = make_segments(n, len(groups))
     a, b = mix
 
-    P_ref, S_ref, send_ref = reference(kind, p, g, states, c, want_send, segs, hyper, a, b,
-                                       send_scale, grad_scale, decoupled, init, boundary, skip)
+    norm_t = scale_t = None
+    ref_gs, ref_skip = grad_scale, skip
+    if grad_norm is not None:
+        assert grad_scale == 1.0, "with grad_norm the kernel derives the factor"
+        norm_t = torch.tensor([grad_norm], dtype=torch.float32)
+        scale_t = torch.tensor([scaler_scale], dtype=torch.float32) if scaler_scale is not None else None
+        factor, norm_skip = grad_factor64(grad_norm, 1.0 if scaler_scale is None else scaler_scale,
+                                          clip_norm)
+        ref_gs, ref_skip = factor, skip or norm_skip
+    P_ref, S_ref, send_ref = reference(kind, p, g, states, c, want_send, segs, groups, a, b,
+                                       send_scale, ref_gs, decoupled, init, boundary, ref_skip)
 
     def launch(zg):
         p_k = p.clone()
@@ -162,8 +189,11 @@ def run_case(kind, dtype, n, comm_mode="none", momentum=0.9, nesterov=False, dam
             send_k = torch.full((n,), float("nan"), dtype=dtype)
         else:
             send_k = None
-        _C.mix_and_step(kind, p_k, g_k, st_k, c_k, send_k, seg_tensor(segs), hyper, a, b,
-                        send_scale, grad_scale, decoupled, init, boundary, skip, zero_grad=zg)
+        _C.mix_and_step(kind=kind, param=p_k, grad=g_k, states=st_k, comm=c_k, send=send_k,
+                        segments=seg_tensor(segs), groups=groups, mix_a=a, mix_b=b,
+                        send_scale=send_scale, grad_scale=grad_scale, grad_norm=norm_t,
+                        scaler_scale=scale_t, clip_norm=clip_norm, decoupled_weight_decay=decoupled,
+                        momentum_init=init, accum_boundary=boundary, skip_update=skip, zero_grad=zg)
         return p_k, g_k, st_k, c_k, send_k
 
     p_k, g_k, st_k, c_k, send_k = launch(False)
@@ -196,6 +226,10 @@ def run_case(kind, dtype, n, comm_mode="none", momentum=0.9, nesterov=False, dam
             assert torch.equal(send_k, p_k), "send must equal the stored parameter when s = 1"
     elif c_k is not None:
         assert torch.equal(c_k, c), "comm must not be written when send is None"
+    if ref_skip:
+        for i, (sk, s0) in enumerate(zip(st_k, states)):
+            assert torch.equal(sk, s0), f"a skipped update changed state {i}"
+    return p_k, g_k, st_k, c_k, send_k
 
 
 COMM_MODES = ["none", "comm", "send", "comm+send", "alias"]
@@ -240,8 +274,10 @@ def test_skip_update(kind, dtype):
     states = [torch.randn(n) for _ in range(n_states(kind, True))]
     before = [s.clone() for s in states]
     p0 = p.clone()
-    _C.mix_and_step(kind, p, None, states, c, None, seg_tensor([(0, n, 0)]), [hyper_row()],
-                    0.5, 0.5, 1.0, 1.0, False, False, True, True)
+    _C.mix_and_step(kind=kind, param=p, grad=None, states=states, comm=c, send=None,
+                    segments=seg_tensor([(0, n, 0)]), groups=[group()], mix_a=0.5, mix_b=0.5,
+                    send_scale=1.0, grad_scale=1.0, decoupled_weight_decay=False,
+                    momentum_init=False, accum_boundary=True, skip_update=True)
     for s0, s1 in zip(before, states):
         assert torch.equal(s0, s1)
     rtol, atol = ulp_tol(dtype)
@@ -280,29 +316,31 @@ def test_many_threads_segments_cross_chunks():
     st = [torch.zeros(n), torch.zeros(n)]
     bounds = list(range(0, n, 997)) + [n]
     segs = [(bounds[i], bounds[i + 1], i % 8) for i in range(len(bounds) - 1)]
-    hyper = [hyper_row(lr=0.001 * (i + 1), wd=0.01 * i) for i in range(8)]
-    P_ref, S_ref, _ = reference(ADAM, p, g, st, None, False, segs, hyper, 1, 0, 1, 1, True, False,
+    groups = [group(lr=0.001 * (i + 1), wd=0.01 * i) for i in range(_C.MAX_GROUPS)]
+    P_ref, S_ref, _ = reference(ADAM, p, g, st, None, False, segs, groups, 1, 0, 1, 1, True, False,
                                 False, False)
     pk = p.clone()
-    _C.mix_and_step(ADAM, pk, g, st, None, None, seg_tensor(segs), hyper, 1.0, 0.0, 1.0, 1.0,
-                    True, False, False, False)
+    _C.mix_and_step(kind=ADAM, param=pk, grad=g, states=st, segments=seg_tensor(segs),
+                    groups=groups, mix_a=1.0, mix_b=0.0, send_scale=1.0, grad_scale=1.0,
+                    decoupled_weight_decay=True)
     torch.testing.assert_close(pk.double(), P_ref.float().double(), rtol=2e-6, atol=1e-6)
     torch.testing.assert_close(st[1].double(), S_ref[1].float().double(), rtol=2e-6, atol=1e-9)
 
 
 def test_numel_zero():
     p = torch.zeros(0)
-    _C.mix_and_step(ADAM, p, torch.zeros(0), [torch.zeros(0), torch.zeros(0)], None, None,
-                    torch.zeros(0, 3, dtype=torch.int64), [hyper_row()], 1.0, 0.0, 1.0, 1.0,
-                    False, False, False, False)
+    _C.mix_and_step(kind=ADAM, param=p, grad=torch.zeros(0), states=[torch.zeros(0), torch.zeros(0)],
+                    comm=None, send=None, segments=torch.zeros(0, 3, dtype=torch.int64),
+                    groups=[group()], mix_a=1.0, mix_b=0.0, send_scale=1.0, grad_scale=1.0)
 
 
 def test_none_kind_no_segments():
     p = torch.randn(100)
     c = torch.randn(100)
     ref = 0.25 * p.double() + 0.75 * c.double()
-    _C.mix_and_step(NONE, p, None, [], c, None, torch.zeros(0, 3, dtype=torch.int64), [], 0.25,
-                    0.75, 1.0, 1.0, False, False, False, False)
+    _C.mix_and_step(kind=NONE, param=p, grad=None, states=[], comm=c, send=None,
+                    segments=torch.zeros(0, 3, dtype=torch.int64), groups=[], mix_a=0.25,
+                    mix_b=0.75, send_scale=1.0, grad_scale=1.0)
     torch.testing.assert_close(p.double(), ref.float().double(), rtol=2e-6, atol=1e-7)
 
 
@@ -328,10 +366,8 @@ def test_mix_preserves_mean_of_pair():
     y = torch.randn(n)
     xa, ya = x.clone(), y.clone()
     seg = torch.zeros(0, 3, dtype=torch.int64)
-    _C.mix_and_step(NONE, xa, None, [], y.clone(), None, seg, [], 0.5, 0.5, 1.0, 1.0, False,
-                    False, False, False)
-    _C.mix_and_step(NONE, ya, None, [], x.clone(), None, seg, [], 0.5, 0.5, 1.0, 1.0, False,
-                    False, False, False)
+    _C.mix_and_step(kind=NONE, param=xa, comm=y.clone(), segments=seg, mix_a=0.5, mix_b=0.5)
+    _C.mix_and_step(kind=NONE, param=ya, comm=x.clone(), segments=seg, mix_a=0.5, mix_b=0.5)
     assert torch.equal(xa, ya)
 
 
@@ -356,12 +392,99 @@ def test_matches_torch_adamw_one_step():
     opt.step()
     st = [torch.zeros(n), torch.zeros(n)]
     pk = p.clone()
-    _C.mix_and_step(ADAM, pk, g, st, None, None, seg_tensor([(0, n, 0)]),
-                    [hyper_row(lr=1e-2, wd=0.1, step=1)], 1.0, 0.0, 1.0, 1.0, True, False, False,
-                    False)
+    _C.mix_and_step(kind=ADAM, param=pk, grad=g, states=st, segments=seg_tensor([(0, n, 0)]),
+                    groups=[group(lr=1e-2, wd=0.1, step=1)], mix_a=1.0, mix_b=0.0,
+                    send_scale=1.0, grad_scale=1.0, decoupled_weight_decay=True)
     torch.testing.assert_close(pk, tp.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(st[0], opt.state[tp]["exp_avg"])
     torch.testing.assert_close(st[1], opt.state[tp]["exp_avg_sq"])
+
+
+# ---- gradient factor read from memory: grad_norm / scaler_scale / clip_norm ------------------
+
+
+
+@pytest.mark.parametrize("case", list(GRAD_NORM_CASES) + list(SKIP_NORM_CASES))
+def test_grad_factor_rule_matches_float64(case):
+    # The host binding applies the same rule as the kernels: against the float64 formula here.
+    norm, scale, clip = {**GRAD_NORM_CASES, **SKIP_NORM_CASES}[case]
+    want, want_skip = grad_factor64(norm, 1.0 if scale is None else scale, clip)
+    got, skip = _C.grad_factor(norm, 1.0 if scale is None else scale, clip)
+    assert skip == want_skip == (case in SKIP_NORM_CASES)
+    if not skip:
+        assert got == pytest.approx(want, rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", list(GRAD_NORM_CASES))
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM], ids=lambda k: KIND_NAMES[k])
+def test_device_grad_factor(kind, case, dtype):
+    # grad_norm / scaler_scale as one-element tensors: the kernel derives the factor itself. Against
+    # the reference with grad_scale = the factor computed in float64 here.
+    norm, scale, clip = GRAD_NORM_CASES[case]
+    run_case(kind, dtype, 1000, comm_mode="comm+send", grad_norm=norm, scaler_scale=scale,
+             clip_norm=clip, decoupled=(kind == ADAM), boundary=True, send_scale=0.5,
+             zero_grad=True)
+    run_case(kind, dtype, 17, comm_mode="alias", grad_norm=norm, scaler_scale=scale,
+             clip_norm=clip, decoupled=True, seed=17)
+
+
+@pytest.mark.parametrize("case", list(GRAD_NORM_CASES))
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM], ids=lambda k: KIND_NAMES[k])
+def test_device_grad_factor_equals_host_factor(kind, case):
+    # The factor read from memory and the same factor passed as grad_scale (from the host binding
+    # of the same rule) give bit-identical results.
+    norm, scale, clip = GRAD_NORM_CASES[case]
+    factor, skip = _C.grad_factor(norm, 1.0 if scale is None else scale, clip)
+    assert not skip
+    outs = []
+    for device_read in (True, False):
+        kw = _good(n=1001, kind=kind)
+        kw["states"] = [torch.full((1001,), 0.01) for _ in kw["states"]]
+        kw["comm"] = torch.randn(1001, generator=torch.Generator().manual_seed(4))
+        kw.update(mix_a=0.5, mix_b=0.5)
+        torch.manual_seed(5)
+        kw["param"] = torch.randn(1001)
+        kw["grad"] = torch.randn(1001) * 100
+        if device_read:
+            kw.update(grad_norm=torch.tensor([norm]),
+                      scaler_scale=None if scale is None else torch.tensor([scale]), clip_norm=clip)
+        else:
+            kw.update(grad_scale=factor)
+        _call(**kw)
+        outs.append([kw["param"]] + kw["states"])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("comm_mode", ["comm+send", "alias", "none"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("case", list(SKIP_NORM_CASES))
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM], ids=lambda k: KIND_NAMES[k])
+def test_device_grad_factor_non_finite_skips(kind, case, dtype, comm_mode):
+    # A non-finite unscaled norm skips the update (states untouched) but still mixes, sends and
+    # zeroes grad: against the reference with skip=True (run_case derives it from grad_factor64).
+    norm, scale, clip = SKIP_NORM_CASES[case]
+    assert grad_factor64(norm, 1.0 if scale is None else scale, clip)[1]
+    for n in (5, 333):
+        run_case(kind, dtype, n, comm_mode=comm_mode, grad_norm=norm, scaler_scale=scale,
+                 clip_norm=clip, boundary=True, decoupled=(kind != SGD), zero_grad=True,
+                 nan_grad=(case != "overflow"), seed=n)
+
+
+def test_device_grad_factor_bad_inputs():
+    norm = torch.tensor([1.0])
+    _refuses(lambda kw: kw.update(scaler_scale=torch.tensor([2.0])),
+             r"scaler_scale is only read together with grad_norm")
+    _refuses(lambda kw: kw.update(grad_norm=norm, grad_scale=0.5),
+             r"with grad_norm the kernel derives the gradient factor itself; grad_scale must be 1")
+    _refuses(lambda kw: kw.update(grad_norm=torch.tensor([1.0], dtype=torch.float64)),
+             r"grad_norm must be a one-element float32 tensor")
+    _refuses(lambda kw: kw.update(grad_norm=torch.ones(2)),
+             r"grad_norm must be a one-element float32 tensor")
+    _refuses(lambda kw: kw.update(grad_norm=norm, scaler_scale=torch.ones(1, 1, dtype=torch.half)),
+             r"scaler_scale must be a one-element float32 tensor")
+    _refuses(lambda kw: kw.update(grad_norm=norm, clip_norm=-1.0), r"clip_norm must be >= 0")
 
 
 # ---- zero_grad: the gradient is zeroed in the same pass ---------------------------------------
@@ -411,8 +534,9 @@ def test_zero_grad_kind_none_no_segments(dtype):
             c = torch.randn(n).to(dtype) if c_mode == "comm" else None
             send = torch.empty(n, dtype=dtype) if c_mode == "send" else None
             p0 = p.clone()
-            _C.mix_and_step(NONE, p, g, [], c, send, torch.zeros(0, 3, dtype=torch.int64), [],
-                            0.25, 0.75, 1.0, 1.0, False, False, False, False, zero_grad=True)
+            _C.mix_and_step(kind=NONE, param=p, grad=g, states=[], comm=c, send=send,
+                            segments=torch.zeros(0, 3, dtype=torch.int64), groups=[], mix_a=0.25,
+                            mix_b=0.75, send_scale=1.0, grad_scale=1.0, zero_grad=True)
             assert torch.equal(g, torch.zeros_like(g))
             if c is not None:
                 ref = (0.25 * p0.double() + 0.75 * c.double()).to(dtype)
@@ -434,19 +558,21 @@ def test_zero_grad_unaligned_views():
         p = torch.randn(n + 1)[1:]
         st = [torch.zeros(n), torch.zeros(n)]
         p1, st1 = p.clone(), [t.clone() for t in st]
-        _C.mix_and_step(ADAM, p1, run_g.clone(), st1, None, None, seg_tensor([(0, n, 0)]),
-                        [hyper_row()], 1.0, 0.0, 1.0, 1.0, True, False, False, False)
-        _C.mix_and_step(ADAM, p, g, st, None, None, seg_tensor([(0, n, 0)]), [hyper_row()], 1.0,
-                        0.0, 1.0, 1.0, True, False, False, False, zero_grad=True)
+        _C.mix_and_step(kind=ADAM, param=p1, grad=run_g.clone(), states=st1,
+                        segments=seg_tensor([(0, n, 0)]), groups=[group()],
+                        decoupled_weight_decay=True)
+        _C.mix_and_step(kind=ADAM, param=p, grad=g, states=st, segments=seg_tensor([(0, n, 0)]),
+                        groups=[group()], decoupled_weight_decay=True, zero_grad=True)
         assert torch.equal(g, torch.zeros(n))
         assert torch.equal(p, p1) and torch.equal(st[0], st1[0]) and torch.equal(st[1], st1[1])
 
 
 def test_zero_grad_numel_zero_and_version_bump():
     p = torch.zeros(0)
-    _C.mix_and_step(ADAM, p, torch.zeros(0), [torch.zeros(0), torch.zeros(0)], None, None,
-                    torch.zeros(0, 3, dtype=torch.int64), [hyper_row()], 1.0, 0.0, 1.0, 1.0,
-                    False, False, False, False, zero_grad=True)
+    _C.mix_and_step(kind=ADAM, param=p, grad=torch.zeros(0), states=[torch.zeros(0), torch.zeros(0)],
+                    comm=None, send=None, segments=torch.zeros(0, 3, dtype=torch.int64),
+                    groups=[group()], mix_a=1.0, mix_b=0.0, send_scale=1.0, grad_scale=1.0,
+                    zero_grad=True)
     kw = _good()
     g = kw["grad"]
     v0 = g._version
@@ -475,8 +601,10 @@ def test_zero_grad_bad_inputs():
 def test_bucket_step_zero_grad_after_skipped_step(opt_name):
     # FusedOptimizer.bucket_step(zero_grad=True), as the reducer calls it: a skipped step
     # (non-finite gradients) leaves the parameters and the step count alone but zeroes the
-    # gradients, so the next step starts from the fresh gradients only.
+    # gradients, so the next step starts from the fresh gradients only. The step counter moves in
+    # finish_bucket_step(updated), as decentpy.bucket calls it after an update.
     optim = pytest.importorskip("decentpy.optim")
+    from decentpy.grad_scaling import UNSCALED
     n1, n2 = 10, 23
     n = n1 + n2
     segs = seg_tensor([(0, n, 0)])
@@ -492,7 +620,7 @@ def test_bucket_step_zero_grad_after_skipped_step(opt_name):
     grad = torch.full((n,), float("nan"))
     grad[5] = float("inf")
     p0 = block.clone()
-    opt.bucket_step(params, [0, n1], block, grad, segs, None, None, 1.0, 0.0, 1.0, 1.0, True,
+    opt.bucket_step(params, [0, n1], block, grad, segs, None, None, 1.0, 0.0, 1.0, UNSCALED, True,
                     zero_grad=True)
     assert torch.equal(grad, torch.zeros(n)), "skipped step must still zero the gradients"
     assert torch.equal(block, p0)
@@ -500,15 +628,18 @@ def test_bucket_step_zero_grad_after_skipped_step(opt_name):
     # Next step: finite gradients accumulate into the zeroed block (as backward does).
     fresh = torch.randn(n, generator=torch.Generator().manual_seed(2))
     grad += fresh
-    opt.bucket_step(params, [0, n1], block, grad, segs, None, None, 1.0, 0.0, 1.0, 1.0, False,
+    opt.bucket_step(params, [0, n1], block, grad, segs, None, None, 1.0, 0.0, 1.0, UNSCALED, False,
                     zero_grad=True)
+    opt.finish_bucket_step(True)
     assert torch.equal(grad, torch.zeros(n))
     # Reference: the same optimizer that never saw the skipped step, without zero_grad.
     grad2 = fresh.clone()
-    opt2.bucket_step(params2, [0, n1], block2, grad2, segs, None, None, 1.0, 0.0, 1.0, 1.0, False)
+    opt2.bucket_step(params2, [0, n1], block2, grad2, segs, None, None, 1.0, 0.0, 1.0, UNSCALED, False)
+    opt2.finish_bucket_step(True)
     assert torch.equal(grad2, fresh), "without zero_grad the gradients are left alone"
     assert torch.equal(block, block2)
     assert bool(torch.isfinite(block).all())
+    assert int(opt._shared_step.item()) == int(opt2._shared_step.item()) == 1
 
 
 # ---- bad inputs ------------------------------------------------------------------------------
@@ -517,7 +648,7 @@ def _good(n=64, dtype=torch.float32, kind=ADAM):
     return dict(
         kind=kind, param=torch.randn(n).to(dtype), grad=torch.randn(n).to(dtype),
         states=[torch.zeros(n) for _ in range(n_states(kind, True))], comm=None, send=None,
-        segments=seg_tensor([(0, n, 0)]), hyper=[hyper_row()], mix_a=1.0, mix_b=0.0,
+        segments=seg_tensor([(0, n, 0)]), groups=[group()], mix_a=1.0, mix_b=0.0,
         send_scale=1.0, grad_scale=1.0, decoupled_weight_decay=True, momentum_init=False,
         accum_boundary=False, skip_update=False)
 
@@ -603,7 +734,7 @@ def test_bad_segments():
         _call(**kw)
     kw = _good()
     kw["segments"] = seg_tensor([(0, 64, 1)])
-    with pytest.raises(RuntimeError, match=r"uses group 1 but hyper has 1 rows"):
+    with pytest.raises(RuntimeError, match=r"uses group 1 but there are 1 parameter groups"):
         _call(**kw)
     kw = _good()
     kw["segments"] = seg_tensor([(0, 60, 0)])
@@ -620,7 +751,7 @@ def test_check_segments_for_device_tables():
     _C.check_segments(seg_tensor([(0, 30, 0), (30, 64, 1)]), 64, 2)
     with pytest.raises(RuntimeError, match=r"segments\[1\].*does not continue at 30"):
         _C.check_segments(seg_tensor([(0, 30, 0), (31, 64, 0)]), 64, 1)
-    with pytest.raises(RuntimeError, match=r"uses group 2 but hyper has 2 rows"):
+    with pytest.raises(RuntimeError, match=r"uses group 2 but there are 2 parameter groups"):
         _C.check_segments(seg_tensor([(0, 64, 2)]), 64, 2)
     with pytest.raises(RuntimeError, match=r"segments end at 60 but param has 64"):
         _C.check_segments(seg_tensor([(0, 60, 0)]), 64, 1)
@@ -636,14 +767,45 @@ def test_state_buffers_must_not_overlap_other_buffers():
     _refuses(lambda kw: kw.update(grad=kw["states"][0]), r"states\[0\] must not share memory with grad")
 
 
-def test_too_many_groups_and_bad_rows():
+def test_too_many_groups_and_bad_groups():
+    assert _C.MAX_GROUPS == 8
     kw = _good()
-    kw["hyper"] = [hyper_row()] * 9
-    with pytest.raises(RuntimeError, match=r"hyper has 9 rows.*at most 8"):
+    kw["groups"] = [group()] * 9
+    with pytest.raises(RuntimeError, match=r"9 parameter groups; at most 8 groups may share one bucket"):
         _call(**kw)
     kw = _good()
-    kw["hyper"] = [hyper_row()[:5]]
-    with pytest.raises(RuntimeError, match=r"hyper\[0\] has 5 values; expected 11"):
+    kw["groups"] = []
+    with pytest.raises(RuntimeError, match=r"groups is empty; kind Adam needs at least one"):
+        _call(**kw)
+    # Groups are typed: a hyper row of the wrong length can no longer be built. What replaces that
+    # check: a plain list (an old-style row) instead of a GroupHyper, an int instead of an OptKind,
+    # positional arguments, all refused by the binding.
+    kw = _good()
+    kw["groups"] = [[0.01, 0.0, 0.0, 0.0, 0.0]]
+    with pytest.raises(TypeError):
+        _call(**kw)
+    kw = _good()
+    kw["kind"] = 2
+    with pytest.raises(TypeError):
+        _call(**kw)
+    kw = _good()
+    with pytest.raises(TypeError):
+        _C.mix_and_step(*kw.values())
+    with pytest.raises(TypeError):
+        _C.GroupHyper(0.01)  # keyword-only fields
+    # Bad field values are refused with the group named.
+    kw = _good()
+    kw["groups"] = [group(), group(step=0)]
+    kw["segments"] = seg_tensor([(0, 32, 0), (32, 64, 1)])
+    with pytest.raises(RuntimeError, match=r"groups\[1\] has bias_step 0; bias-correction steps are 1-based"):
+        _call(**kw)
+    kw = _good(kind=ACCUM)
+    kw["groups"] = [group(accum_iter=0)]
+    with pytest.raises(RuntimeError, match=r"groups\[0\] has accum_iter 0; it must be >= 1"):
+        _call(**kw)
+    kw = _good()
+    kw["segments"] = None
+    with pytest.raises(RuntimeError, match=r"segments is required for kind Adam"):
         _call(**kw)
 
 
@@ -654,7 +816,7 @@ def test_missing_grad_and_momentum_buffer():
         _call(**kw)
     kw = _good(kind=SGD)
     kw["states"] = []
-    kw["hyper"] = [hyper_row(momentum=0.9)]
+    kw["groups"] = [group(momentum=0.9)]
     with pytest.raises(RuntimeError, match=r"momentum 0.9.*no momentum buffer"):
         _call(**kw)
 

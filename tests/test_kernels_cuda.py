@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 
+from reference import GRAD_NORM_CASES, SKIP_NORM_CASES, grad_factor64
+
 pytestmark = pytest.mark.cuda
 
 try:  # collect fine on a CPU-only install / without a built extension
@@ -39,10 +41,10 @@ if not _cuda_kernels_available():
     )
 
 DEV = torch.device("cuda")
-NONE, SGD, ADAM, ACCUM_ADAM = 0, 1, 2, 3
+NONE, SGD, ADAM, ACCUM_ADAM = _C.OptKind.NONE, _C.OptKind.SGD, _C.OptKind.ADAM, _C.OptKind.ACCUM_ADAM
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SIZES = [1, 3, 7, 1000003, 2**20 + 5]
-# Hyper row layout of the binding.
+# Per-group values the reference uses, derived from a GroupHyper as the kernel derives them.
 HYPER_FIELDS = [
     "lr", "weight_decay", "momentum", "dampening", "nesterov", "beta1", "beta2", "eps",
     "bias_correction1", "bias_correction2_sqrt", "accum_scale",
@@ -58,14 +60,24 @@ def _f32(x):
     return float(torch.tensor(float(x), dtype=torch.float32))
 
 
+def _group_values(h):
+    """The reference's per-group values (HYPER_FIELDS order) from a GroupHyper: its fields are the
+    float32 values the kernel reads; the bias corrections are derived from the 1-based bias_step
+    in float64, as the kernel derives them."""
+    return [h.lr, h.weight_decay, h.momentum, h.dampening, 1.0 if h.nesterov else 0.0, h.beta1,
+            h.beta2, h.eps, 1.0 - h.beta1 ** h.bias_step, math.sqrt(1.0 - h.beta2 ** h.bias_step),
+            1.0 / h.accum_iter]
+
+
+
 def reference_mix_and_step(kind, param, grad, states, comm, has_send, segments, hyper,
                            mix_a, mix_b, send_scale, grad_scale, decoupled_weight_decay,
                            momentum_init, accum_boundary, skip_update):
     """Float64 re-computation of csrc/kernels/mix_and_step.h.
 
-    Arguments mirror decentpy._C.mix_and_step (segments: list of (begin, end, group) rows).
-    Returns (p, states, send) as float64 tensors (send None when has_send is false); p is
-    un-rounded, send = send_scale * (p rounded to param's dtype).
+    Arguments mirror decentpy._C.mix_and_step (segments: list of (begin, end, group) rows; hyper:
+    the list of GroupHyper). Returns (p, states, send) as float64 tensors (send None when has_send
+    is false); p is un-rounded, send = send_scale * (p rounded to param's dtype).
     """
     dev = param.device
     numel = param.numel()
@@ -74,8 +86,9 @@ def reference_mix_and_step(kind, param, grad, states, comm, has_send, segments, 
         p = _f32(mix_a) * p + _f32(mix_b) * comm.double()
     out_states = [s.double().clone() for s in states]
     if kind != NONE and not skip_update:
-        # Per-element hyper-parameters (float32 values as the kernel receives them).
-        hyp = torch.tensor(hyper, dtype=torch.float32, device=dev).double()
+        # Per-element hyper-parameters (float32 fields as the kernel receives them; bias
+        # corrections derived in float64).
+        hyp = torch.tensor([_group_values(h) for h in hyper], dtype=torch.float64, device=dev)
         lengths = torch.tensor([e - b for b, e, _ in segments], dtype=torch.int64, device=dev)
         gidx = torch.tensor([g for _, _, g in segments], dtype=torch.int64, device=dev)
         assert int(lengths.sum()) == numel
@@ -163,11 +176,12 @@ def _rand(lo, hi):
 
 
 def hyper_row(lr=1e-2, weight_decay=0.0, momentum=0.0, dampening=0.0, nesterov=False,
-              beta1=0.9, beta2=0.999, eps=1e-8, step=3, accum_scale=0.25):
-    bc1 = 1.0 - beta1 ** step
-    bc2s = math.sqrt(1.0 - beta2 ** step)
-    return [float(lr), float(weight_decay), float(momentum), float(dampening), float(nesterov),
-            float(beta1), float(beta2), float(eps), float(bc1), float(bc2s), float(accum_scale)]
+              beta1=0.9, beta2=0.999, eps=1e-8, step=3, accum_iter=4):
+    """One parameter group (a _C.GroupHyper; the kernel derives the bias corrections from the
+    1-based step and accum_scale = 1 / accum_iter)."""
+    return _C.GroupHyper(lr=lr, weight_decay=weight_decay, momentum=momentum,
+                         dampening=dampening, nesterov=nesterov, beta1=beta1, beta2=beta2,
+                         eps=eps, bias_step=step, accum_iter=accum_iter)
 
 
 def make_states(kind, numel, offset, momentum_buffer):
@@ -187,11 +201,15 @@ def run_case(kind, dtype, numel, *, offset=0, offsets=None, segments=None, hyper
              has_comm=True, has_send=True, send_aliases_comm=False, momentum_buffer=True,
              decoupled=False, momentum_init=False, accum_boundary=False, skip_update=False,
              mix_a=0.5, mix_b=0.5, send_scale=1.0 / 3.0, grad_scale=0.75, grad_fill=None,
-             zero_grad=False):
+             zero_grad=False, grad_norm=None, scaler_scale=None, clip_norm=0.0):
     """Build fresh random inputs, run the kernel, compare every output with the reference.
 
     zero_grad: also run with zero_grad=False on copies (same offsets), and check that zero_grad
-    leaves grad exactly zero and every other output bit-identical."""
+    leaves grad exactly zero and every other output bit-identical.
+
+    grad_norm (a float): passed (with scaler_scale, a float or None, and clip_norm) as one-element
+    device tensors, so the kernel derives the gradient factor and the skip itself (grad_scale is
+    then passed as 1); the reference gets grad_factor64's (factor, skip)."""
     off = dict(param=offset, grad=offset, comm=offset, send=offset, state=offset)
     off.update(offsets or {})
     if segments is None:
@@ -213,11 +231,29 @@ def run_case(kind, dtype, numel, *, offset=0, offsets=None, segments=None, hyper
     else:
         send = None
 
+    norm_t = scale_t = None
+    ref_gs, skipped = grad_scale, skip_update
+    if grad_norm is not None:
+        norm_t = torch.tensor([grad_norm], dtype=torch.float32, device=DEV)
+        if scaler_scale is not None:
+            scale_t = torch.tensor([scaler_scale], dtype=torch.float32, device=DEV)
+        factor, norm_skip = grad_factor64(grad_norm, 1.0 if scaler_scale is None else scaler_scale,
+                                          clip_norm)
+        ref_gs, skipped = factor, skip_update or norm_skip
+        grad_scale = 1.0  # the kernel derives the factor
     ref_p, ref_states, ref_send = reference_mix_and_step(
         kind, param, grad, states, comm, has_send, segments, hyper, mix_a, mix_b, send_scale,
-        grad_scale, decoupled, momentum_init, accum_boundary, skip_update)
+        ref_gs, decoupled, momentum_init, accum_boundary, skipped)
     states_before = [s.clone() for s in states]
     grad_before = grad.clone()
+
+    def launch(p_, g_, st_, c_, s_, zg):
+        _C.mix_and_step(kind=kind, param=p_, grad=g_, states=st_, comm=c_, send=s_,
+                        segments=seg_t, groups=hyper, mix_a=mix_a, mix_b=mix_b,
+                        send_scale=send_scale, grad_scale=grad_scale, grad_norm=norm_t,
+                        scaler_scale=scale_t, clip_norm=clip_norm,
+                        decoupled_weight_decay=decoupled, momentum_init=momentum_init,
+                        accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zg)
 
     seg_t = torch.tensor(segments, dtype=torch.int64, device=DEV).reshape(-1, 3)
     plain = None
@@ -231,13 +267,9 @@ def run_case(kind, dtype, numel, *, offset=0, offsets=None, segments=None, hyper
         p2, g2, c2 = twin(param, "param"), twin(grad, "grad"), twin(comm, "comm")
         st2 = [twin(x, "state") for x in states]
         s2 = c2 if send_aliases_comm else twin(send, "send")
-        _C.mix_and_step(kind, p2, g2, st2, c2, s2, seg_t, hyper, mix_a, mix_b, send_scale,
-                        grad_scale, decoupled, momentum_init, accum_boundary, skip_update,
-                        zero_grad=False)
+        launch(p2, g2, st2, c2, s2, False)
         plain = (p2, st2, c2, s2)
-    _C.mix_and_step(kind, param, grad, states, comm, send, seg_t, hyper, mix_a, mix_b,
-                    send_scale, grad_scale, decoupled, momentum_init, accum_boundary,
-                    skip_update, zero_grad=zero_grad)
+    launch(param, grad, states, comm, send, zero_grad)
     torch.cuda.synchronize()
     if zero_grad:
         assert torch.equal(grad, torch.zeros_like(grad)), "zero_grad must leave grad exactly zero"
@@ -258,15 +290,15 @@ def run_case(kind, dtype, numel, *, offset=0, offsets=None, segments=None, hyper
     if has_send:
         assert_matches(send, ref_send, "send")
     # Inputs that must not be written (grad: unless zero_grad, checked above).
-    assert torch.equal(grad, grad_before) or skip_update  # NaN grads: compare bits below
-    if skip_update:
+    assert torch.equal(grad, grad_before) or skipped  # NaN grads: compare bits below
+    if skipped:
         assert torch.equal(grad.view(torch.int16 if dtype != torch.float32 else torch.int32),
                            grad_before.view(torch.int16 if dtype != torch.float32
                                             else torch.int32))
-    if skip_update or kind == NONE:
+    if skipped or kind == NONE:
         for s, b in zip(states, states_before):
             assert torch.equal(s, b), "state changed without an update"
-    if kind == ACCUM_ADAM and not accum_boundary and not skip_update:
+    if kind == ACCUM_ADAM and not accum_boundary and not skipped:
         # Outside the boundary M and V are read only (bit-identical).
         assert torch.equal(states[0], states_before[0])
         assert torch.equal(states[1], states_before[1])
@@ -314,9 +346,9 @@ MULTI_HYPER = [
     hyper_row(lr=1e-2, weight_decay=0.01, momentum=0.9, dampening=0.1, step=3),
     hyper_row(lr=3e-3, weight_decay=0.0, momentum=0.0, step=3),              # no momentum
     hyper_row(lr=5e-2, weight_decay=0.05, momentum=0.5, nesterov=True, beta1=0.8,
-              beta2=0.99, eps=1e-6, step=1, accum_scale=0.5),
+              beta2=0.99, eps=1e-6, step=1, accum_iter=2),
     hyper_row(lr=1e-3, weight_decay=0.1, momentum=0.99, dampening=0.5, beta1=0.95,
-              beta2=0.9999, step=10, accum_scale=0.125),
+              beta2=0.9999, step=10, accum_iter=8),
     hyper_row(lr=0.0, weight_decay=0.0, momentum=0.9),                       # frozen
 ]
 
@@ -362,8 +394,9 @@ def test_kernels_run_on_the_current_stream():
         torch.cuda._sleep(200_000_000)
         param.copy_(want_p)
         comm.copy_(want_c)
-        _C.mix_and_step(NONE, param, None, [], comm, None, seg, [hyper_row()], 0.25, 0.75, 1.0,
-                        1.0, False, False, False, False)
+        _C.mix_and_step(kind=NONE, param=param, grad=None, states=[], comm=comm, send=None,
+                        segments=seg, groups=[hyper_row()], mix_a=0.25, mix_b=0.75,
+                        send_scale=1.0, grad_scale=1.0)
         _C.scale_copy_(out, param, 2.0)
         done = torch.cuda.Event()
         done.record(side)
@@ -442,7 +475,7 @@ def test_consecutive_steps_accumulate():
     segs = [(0, numel, 0)]
     seg_t = torch.tensor(segs, dtype=torch.int64, device=DEV)
     for t in (1, 2, 3):
-        hyper = [hyper_row(lr=1e-2, weight_decay=0.01, step=1, accum_scale=1.0 / 3.0)]
+        hyper = [hyper_row(lr=1e-2, weight_decay=0.01, step=1, accum_iter=3)]
         grad = torch.randn(numel, device=DEV)
         comm = torch.randn(numel, device=DEV)
         send = torch.full_like(param, float("nan"))
@@ -452,8 +485,10 @@ def test_consecutive_steps_accumulate():
         ref_p, ref_states, ref_send = reference_mix_and_step(
             ACCUM_ADAM, p_in, grad, s_in, comm, True, segs, hyper, 0.5, 0.5, 1.0, 1.0,
             True, False, boundary, False)
-        _C.mix_and_step(ACCUM_ADAM, param, grad, states, comm, send, seg_t, hyper, 0.5, 0.5,
-                        1.0, 1.0, True, False, boundary, False)
+        _C.mix_and_step(kind=ACCUM_ADAM, param=param, grad=grad, states=states, comm=comm,
+                        send=send, segments=seg_t, groups=hyper, mix_a=0.5, mix_b=0.5,
+                        send_scale=1.0, grad_scale=1.0, decoupled_weight_decay=True,
+                        accum_boundary=boundary)
         torch.cuda.synchronize()
         assert_matches(param, ref_p, f"param step {t}")
         for k in range(3):
@@ -461,6 +496,88 @@ def test_consecutive_steps_accumulate():
         assert torch.equal(send, param)  # send_scale 1: p as stored, bit for bit
         ref_p = param.double()
     assert bool((states[2] == 0).all())
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient factor read from device memory: grad_norm / scaler_scale / clip_norm
+# ---------------------------------------------------------------------------------------------
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(GRAD_NORM_CASES))
+@pytest.mark.parametrize("kcase", ["sgd_momentum", "adam", "accum_adamw_boundary"])
+def test_device_grad_factor(kcase, case, dtype):
+    # The kernel reads the norm and the scaler's scale from device memory and derives the factor:
+    # against the reference with grad_scale = the factor computed in float64 here.
+    norm, scale, clip = GRAD_NORM_CASES[case]
+    torch.manual_seed(23)
+    run_case(dtype=dtype, numel=100003, segments=_straddling_segments(100003), hyper=MULTI_HYPER,
+             grad_norm=norm, scaler_scale=scale, clip_norm=clip, zero_grad=True,
+             **KIND_CASES[kcase])
+    run_case(dtype=dtype, numel=7, offset=1, grad_norm=norm, scaler_scale=scale, clip_norm=clip,
+             **KIND_CASES[kcase])
+
+
+@pytest.mark.parametrize("case", list(GRAD_NORM_CASES))
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM_ADAM])
+def test_device_grad_factor_equals_host_factor(kind, case):
+    # The factor read from device memory and the same factor passed as grad_scale (from the host
+    # binding of the same rule) give bit-identical results.
+    norm, scale, clip = GRAD_NORM_CASES[case]
+    factor, skip = _C.grad_factor(norm, 1.0 if scale is None else scale, clip)
+    assert not skip
+    n = 100003
+    torch.manual_seed(29)
+    p0, g0, c0 = torch.randn(n, device=DEV), torch.randn(n, device=DEV) * 100, torch.randn(n, device=DEV)
+    nstates = {SGD: 1, ADAM: 2, ACCUM_ADAM: 3}[kind]
+    seg_t = torch.tensor([[0, n, 0]], dtype=torch.int64, device=DEV)
+    outs = []
+    for device_read in (True, False):
+        p, states = p0.clone(), [torch.full((n,), 0.01, device=DEV) for _ in range(nstates)]
+        kw = dict(kind=kind, param=p, grad=g0.clone(), states=states, comm=c0.clone(),
+                  segments=seg_t, groups=[hyper_row(weight_decay=0.01, momentum=0.9)], mix_a=0.5,
+                  mix_b=0.5, accum_boundary=True)
+        if device_read:
+            kw.update(grad_norm=torch.tensor([norm], device=DEV), clip_norm=clip,
+                      scaler_scale=None if scale is None else torch.tensor([scale], device=DEV))
+        else:
+            kw.update(grad_scale=factor)
+        _C.mix_and_step(**kw)
+        outs.append([p] + states)
+    torch.cuda.synchronize()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(SKIP_NORM_CASES))
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM_ADAM])
+@pytest.mark.parametrize("comm_send", [(True, True), (False, False)], ids=["comm_send", "neither"])
+def test_device_grad_factor_non_finite_skips(kind, case, dtype, comm_send):
+    # A non-finite unscaled norm skips the update (states untouched, checked in run_case) but the
+    # kernel still mixes, sends and zeroes grad: against the reference with skip_update=True.
+    norm, scale, clip = SKIP_NORM_CASES[case]
+    assert grad_factor64(norm, 1.0 if scale is None else scale, clip)[1]
+    torch.manual_seed(31)
+    nan_grad = (lambda n: torch.full((n,), float("nan"), device=DEV)) if case != "overflow" else None
+    for numel in (7, 1000003):
+        run_case(kind=kind, dtype=dtype, numel=numel, grad_norm=norm, scaler_scale=scale,
+                 clip_norm=clip, accum_boundary=True, grad_fill=nan_grad, has_comm=comm_send[0],
+                 has_send=comm_send[1], zero_grad=True)
+
+
+def test_device_grad_factor_tensors_must_be_on_the_device():
+    p = torch.randn(1000, device=DEV)
+    g = torch.randn(1000, device=DEV)
+    seg_t = torch.tensor([[0, 1000, 0]], dtype=torch.int64, device=DEV)
+    kw = dict(kind=SGD, param=p, grad=g, segments=seg_t, groups=[hyper_row()])
+    with pytest.raises(RuntimeError, match=r"grad_norm is on cpu but param is on cuda"):
+        _C.mix_and_step(**kw, grad_norm=torch.tensor([1.0]))
+    with pytest.raises(RuntimeError, match=r"scaler_scale is on cpu but param is on cuda"):
+        _C.mix_and_step(**kw, grad_norm=torch.tensor([1.0], device=DEV),
+                        scaler_scale=torch.tensor([2.0]))
+    torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,11 +629,11 @@ def test_zero_grad_needs_grad_and_no_alias():
     g = torch.randn(1000, device=DEV)
     seg_t = torch.tensor([[0, 1000, 0]], dtype=torch.int64, device=DEV)
     with pytest.raises(RuntimeError, match="needs grad"):
-        _C.mix_and_step(SGD, p, None, [], None, None, seg_t, [hyper_row()], 1.0, 0.0, 1.0, 1.0,
-                        False, False, False, True, zero_grad=True)
+        _C.mix_and_step(kind=SGD, param=p, grad=None, states=[], segments=seg_t,
+                        groups=[hyper_row()], skip_update=True, zero_grad=True)
     with pytest.raises(RuntimeError, match="must not share memory with send"):
-        _C.mix_and_step(SGD, p, g, [], None, g, seg_t, [hyper_row()], 1.0, 0.0, 1.0, 1.0,
-                        False, False, False, False, zero_grad=True)
+        _C.mix_and_step(kind=SGD, param=p, grad=g, states=[], send=g, segments=seg_t,
+                        groups=[hyper_row()], zero_grad=True)
     torch.cuda.synchronize()
 
 
@@ -569,6 +686,6 @@ def test_send_aliasing_param_is_refused():
     g = torch.randn(1000, device=DEV)
     seg_t = torch.tensor([[0, 1000, 0]], dtype=torch.int64, device=DEV)
     with pytest.raises((RuntimeError, ValueError)):
-        _C.mix_and_step(SGD, p, g, [], None, p, seg_t, [hyper_row()], 1.0, 0.0, 1.0, 1.0,
-                        False, False, False, False)
+        _C.mix_and_step(kind=SGD, param=p, grad=g, states=[], send=p, segments=seg_t,
+                        groups=[hyper_row()])
     torch.cuda.synchronize()

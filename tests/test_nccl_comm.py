@@ -10,7 +10,6 @@ which, in which order) is the code path the gloo tests cover.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import inspect
 import os
@@ -23,9 +22,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dist_harness import single_process_group
+
 try:  # collect fine without a built extension
     from decentpy import _C, nccl_comm
     from decentpy.comm import PeerTimeoutError, TorchCommunicator
+    from decentpy.exchange import plan_exchange
     from decentpy.topology import Group, make_topology
 except Exception as exc:  # pragma: no cover - depends on the install
     pytest.skip(f"decentpy is not importable: {exc}", allow_module_level=True)
@@ -34,21 +36,6 @@ NCCL_REASON = nccl_comm.nccl_unavailable_reason()
 needs_nccl = pytest.mark.skipif(NCCL_REASON is not None, reason=f"needs a GPU and NCCL: {NCCL_REASON}")
 TIMEOUT = datetime.timedelta(seconds=60)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@contextlib.contextmanager
-def single_process_group(backend: str):
-    """A world of one process (HashStore: no sockets); destroyed on exit."""
-    if dist.is_initialized():
-        pytest.skip("a default process group already exists in this process")
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def new_comm(nranks: int = 1, timeout_ms: int = 30000, **kw):
@@ -337,7 +324,8 @@ def test_python_communicator_world_of_one():
     with single_process_group("nccl"):
         c = nccl_comm.select_communicator("auto", topo, TIMEOUT)
         assert isinstance(c, nccl_comm.NcclCommunicator), c.selection_reason
-        assert c.launch(0, Group((0,), 1.0), torch.ones(4, device="cuda"), torch.ones(4, device="cuda")) is None
+        assert plan_exchange(Group((0,), 1.0), 0).launch(c, 0, torch.ones(4, device="cuda"),
+                                                         torch.ones(4, device="cuda")) is None
         send = torch.arange(100, dtype=torch.float32, device="cuda")
         recv = torch.zeros(100, device="cuda")
         ex = nccl_comm.NcclExchange(c.world.exchange(send, recv, 0, "bucket 9"), 9, (0,), 0, (send, recv), False)

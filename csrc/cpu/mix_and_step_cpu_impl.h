@@ -19,6 +19,7 @@
 #include <tuple>
 
 #include "kernels/mix_and_step.h"
+#include "kernels/update.h"
 
 namespace decentpy {
 namespace cpu_detail {
@@ -31,8 +32,25 @@ constexpr int64_t kUnit = 64;
 // Minimum elements per thread.
 constexpr int64_t kGrainElems = 32768;
 
-inline float vsqrt(float x) { return std::sqrt(x); }
-inline Vec vsqrt(const Vec& x) { return x.sqrt(); }
+// The math policy of update.h for at::vec vectors: fused multiply-add (exact on every ISA: the
+// baseline build has no FMA instruction, so it fuses element by element), IEEE division and sqrt.
+struct VecMath {
+  static inline Vec splat(float x) { return Vec(x); }
+  static inline Vec fma(const Vec& a, const Vec& b, const Vec& c) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    return at::vec::fmadd(a, b, c);
+#else
+    alignas(64) float x[Vec::size()], y[Vec::size()], z[Vec::size()];
+    a.store(x);
+    b.store(y);
+    c.store(z);
+    for (int k = 0; k < Vec::size(); ++k) x[k] = std::fma(x[k], y[k], z[k]);
+    return Vec::loadu(x);
+#endif
+  }
+  static inline Vec div(const Vec& a, const Vec& b) { return a / b; }
+  static inline Vec sqrt(const Vec& a) { return a.sqrt(); }
+};
 
 // Loads/stores 2 * Vec::size() elements of storage type T as two fp32 vectors.
 template <typename T>
@@ -68,85 +86,36 @@ struct Io<float> {
   static inline void zero(float* p) { std::memset(p, 0, kBlock * sizeof(float)); }
 };
 
-// Flags resolved per segment (outside the element loops).
-enum : int { kBuf = 1, kNesterov = 2, kInit = 4, kDecoupled = 8, kBoundary = 16 };
-
-// Launch and group scalars, broadcast once per piece (V = Vec or float).
-template <class V>
-struct Hyper {
-  V a, b, s, gs;
-  V lr, wd, mom, damp1;
-  V b1, omb1, b2, omb2, eps, step, bc2, accs, decay;
-  Hyper(const MixStepArgs& A, const GroupHyper& g)
-      : a(A.mix_a), b(A.mix_b), s(A.send_scale), gs(A.grad_scale),
-        lr(g.lr), wd(g.weight_decay), mom(g.momentum), damp1(1.f - g.dampening),
-        b1(g.beta1), omb1(1.f - g.beta1), b2(g.beta2), omb2(1.f - g.beta2), eps(g.eps),
-        step(g.lr / g.bias_correction1), bc2(g.bias_correction2_sqrt), accs(g.accum_scale),
-        decay(1.f - g.lr * g.weight_decay) {}
+// What one launch passes down to its pieces: the arguments, each group's derived constants (one
+// derive_step per group and launch) and the gradient factor.
+struct Launch {
+  const MixStepArgs& A;
+  StepConstants consts[kMaxGroups];
+  float grad_factor;
+  bool skip;
 };
 
 template <OptKind K, int F>
-struct KindTraits {
-  static constexpr bool uses_grad = K != OptKind::None;
-  static constexpr bool uses_s0 =
-      (K == OptKind::SGD && (F & kBuf)) || K == OptKind::Adam || K == OptKind::AccumAdam;
-  static constexpr bool uses_s1 = K == OptKind::Adam || K == OptKind::AccumAdam;
-  static constexpr bool uses_s2 = K == OptKind::AccumAdam;
+struct Uses {
+  static constexpr bool grad = K != OptKind::None;
+  static constexpr bool s0 = K == OptKind::Adam || K == OptKind::AccumAdam ||
+                             (K == OptKind::SGD && (F & kHasMomentum));
+  static constexpr bool s1 = K == OptKind::Adam || K == OptKind::AccumAdam;
+  static constexpr bool s2 = K == OptKind::AccumAdam;
+  static constexpr bool write01 = K == OptKind::Adam || (K == OptKind::AccumAdam && (F & kBoundary));
+  static constexpr bool write0 = write01 || (K == OptKind::SGD && (F & kHasMomentum));
 };
 
-// The optimizer update of one (vector of) element(s); p is the mixed parameter.
-template <OptKind K, int F, class V>
-inline void update(const Hyper<V>& h, V& p, V g, V& s0, V& s1, V& s2) {
-  g = g * h.gs;
-  if constexpr (K == OptKind::SGD) {
-    g = g + h.wd * p;
-    if constexpr ((F & kBuf) != 0) {
-      if constexpr ((F & kInit) != 0) {
-        s0 = g;
-      } else {
-        s0 = h.mom * s0 + h.damp1 * g;
-      }
-      if constexpr ((F & kNesterov) != 0) {
-        g = g + h.mom * s0;
-      } else {
-        g = s0;
-      }
-    }
-    p = p - h.lr * g;
-  } else if constexpr (K == OptKind::Adam || K == OptKind::AccumAdam) {
-    if constexpr ((F & kDecoupled) != 0) {
-      p = p * h.decay;
-    } else {
-      g = g + h.wd * p;
-    }
-    V mt, vt;
-    if constexpr (K == OptKind::Adam) {
-      s0 = h.b1 * s0 + h.omb1 * g;
-      s1 = h.b2 * s1 + h.omb2 * (g * g);
-      mt = s0;
-      vt = s1;
-    } else {
-      s2 = s2 + h.accs * g;
-      mt = h.b1 * s0 + h.omb1 * g;
-      vt = h.b2 * s1 + h.omb2 * (g * g);
-    }
-    p = p - h.step * (mt / (vsqrt(vt) / h.bc2 + h.eps));
-    if constexpr (K == OptKind::AccumAdam && (F & kBoundary) != 0) {
-      s0 = h.b1 * s0 + h.omb1 * s2;
-      s1 = h.b2 * s1 + h.omb2 * (s2 * s2);
-      s2 = V(0.f);
-    }
-  }
-}
-
-// Elements [lo, hi) that all use the group hyper-parameters g.
-// zero_grad is a launch-uniform run-time flag (a perfectly predicted branch per block, not a
-// template parameter: that would double every specialisation for one store).
+// Elements [lo, hi) that all use the constants h. F: the update flags, a compile-time constant
+// here so that update() folds its branches. zero_grad is a launch-uniform run-time flag (a
+// perfectly predicted branch per block, not a template parameter: that would double every
+// specialisation for one store).
 template <typename T, OptKind K, int F, bool Comm, bool Send>
-void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t hi) {
-  using Tr = KindTraits<K, F>;
+void run_piece(const Launch& L, const StepConstants& h, int64_t lo, int64_t hi) {
+  using U = Uses<K, F>;
   using IoT = Io<T>;
   using IoF = Io<float>;
+  const MixStepArgs& A = L.A;
   T* __restrict P = static_cast<T*>(A.param);
   T* __restrict G = static_cast<T*>(A.grad);  // read, then zeroed when zero_grad
   const bool zg = A.zero_grad != 0 && G != nullptr;
@@ -158,118 +127,107 @@ void run_piece(const MixStepArgs& A, const GroupHyper& grp, int64_t lo, int64_t 
 
   int64_t i = lo;
   {
-    const Hyper<Vec> h(A, grp);
+    const Vec a(A.mix_a), b(A.mix_b), s(A.send_scale), gs(L.grad_factor);
     constexpr int64_t B = IoT::kBlock;
-    constexpr int64_t H = Vec::size();
     for (; i + B <= hi; i += B) {
       Vec p0, p1;
       IoT::load(P + i, p0, p1);
       if constexpr (Comm) {
         Vec c0, c1;
         IoT::load(C + i, c0, c1);
-        p0 = h.a * p0 + h.b * c0;
-        p1 = h.a * p1 + h.b * c1;
+        p0 = mix<VecMath>(a, b, p0, c0);
+        p1 = mix<VecMath>(a, b, p1, c1);
       }
-      if constexpr (Tr::uses_grad) {
+      if constexpr (U::grad) {
         Vec g0, g1, m0, m1, v0, v1, r0, r1;
         IoT::load(G + i, g0, g1);
         if (zg) IoT::zero(G + i);
-        if constexpr (Tr::uses_s0) IoF::load(S0 + i, m0, m1);
-        if constexpr (Tr::uses_s1) IoF::load(S1 + i, v0, v1);
-        if constexpr (Tr::uses_s2) IoF::load(S2 + i, r0, r1);
-        update<K, F>(h, p0, g0, m0, v0, r0);
-        update<K, F>(h, p1, g1, m1, v1, r1);
-        if constexpr (Tr::uses_s0) IoF::store(S0 + i, m0, m1);
-        if constexpr (Tr::uses_s1) IoF::store(S1 + i, v0, v1);
-        if constexpr (Tr::uses_s2) IoF::store(S2 + i, r0, r1);
+        if constexpr (U::s0) IoF::load(S0 + i, m0, m1);
+        if constexpr (U::s1) IoF::load(S1 + i, v0, v1);
+        if constexpr (U::s2) IoF::load(S2 + i, r0, r1);
+        update<K, VecMath>(h, F, gs, p0, g0, m0, v0, r0);
+        update<K, VecMath>(h, F, gs, p1, g1, m1, v1, r1);
+        if constexpr (U::write0) IoF::store(S0 + i, m0, m1);
+        if constexpr (U::write01) IoF::store(S1 + i, v0, v1);
+        if constexpr (U::s2) IoF::store(S2 + i, r0, r1);
       } else {
-        if (zg) IoT::zero(G + i);  // grad not read (kind None / skip_update): store only
+        if (zg) IoT::zero(G + i);  // grad not read (kind None / skipped update): store only
       }
-      (void)H;
       IoT::store(P + i, p0, p1);
       if constexpr (Send) {
         // send = s * p as stored (16-bit p is rounded first), as on CUDA: peers mix the
         // parameters this worker holds, not unrounded intermediates.
         if constexpr (!std::is_same<T, float>::value) IoT::load(P + i, p0, p1);
-        IoT::store(S + i, h.s * p0, h.s * p1);
+        IoT::store(S + i, s * p0, s * p1);
       }
     }
   }
-  if (i < hi) {
-    const Hyper<float> h(A, grp);
-    for (; i < hi; ++i) {
-      float p = IoT::load1(P + i);
-      if constexpr (Comm) p = h.a * p + h.b * IoT::load1(C + i);
-      if constexpr (Tr::uses_grad) {
-        float m = 0.f, v = 0.f, r = 0.f;
-        const float g = IoT::load1(G + i);
-        if (zg) IoT::store1(G + i, 0.f);
-        if constexpr (Tr::uses_s0) m = S0[i];
-        if constexpr (Tr::uses_s1) v = S1[i];
-        if constexpr (Tr::uses_s2) r = S2[i];
-        update<K, F>(h, p, g, m, v, r);
-        if constexpr (Tr::uses_s0) S0[i] = m;
-        if constexpr (Tr::uses_s1) S1[i] = v;
-        if constexpr (Tr::uses_s2) S2[i] = r;
-      } else {
-        if (zg) IoT::store1(G + i, 0.f);
-      }
-      IoT::store1(P + i, p);
-      if constexpr (Send) IoT::store1(S + i, h.s * IoT::load1(P + i));  // p as stored
+  for (; i < hi; ++i) {
+    float p = IoT::load1(P + i);
+    if constexpr (Comm) p = mix<ScalarMath>(A.mix_a, A.mix_b, p, IoT::load1(C + i));
+    if constexpr (U::grad) {
+      float m = 0.f, v = 0.f, r = 0.f;
+      const float g = IoT::load1(G + i);
+      if (zg) IoT::store1(G + i, 0.f);
+      if constexpr (U::s0) m = S0[i];
+      if constexpr (U::s1) v = S1[i];
+      if constexpr (U::s2) r = S2[i];
+      update<K, ScalarMath>(h, F, L.grad_factor, p, g, m, v, r);
+      if constexpr (U::write0) S0[i] = m;
+      if constexpr (U::write01) S1[i] = v;
+      if constexpr (U::s2) S2[i] = r;
+    } else {
+      if (zg) IoT::store1(G + i, 0.f);
     }
+    IoT::store1(P + i, p);
+    if constexpr (Send) IoT::store1(S + i, A.send_scale * IoT::load1(P + i));  // p as stored
   }
 }
 
-// Picks the specialisation for one segment piece (branches here, never per element).
+// Picks the specialisation for one segment piece from the group's flags (never per element).
 template <typename T, bool Comm, bool Send>
-void dispatch_piece(const MixStepArgs& A, const GroupHyper& g, int64_t lo, int64_t hi) {
-  switch (A.kind) {
-    case OptKind::SGD: {
-      if (A.state0 == nullptr || g.momentum == 0.f)
-        return run_piece<T, OptKind::SGD, 0, Comm, Send>(A, g, lo, hi);
-      const int f = (g.nesterov ? kNesterov : 0) | (A.momentum_init ? kInit : 0);
-      switch (f) {
-        case 0: return run_piece<T, OptKind::SGD, kBuf, Comm, Send>(A, g, lo, hi);
-        case kNesterov:
-          return run_piece<T, OptKind::SGD, kBuf | kNesterov, Comm, Send>(A, g, lo, hi);
-        case kInit: return run_piece<T, OptKind::SGD, kBuf | kInit, Comm, Send>(A, g, lo, hi);
-        default:
-          return run_piece<T, OptKind::SGD, kBuf | kNesterov | kInit, Comm, Send>(A, g, lo, hi);
+void dispatch_piece(const Launch& L, const StepConstants& h, int64_t lo, int64_t hi) {
+  constexpr int kSgdMask = kHasMomentum | kNesterov | kMomentumInit;
+  switch (L.A.kind) {
+    case OptKind::SGD:
+      switch (h.flags & kSgdMask) {
+        case kHasMomentum: return run_piece<T, OptKind::SGD, kHasMomentum, Comm, Send>(L, h, lo, hi);
+        case kHasMomentum | kNesterov:
+          return run_piece<T, OptKind::SGD, kHasMomentum | kNesterov, Comm, Send>(L, h, lo, hi);
+        case kHasMomentum | kMomentumInit:
+          return run_piece<T, OptKind::SGD, kHasMomentum | kMomentumInit, Comm, Send>(L, h, lo, hi);
+        case kHasMomentum | kNesterov | kMomentumInit:
+          return run_piece<T, OptKind::SGD, kHasMomentum | kNesterov | kMomentumInit, Comm, Send>(L, h, lo, hi);
+        default: return run_piece<T, OptKind::SGD, 0, Comm, Send>(L, h, lo, hi);
       }
-    }
     case OptKind::Adam:
-      if (A.decoupled_weight_decay)
-        return run_piece<T, OptKind::Adam, kDecoupled, Comm, Send>(A, g, lo, hi);
-      return run_piece<T, OptKind::Adam, 0, Comm, Send>(A, g, lo, hi);
-    case OptKind::AccumAdam: {
-      const int f = (A.decoupled_weight_decay ? kDecoupled : 0) | (A.accum_boundary ? kBoundary : 0);
-      switch (f) {
-        case 0: return run_piece<T, OptKind::AccumAdam, 0, Comm, Send>(A, g, lo, hi);
-        case kDecoupled:
-          return run_piece<T, OptKind::AccumAdam, kDecoupled, Comm, Send>(A, g, lo, hi);
-        case kBoundary:
-          return run_piece<T, OptKind::AccumAdam, kBoundary, Comm, Send>(A, g, lo, hi);
-        default:
-          return run_piece<T, OptKind::AccumAdam, kDecoupled | kBoundary, Comm, Send>(A, g, lo,
-                                                                                     hi);
+      if (h.flags & kDecoupled) return run_piece<T, OptKind::Adam, kDecoupled, Comm, Send>(L, h, lo, hi);
+      return run_piece<T, OptKind::Adam, 0, Comm, Send>(L, h, lo, hi);
+    case OptKind::AccumAdam:
+      switch (h.flags & (kDecoupled | kBoundary)) {
+        case kDecoupled: return run_piece<T, OptKind::AccumAdam, kDecoupled, Comm, Send>(L, h, lo, hi);
+        case kBoundary: return run_piece<T, OptKind::AccumAdam, kBoundary, Comm, Send>(L, h, lo, hi);
+        case kDecoupled | kBoundary:
+          return run_piece<T, OptKind::AccumAdam, kDecoupled | kBoundary, Comm, Send>(L, h, lo, hi);
+        default: return run_piece<T, OptKind::AccumAdam, 0, Comm, Send>(L, h, lo, hi);
       }
-    }
-    default: return run_piece<T, OptKind::None, 0, Comm, Send>(A, g, lo, hi);
+    default: return run_piece<T, OptKind::None, 0, Comm, Send>(L, h, lo, hi);
   }
 }
 
 // Elements [begin, end): iterate over the segments intersecting the range.
 template <typename T, bool Comm, bool Send>
-void run_range(const MixStepArgs& A, int64_t begin, int64_t end) {
-  if (A.kind == OptKind::None || A.skip_update || A.num_segments <= 0) {
+void run_range(const Launch& L, int64_t begin, int64_t end) {
+  const MixStepArgs& A = L.A;
+  if (A.kind == OptKind::None || L.skip || A.num_segments <= 0) {
     if constexpr (!Comm && !Send) {
       // p is left as it is: the only work is zeroing grad (a store-only pass), if asked.
       if (A.zero_grad && A.grad != nullptr && end > begin)
         std::memset(static_cast<T*>(A.grad) + begin, 0, (end - begin) * sizeof(T));
       return;
     }
-    const GroupHyper none{};
-    run_piece<T, OptKind::None, 0, Comm, Send>(A, none, begin, end);
+    const StepConstants none{};
+    run_piece<T, OptKind::None, 0, Comm, Send>(L, none, begin, end);
     return;
   }
   const Segment* segs = A.segments;
@@ -280,35 +238,42 @@ void run_range(const MixStepArgs& A, int64_t begin, int64_t end) {
   for (; s != last && s->begin < end; ++s) {
     const int64_t lo = std::max(begin, s->begin);
     const int64_t hi = std::min(end, s->end);
-    if (lo < hi) dispatch_piece<T, Comm, Send>(A, A.groups[s->group], lo, hi);
+    if (lo < hi) dispatch_piece<T, Comm, Send>(L, L.consts[s->group], lo, hi);
   }
 }
 
 template <typename T, bool Comm, bool Send>
-void run_all(const MixStepArgs& A) {
-  const int64_t n = A.numel;
+void run_all(const Launch& L) {
+  const int64_t n = L.A.numel;
   const int64_t units = (n + kUnit - 1) / kUnit;
   at::parallel_for(0, units, kGrainElems / kUnit, [&](int64_t ub, int64_t ue) {
-    run_range<T, Comm, Send>(A, ub * kUnit, std::min(n, ue * kUnit));
+    run_range<T, Comm, Send>(L, ub * kUnit, std::min(n, ue * kUnit));
   });
 }
 
 template <typename T>
-void run_dtype(const MixStepArgs& A) {
-  const bool comm = A.comm != nullptr;
-  const bool send = A.send != nullptr;
-  if (comm && send) return run_all<T, true, true>(A);
-  if (comm) return run_all<T, true, false>(A);
-  if (send) return run_all<T, false, true>(A);
-  return run_all<T, false, false>(A);
+void run_dtype(const Launch& L) {
+  const bool comm = L.A.comm != nullptr;
+  const bool send = L.A.send != nullptr;
+  if (comm && send) return run_all<T, true, true>(L);
+  if (comm) return run_all<T, true, false>(L);
+  if (send) return run_all<T, false, true>(L);
+  return run_all<T, false, false>(L);
 }
 
 inline void mix_and_step(const MixStepArgs& A) {
   if (A.numel <= 0) return;
+  Launch L{A, {}, A.grad_scale, A.skip_update != 0};
+  for (int g = 0; g < A.num_groups && g < kMaxGroups; ++g) L.consts[g] = derive_step(A, A.groups[g]);
+  if (A.grad_norm != nullptr && !L.skip) {  // host memory here: reading it costs nothing
+    const GradFactor f = grad_factor(*A.grad_norm, A.scaler_scale ? *A.scaler_scale : 1.f, A.clip_norm);
+    L.grad_factor = f.factor;
+    L.skip = f.skip;
+  }
   switch (A.param_dtype) {
-    case DType::Float32: return run_dtype<float>(A);
-    case DType::BFloat16: return run_dtype<c10::BFloat16>(A);
-    case DType::Float16: return run_dtype<c10::Half>(A);
+    case DType::Float32: return run_dtype<float>(L);
+    case DType::BFloat16: return run_dtype<c10::BFloat16>(L);
+    case DType::Float16: return run_dtype<c10::Half>(L);
   }
 }
 

@@ -20,6 +20,8 @@
 #include <c10/util/complex.h>
 #include <c10/util/irange.h>
 #include <immintrin.h>  // before the target pragma: its own push/pop_options would reset the ISA macros
+
+#include "kernels/mix_and_step.h"  // types only; kernels/update.h is included below, per ISA
 #include <algorithm>
 #include <array>
 #include <cmath>

@@ -1,4 +1,5 @@
-// Fused mix-and-step CUDA kernel (contract and per-element equations: kernels/mix_and_step.h).
+// Fused mix-and-step CUDA kernel (contract: kernels/mix_and_step.h; the per-element arithmetic
+// and the derived constants: kernels/update.h, shared with the CPU kernels).
 //
 // One pass over a bucket: read p (+comm, grad, optimizer state), write p (+state, send).
 // - Templated on the storage type T (float, __nv_bfloat16, __half), the optimizer kind, and the
@@ -6,12 +7,14 @@
 //   and a kind variant (SGD: has a momentum buffer; AccumAdam: accumulation boundary, the only
 //   step that writes M and V). Other flags (decoupled, momentum_init, nesterov, wd != 0,
 //   momentum != 0) are launch- or group-uniform branches, not per-element divergence.
-// - skip_update launches the None kernel: mix and send only, state untouched, grad unread.
+// - skip_update launches the None kernel: mix and send only, state untouched, grad unread. With a
+//   gradient norm in device memory (GradScaler / clipping) each thread derives the factor and the
+//   found-inf skip from it (grad_factor) and takes the None path when skipping: no host sync.
 // - zero_grad: grad is zeroed right after it is read (same pass, 16-byte vector store of zeros on
 //   the vector path, scalar store on head/tail). A launch-uniform run-time flag (no divergence, no
 //   extra specialisations). The None / skip_update kernel stores the zeros without reading grad;
 //   with nothing else to do (no comm, no send) it is a cudaMemsetAsync of grad.
-// - fp32 math; sqrt and division are the IEEE round-to-nearest intrinsics (also under fast math).
+// - fp32 math; fused multiply-adds, IEEE round-to-nearest sqrt and division (also under fast math).
 // - 16-byte vector loads/stores (4 x fp32, 8 x bf16/fp16) on the aligned middle of the buffers, a
 //   scalar path for the unaligned head, the tail, and everything when the buffers are not
 //   co-aligned; grid-stride loops over a grid that fills the chip once.
@@ -30,6 +33,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/kernel_utils.cuh"
 #include "cuda/mix_and_step_cuda.h"
+#include "kernels/update.h"
 
 namespace decentpy {
 namespace cuda {
@@ -37,22 +41,6 @@ namespace {
 
 using detail::kThreads;
 using detail::kVec;
-
-// Per-group hyper-parameters, with the derived constants computed once on the host.
-struct Hyp {
-  float lr;
-  float wd;
-  float momentum;
-  float one_minus_dampening;
-  int32_t nesterov;
-  float b1, one_minus_b1;
-  float b2, one_minus_b2;
-  float eps;
-  float step_size;   // lr / bias_correction1
-  float bc2_sqrt;    // bias_correction2_sqrt
-  float accum_scale;
-  float decay;       // 1 - lr * wd (decoupled weight decay)
-};
 
 // Kernel argument (passed by value, __grid_constant__: lives in the constant bank, no copy).
 struct KArgs {
@@ -69,11 +57,12 @@ struct KArgs {
   int64_t head;  // elements [0, head) take the scalar path
   int64_t nvec;  // vectors [head + k*VEC, head + (k+1)*VEC), k < nvec
   float mix_a, mix_b, send_scale, grad_scale;
-  int32_t decoupled;
-  int32_t momentum_init;
+  const float* grad_norm;     // device: the bucket's gradient norm (null: factor = grad_scale)
+  const float* scaler_scale;  // device: the GradScaler's scale (null: 1)
+  float clip_norm;
   int32_t zero_grad;
   int32_t num_groups;
-  Hyp hyp[kMaxGroups];
+  StepConstants hyp[kMaxGroups];  // derive_step of each group
 };
 
 // 16 bytes of zeros (+0 in every storage type) at a 16-byte aligned ptr.
@@ -112,41 +101,6 @@ __device__ __forceinline__ void find_segment(const KArgs& a, int64_t i, SegCache
   }
 }
 
-// The optimizer update of one element (fp32). g: scaled gradient; m, v, acc: state0..2.
-template <OptKind K, bool VAR>
-__device__ __forceinline__ void update(float& p, float g, float& m, float& v, float& acc,
-                                       const Hyp& h, int32_t decoupled, int32_t momentum_init) {
-  if constexpr (K == OptKind::SGD) {
-    if (h.wd != 0.f) g = fmaf(h.wd, p, g);
-    if constexpr (VAR) {  // the bucket has a momentum buffer
-      if (h.momentum != 0.f) {
-        const float buf = momentum_init ? g : fmaf(h.momentum, m, h.one_minus_dampening * g);
-        m = buf;
-        g = h.nesterov ? fmaf(h.momentum, buf, g) : buf;
-      }
-    }
-    p = fmaf(-h.lr, g, p);
-  } else if constexpr (K == OptKind::Adam || K == OptKind::AccumAdam) {
-    if (h.wd != 0.f) {
-      if (decoupled) p *= h.decay; else g = fmaf(h.wd, p, g);
-    }
-    if constexpr (K == OptKind::AccumAdam) acc = fmaf(h.accum_scale, g, acc);
-    const float mt = fmaf(h.b1, m, h.one_minus_b1 * g);
-    const float vt = fmaf(h.b2, v, h.one_minus_b2 * (g * g));
-    const float denom = __fdiv_rn(__fsqrt_rn(vt), h.bc2_sqrt) + h.eps;
-    p -= __fdiv_rn(h.step_size * mt, denom);
-    if constexpr (K == OptKind::Adam) {
-      m = mt;
-      v = vt;
-    } else if constexpr (VAR) {  // AccumAdam at the accumulation boundary
-      m = fmaf(h.b1, m, h.one_minus_b1 * acc);
-      v = fmaf(h.b2, v, h.one_minus_b2 * (acc * acc));
-      acc = 0.f;
-    }
-  }
-}
-
-template <OptKind K> constexpr bool kReadsGrad = K != OptKind::None;
 template <OptKind K, bool VAR> constexpr bool kUsesS0 = (K == OptKind::SGD && VAR) || K == OptKind::Adam || K == OptKind::AccumAdam;
 template <OptKind K> constexpr bool kUsesS1 = K == OptKind::Adam || K == OptKind::AccumAdam;
 template <OptKind K> constexpr bool kUsesS2 = K == OptKind::AccumAdam;
@@ -155,12 +109,12 @@ template <OptKind K, bool VAR> constexpr bool kWritesS01 = K == OptKind::Adam ||
 
 // One element, scalar loads/stores (head, tail, unaligned buffers, straddling vectors).
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
-__device__ __forceinline__ void process_one(const KArgs& a, int64_t i, SegCache& cache) {
+__device__ __forceinline__ void process_one(const KArgs& a, float gs, int64_t i, SegCache& cache) {
   T* __restrict__ param = static_cast<T*>(a.param);
   float p = detail::to_f32<T>(param[i]);
   if constexpr (HC) {
     const T* comm = static_cast<const T*>(a.comm);
-    p = fmaf(a.mix_b, detail::to_f32<T>(comm[i]), a.mix_a * p);
+    p = mix<ScalarMath>(a.mix_a, a.mix_b, p, detail::to_f32<T>(comm[i]));
   }
   if constexpr (K != OptKind::None) {
     int grp = 0;
@@ -168,15 +122,15 @@ __device__ __forceinline__ void process_one(const KArgs& a, int64_t i, SegCache&
       if (!(i >= cache.begin && i < cache.end)) find_segment(a, i, cache);
       grp = cache.group;
     }
-    const Hyp& h = a.hyp[grp];
+    const StepConstants& h = a.hyp[grp];
     T* __restrict__ grad = static_cast<T*>(a.grad);
-    const float g = detail::to_f32<T>(grad[i]) * a.grad_scale;
+    const float g = detail::to_f32<T>(grad[i]);
     if (a.zero_grad) grad[i] = detail::from_f32<T>(0.f);
     float m = 0.f, v = 0.f, acc = 0.f;
     if constexpr (kUsesS0<K, VAR>) m = a.s0[i];
     if constexpr (kUsesS1<K>) v = a.s1[i];
     if constexpr (kUsesS2<K>) acc = a.s2[i];
-    update<K, VAR>(p, g, m, v, acc, h, a.decoupled, a.momentum_init);
+    update<K, ScalarMath>(h, h.flags, gs, p, g, m, v, acc);
     if constexpr (K == OptKind::SGD && VAR) a.s0[i] = m;
     if constexpr (kWritesS01<K, VAR>) { a.s0[i] = m; a.s1[i] = v; }
     if constexpr (kUsesS2<K>) a.s2[i] = acc;
@@ -192,8 +146,7 @@ __device__ __forceinline__ void process_one(const KArgs& a, int64_t i, SegCache&
 }
 
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
-__global__ void __launch_bounds__(kThreads)
-mix_step_kernel(const __grid_constant__ KArgs a) {
+__device__ __forceinline__ void mix_step_body(const KArgs& a, float gs) {
   constexpr int VEC = kVec<T>;
   T* __restrict__ param = static_cast<T*>(a.param);
   T* __restrict__ grad = static_cast<T*>(a.grad);
@@ -216,7 +169,7 @@ mix_step_kernel(const __grid_constant__ KArgs a) {
         if (!(base >= cache.begin && base < cache.end)) find_segment(a, base, cache);
         if (base + VEC > cache.end) {  // the vector straddles segments: element by element
 #pragma unroll 1
-          for (int e = 0; e < VEC; ++e) process_one<T, K, HC, HS, MULTI, VAR>(a, base + e, cache);
+          for (int e = 0; e < VEC; ++e) process_one<T, K, HC, HS, MULTI, VAR>(a, gs, base + e, cache);
           continue;
         }
       }
@@ -229,10 +182,10 @@ mix_step_kernel(const __grid_constant__ KArgs a) {
       float c[VEC];
       detail::load16(comm + base, c);
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) p[e] = fmaf(a.mix_b, c[e], a.mix_a * p[e]);
+      for (int e = 0; e < VEC; ++e) p[e] = mix<ScalarMath>(a.mix_a, a.mix_b, p[e], c[e]);
     }
     if constexpr (K != OptKind::None) {
-      const Hyp& h = a.hyp[grp];
+      const StepConstants& h = a.hyp[grp];
       float g[VEC];
       detail::load16(grad + base, g);
       if (a.zero_grad) store16_zero(grad + base);
@@ -245,7 +198,7 @@ mix_step_kernel(const __grid_constant__ KArgs a) {
         if constexpr (!kUsesS0<K, VAR>) m[e] = 0.f;
         if constexpr (!kUsesS1<K>) v[e] = 0.f;
         if constexpr (!kUsesS2<K>) acc[e] = 0.f;
-        update<K, VAR>(p[e], g[e] * a.grad_scale, m[e], v[e], acc[e], h, a.decoupled, a.momentum_init);
+        update<K, ScalarMath>(h, h.flags, gs, p[e], g[e], m[e], v[e], acc[e]);
       }
       if constexpr (K == OptKind::SGD && VAR) detail::store_f32<VEC>(s0 + base, m);
       if constexpr (kWritesS01<K, VAR>) {
@@ -271,8 +224,26 @@ mix_step_kernel(const __grid_constant__ KArgs a) {
   const int64_t nscalar = a.head + (a.numel - tail_begin);
   for (int64_t t = tid; t < nscalar; t += stride) {
     const int64_t i = t < a.head ? t : tail_begin + (t - a.head);
-    process_one<T, K, HC, HS, MULTI, VAR>(a, i, cache);
+    process_one<T, K, HC, HS, MULTI, VAR>(a, gs, i, cache);
   }
+}
+
+template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
+__global__ void __launch_bounds__(kThreads)
+mix_step_kernel(const __grid_constant__ KArgs a) {
+  float gs = a.grad_scale;
+  if constexpr (K != OptKind::None) {
+    if (a.grad_norm != nullptr) {  // every thread reads the same two floats (cached)
+      const GradFactor f = grad_factor(__ldg(a.grad_norm), a.scaler_scale ? __ldg(a.scaler_scale) : 1.f,
+                                       a.clip_norm);
+      if (f.skip) {  // non-finite gradients: mix, send and zero them, no update
+        mix_step_body<T, OptKind::None, HC, HS, false, false>(a, 1.f);
+        return;
+      }
+      gs = f.factor;
+    }
+  }
+  mix_step_body<T, K, HC, HS, MULTI, VAR>(a, gs);
 }
 
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
@@ -416,28 +387,12 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   a.mix_b = args.mix_b;
   a.send_scale = args.send_scale;
   a.grad_scale = args.grad_scale;
-  a.decoupled = args.decoupled_weight_decay != 0;
-  a.momentum_init = args.momentum_init != 0;
+  a.grad_norm = args.grad_norm;
+  a.scaler_scale = args.scaler_scale;
+  a.clip_norm = args.clip_norm;
   a.zero_grad = zero_grad ? 1 : 0;
   a.num_groups = kind != OptKind::None ? args.num_groups : 0;
-  for (int g = 0; g < kMaxGroups; ++g) {
-    const GroupHyper& s = args.groups[g];
-    Hyp& h = a.hyp[g];
-    h.lr = s.lr;
-    h.wd = s.weight_decay;
-    h.momentum = s.momentum;
-    h.one_minus_dampening = 1.f - s.dampening;
-    h.nesterov = s.nesterov != 0;
-    h.b1 = s.beta1;
-    h.one_minus_b1 = 1.f - s.beta1;
-    h.b2 = s.beta2;
-    h.one_minus_b2 = 1.f - s.beta2;
-    h.eps = s.eps;
-    h.step_size = s.lr / s.bias_correction1;
-    h.bc2_sqrt = s.bias_correction2_sqrt;
-    h.accum_scale = s.accum_scale;
-    h.decay = 1.f - s.lr * s.weight_decay;
-  }
+  for (int g = 0; g < args.num_groups && g < kMaxGroups; ++g) a.hyp[g] = derive_step(args, args.groups[g]);
 
   // Vector split, anchored on param; every buffer the kernel touches must be co-aligned.
   const void* ptrs[6] = {a.grad, a.comm, a.send, a.s0, a.s1, a.s2};

@@ -1,26 +1,31 @@
 // The contract of the fused mix-and-step kernels, shared by the CPU and CUDA implementations.
 //
 // Plain C++ only: no torch, no Python, no CUDA headers. The launchers (csrc/ops) turn tensors into
-// these structs; the kernels (csrc/cpu, csrc/cuda) only see raw pointers and scalars.
+// these structs; the kernels (csrc/cpu, csrc/cuda) only see raw pointers and scalars. The
+// per-element arithmetic lives in one place, kernels/update.h, used by both kernels.
 //
 // Per element i of a bucket (one pass, fp32 math whatever the storage dtype):
 //   if comm:            p = mix_a * p + mix_b * c                     (mix)
-//   if !skip_update:    g = grad[i] * grad_scale                      (unscale / clip factor)
+//   if !skip:           g = grad[i] * factor                          (unscale / clip factor)
 //                       p, state = optimizer update (group hyper of the segment holding i)
 //   if send:            send[i] = send_scale * p   (p as stored: rounded to the param dtype first)
 //   if zero_grad:       grad[i] = 0 after it is read (gradients accumulate into the flat block, so
-//                       the next backward starts from zero). Also with skip_update / kind None,
-//                       where grad is not read: the kernel then only stores the zeros.
-// Optimizer updates (torch semantics for SGD/Adam/AdamW):
+//                       the next backward starts from zero). Also when the update is skipped or
+//                       kind is None, where grad is not read: the kernel then only stores zeros.
+// factor and skip: with grad_norm set (a float in the kernel's memory: device memory for CUDA, so
+// nothing is read back to the host), grad_factor(*grad_norm, scale, clip_norm) of update.h, with
+// scale = *scaler_scale (1 when null): skip when the unscaled norm is not finite. Otherwise factor
+// = grad_scale and skip = skip_update. skip_update (host) always skips.
+// Optimizer updates (torch semantics for SGD/Adam/AdamW), k = bias_step, A = accum_iter:
 //   SGD:        g += wd * p;  if momentum != 0: buf = momentum_init ? g : momentum*buf + (1-dampening)*g
 //               g = nesterov ? g + momentum*buf : buf;   p -= lr * g
 //   Adam:       decoupled ? p *= (1 - lr*wd) : g += wd * p
 //               m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g*g
-//               p -= (lr / bc1) * m / (sqrt(v) / bc2_sqrt + eps)
+//               p -= lr / (1 - b1^k) * m / (sqrt(v) / sqrt(1 - b2^k) + eps)
 //   AccumAdam:  decoupled ? p *= (1 - lr*wd) : g += wd * p
-//               acc += accum_scale * g
+//               acc += g / A
 //               mt = b1*M + (1-b1)*g;  vt = b2*V + (1-b2)*g*g
-//               p -= (lr / bc1) * mt / (sqrt(vt) / bc2_sqrt + eps)
+//               p -= lr / (1 - b1^k) * mt / (sqrt(vt) / sqrt(1 - b2^k) + eps)
 //               if accum_boundary: M = b1*M + (1-b1)*acc; V = b2*V + (1-b2)*acc*acc; acc = 0
 //   None:       no update (mix and send only).
 #pragma once
@@ -36,7 +41,8 @@ enum class DType : int32_t { Float32 = 0, BFloat16 = 1, Float16 = 2 };
 // Most parameter groups one bucket may mix (the CUDA launcher passes them by value).
 constexpr int kMaxGroups = 8;
 
-// Hyper-parameters of one optimizer parameter group for the current step.
+// Hyper-parameters of one optimizer parameter group for the current step (what the optimizer
+// knows; the derived constants are computed from it in one place, derive_step in update.h).
 struct GroupHyper {
   float lr = 0.f;
   float weight_decay = 0.f;
@@ -44,14 +50,12 @@ struct GroupHyper {
   float momentum = 0.f;
   float dampening = 0.f;
   int32_t nesterov = 0;
-  // Adam family: bc1 = 1 - b1^k, bc2_sqrt = sqrt(1 - b2^k)
+  // Adam family
   float beta1 = 0.9f;
   float beta2 = 0.999f;
   float eps = 1e-8f;
-  float bias_correction1 = 1.f;
-  float bias_correction2_sqrt = 1.f;
-  // AccumAdam: 1 / accum_iter
-  float accum_scale = 1.f;
+  int64_t bias_step = 1;   // k >= 1 of the bias corrections 1 - beta^k (AccumAdam: ceil(t / A))
+  int32_t accum_iter = 1;  // AccumAdam: A
 };
 
 // One contiguous run of elements [begin, end) that uses hyper-parameters groups[group].
@@ -80,12 +84,17 @@ struct MixStepArgs {
   float mix_a = 1.f;
   float mix_b = 0.f;
   float send_scale = 1.f;
-  float grad_scale = 1.f;
+  float grad_scale = 1.f;              // the gradient factor when grad_norm is null
+
+  // Gradient factor and skip read from memory (see the header comment); same device as param.
+  const float* grad_norm = nullptr;    // the bucket's gradient norm (scaled gradients)
+  const float* scaler_scale = nullptr; // the GradScaler's scale; null: 1
+  float clip_norm = 0.f;               // 0: no clipping
 
   int32_t decoupled_weight_decay = 0;  // AdamW / AccumAdamW
   int32_t momentum_init = 0;           // SGD: first step initialises the momentum buffer with g
   int32_t accum_boundary = 0;          // AccumAdam: t mod A == 0 this step
-  int32_t skip_update = 0;             // non-finite gradients: mix and send only
+  int32_t skip_update = 0;             // mix and send only (e.g. a joined worker)
   int32_t zero_grad = 0;               // grad[i] = 0 after it is read (needs grad)
 
   const Segment* segments = nullptr;   // host memory for CPU, device memory for CUDA

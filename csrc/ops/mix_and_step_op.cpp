@@ -17,14 +17,24 @@ namespace {
 
 static_assert(sizeof(Segment) == 3 * sizeof(int64_t), "Segment must match an int64 [nseg, 3] row");
 
-const char* kind_name(int64_t kind) {
+const char* kind_name(OptKind kind) {
   switch (kind) {
-    case 0: return "None";
-    case 1: return "SGD";
-    case 2: return "Adam";
-    case 3: return "AccumAdam";
-    default: return "?";
+    case OptKind::None: return "None";
+    case OptKind::SGD: return "SGD";
+    case OptKind::Adam: return "Adam";
+    case OptKind::AccumAdam: return "AccumAdam";
   }
+  return "?";
+}
+
+// An optional one-element float32 tensor on param's device that the kernel reads.
+const float* scalar_on_device(const c10::optional<at::Tensor>& t, const at::Tensor& param, const char* what) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == 1, what,
+              " must be a one-element float32 tensor, got ", t->scalar_type(), " ", t->sizes());
+  TORCH_CHECK(t->device() == param.device(), what, " is on ", t->device(), " but param is on ",
+              param.device(), "; the kernel reads it where it runs");
+  return t->data_ptr<float>();
 }
 
 DType to_dtype(const at::Tensor& t, const char* what) {
@@ -91,22 +101,23 @@ void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_group
                 grp, ") does not continue at ", expect,
                 "; segments must be sorted, disjoint and cover [0, ", numel, ")");
     TORCH_CHECK(grp >= 0 && grp < num_groups, "mix_and_step: segments[", i, "] uses group ", grp,
-                " but hyper has ", num_groups, " rows");
+                " but there are ", num_groups, " parameter groups");
     expect = e;
   }
   TORCH_CHECK(expect == numel, "mix_and_step: segments end at ", expect, " but param has ", numel,
               " elements");
 }
 
-void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+void mix_and_step(OptKind k, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                   const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
-                  const c10::optional<at::Tensor>& send, const at::Tensor& segments,
-                  const std::vector<std::vector<double>>& hyper, double mix_a, double mix_b,
-                  double send_scale, double grad_scale, bool decoupled_weight_decay,
-                  bool momentum_init, bool accum_boundary, bool skip_update, bool zero_grad) {
-  TORCH_CHECK(kind >= 0 && kind <= 3, "mix_and_step: kind must be 0 (None), 1 (SGD), 2 (Adam) or ",
-              "3 (AccumAdam), got ", kind);
-  const OptKind k = static_cast<OptKind>(kind);
+                  const c10::optional<at::Tensor>& send, const c10::optional<at::Tensor>& segments_opt,
+                  const std::vector<GroupHyper>& groups, double mix_a, double mix_b,
+                  double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
+                  const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
+                  bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
+                  bool skip_update, bool zero_grad) {
+  const int kind_int = static_cast<int>(k);
+  TORCH_CHECK(kind_int >= 0 && kind_int <= 3, "mix_and_step: unknown optimizer kind ", kind_int);
   TORCH_CHECK(param.defined(), "mix_and_step: param is undefined");
   const DType dt = to_dtype(param, "mix_and_step: param");
   check_device_supported(param, "mix_and_step: param");
@@ -120,7 +131,7 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
   const at::Tensor c = comm.has_value() ? *comm : at::Tensor();
   const at::Tensor s = send.has_value() ? *send : at::Tensor();
   TORCH_CHECK(!needs_grad || g.defined(), "mix_and_step: grad is required for kind ",
-              kind_name(kind), " unless skip_update is set");
+              kind_name(k), " unless skip_update is set");
   TORCH_CHECK(!zero_grad || g.defined(), "mix_and_step: zero_grad=True needs grad (the tensor to "
               "zero), got None");
   if (g.defined()) {
@@ -156,7 +167,7 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
     case OptKind::AccumAdam: want_lo = want_hi = 3; break;
   }
   TORCH_CHECK(states.size() >= want_lo && states.size() <= want_hi, "mix_and_step: kind ",
-              kind_name(kind), " takes ",
+              kind_name(k), " takes ",
               k == OptKind::SGD ? std::string("0 or 1 state tensors ([] or [momentum_buffer])")
               : k == OptKind::Adam ? std::string("2 state tensors ([exp_avg, exp_avg_sq])")
               : k == OptKind::AccumAdam ? std::string("3 state tensors ([exp_avg, exp_avg_sq, grad_acc])")
@@ -187,11 +198,10 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
     }
   }
 
-  TORCH_CHECK(hyper.size() <= static_cast<size_t>(kMaxGroups), "mix_and_step: hyper has ",
-              hyper.size(), " rows (parameter groups); at most ", kMaxGroups,
-              " groups may share one bucket");
-  TORCH_CHECK(k == OptKind::None || !hyper.empty(), "mix_and_step: hyper is empty; kind ",
-              kind_name(kind), " needs at least one parameter group row");
+  TORCH_CHECK(groups.size() <= static_cast<size_t>(kMaxGroups), "mix_and_step: ", groups.size(),
+              " parameter groups; at most ", kMaxGroups, " groups may share one bucket");
+  TORCH_CHECK(k == OptKind::None || !groups.empty(), "mix_and_step: groups is empty; kind ",
+              kind_name(k), " needs at least one parameter group");
 
   MixStepArgs a;
   a.kind = k;
@@ -208,47 +218,44 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
   a.mix_b = static_cast<float>(mix_b);
   a.send_scale = static_cast<float>(send_scale);
   a.grad_scale = static_cast<float>(grad_scale);
+  a.grad_norm = scalar_on_device(grad_norm, param, "mix_and_step: grad_norm");
+  a.scaler_scale = scalar_on_device(scaler_scale, param, "mix_and_step: scaler_scale");
+  a.clip_norm = static_cast<float>(clip_norm);
+  TORCH_CHECK(a.grad_norm != nullptr || a.scaler_scale == nullptr,
+              "mix_and_step: scaler_scale is only read together with grad_norm");
+  TORCH_CHECK(a.grad_norm == nullptr || grad_scale == 1.0, "mix_and_step: with grad_norm the kernel "
+              "derives the gradient factor itself; grad_scale must be 1, got ", grad_scale);
+  TORCH_CHECK(clip_norm >= 0.0, "mix_and_step: clip_norm must be >= 0 (0: no clipping), got ", clip_norm);
   a.decoupled_weight_decay = decoupled_weight_decay ? 1 : 0;
   a.momentum_init = momentum_init ? 1 : 0;
   a.accum_boundary = accum_boundary ? 1 : 0;
   a.skip_update = skip_update ? 1 : 0;
   a.zero_grad = zero_grad ? 1 : 0;
-  a.num_groups = static_cast<int32_t>(hyper.size());
-  for (size_t i = 0; i < hyper.size(); ++i) {
-    const auto& r = hyper[i];
-    TORCH_CHECK(r.size() == static_cast<size_t>(kHyperFields), "mix_and_step: hyper[", i,
-                "] has ", r.size(), " values; expected ", kHyperFields,
-                " [lr, weight_decay, momentum, dampening, nesterov, beta1, beta2, eps, "
-                "bias_correction1, bias_correction2_sqrt, accum_scale]");
-    GroupHyper& h = a.groups[i];
-    h.lr = static_cast<float>(r[0]);
-    h.weight_decay = static_cast<float>(r[1]);
-    h.momentum = static_cast<float>(r[2]);
-    h.dampening = static_cast<float>(r[3]);
-    h.nesterov = r[4] != 0.0 ? 1 : 0;
-    h.beta1 = static_cast<float>(r[5]);
-    h.beta2 = static_cast<float>(r[6]);
-    h.eps = static_cast<float>(r[7]);
-    h.bias_correction1 = static_cast<float>(r[8]);
-    h.bias_correction2_sqrt = static_cast<float>(r[9]);
-    h.accum_scale = static_cast<float>(r[10]);
+  a.num_groups = static_cast<int32_t>(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const GroupHyper& h = groups[i];
+    a.groups[i] = h;
     if (k == OptKind::SGD && needs_grad) {
-      TORCH_CHECK(h.momentum == 0.f || states.size() == 1, "mix_and_step: hyper[", i,
+      TORCH_CHECK(h.momentum == 0.f || states.size() == 1, "mix_and_step: groups[", i,
                   "] has momentum ", h.momentum,
                   " but no momentum buffer was given (states must be [momentum_buffer])");
     }
     if ((k == OptKind::Adam || k == OptKind::AccumAdam) && needs_grad) {
-      TORCH_CHECK(h.bias_correction1 != 0.f && h.bias_correction2_sqrt != 0.f,
-                  "mix_and_step: hyper[", i, "] has a zero bias correction (bias_correction1=",
-                  h.bias_correction1, ", bias_correction2_sqrt=", h.bias_correction2_sqrt,
-                  "); steps are 1-based");
+      TORCH_CHECK(h.bias_step >= 1, "mix_and_step: groups[", i, "] has bias_step ", h.bias_step,
+                  "; bias-correction steps are 1-based");
+    }
+    if (k == OptKind::AccumAdam && needs_grad) {
+      TORCH_CHECK(h.accum_iter >= 1, "mix_and_step: groups[", i, "] has accum_iter ", h.accum_iter,
+                  "; it must be >= 1");
     }
   }
 
   // Segments.
-  TORCH_CHECK(segments.defined(), "mix_and_step: segments is undefined");
+  const at::Tensor segments = segments_opt.has_value() ? *segments_opt : at::Tensor();
   const bool uses_segments = needs_grad && param.numel() > 0;
-  if (uses_segments || segments.numel() > 0) {
+  TORCH_CHECK(segments.defined() || !uses_segments, "mix_and_step: segments is required for kind ",
+              kind_name(k), " (int64 rows (begin, end, group) covering the bucket)");
+  if (segments.defined() && (uses_segments || segments.numel() > 0)) {
     TORCH_CHECK(segments.scalar_type() == at::kLong, "mix_and_step: segments has dtype ",
                 segments.scalar_type(), "; expected int64 rows (begin, end, group)");
     TORCH_CHECK(segments.dim() == 2 && segments.size(1) == 3,
@@ -264,7 +271,7 @@ void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at:
     // A device table is not read back here (that would synchronise every call): it is checked
     // with check_segments on the host before it is copied over (decentpy/bucket.py does).
     if (segments.device().is_cpu()) {
-      check_segments(segments, param.numel(), static_cast<int64_t>(hyper.size()));
+      check_segments(segments, param.numel(), static_cast<int64_t>(groups.size()));
     }
     a.segments = reinterpret_cast<const Segment*>(segments.data_ptr<int64_t>());
     a.num_segments = nseg;

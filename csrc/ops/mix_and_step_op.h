@@ -8,12 +8,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace decentpy {
+#include "kernels/mix_and_step.h"
 
-// Number of values in one row of `hyper`: the GroupHyper fields in declaration order
-// [lr, weight_decay, momentum, dampening, nesterov, beta1, beta2, eps, bias_correction1,
-//  bias_correction2_sqrt, accum_scale].
-constexpr int kHyperFields = 11;
+namespace decentpy {
 
 // Raises unless `segments` (a CPU int64 [nseg, 3] table) is sorted, disjoint, covers [0, numel)
 // and names groups in [0, num_groups). mix_and_step checks CPU tables itself; a table meant for
@@ -21,18 +18,22 @@ constexpr int kHyperFields = 11;
 void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_groups);
 
 // One fused mix-and-step pass over a flat bucket (see kernels/mix_and_step.h).
-// kind: OptKind as int (0 None, 1 SGD, 2 Adam, 3 AccumAdam).
 // states: SGD [] or [momentum_buffer]; Adam [exp_avg, exp_avg_sq]; AccumAdam [M, V, acc]; None [].
-// segments: int64 [nseg, 3] rows (begin, end, group), sorted, covering [0, numel).
+// segments: int64 [nseg, 3] rows (begin, end, group), sorted, covering [0, numel); groups: one
+// GroupHyper per parameter group (at most kMaxGroups).
+// grad_norm / scaler_scale: optional one-element float32 tensors on param's device that the
+// kernel reads itself (the gradient factor and found-inf skip, see kernels/update.h grad_factor);
+// grad_scale must then be 1.
 // zero_grad: grad is zeroed in the same pass, right after it is read (also with skip_update /
 // kind None, where it is not read); grad is then required and must not overlap any other buffer.
-void mix_and_step(int64_t kind, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+void mix_and_step(OptKind kind, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                   const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
-                  const c10::optional<at::Tensor>& send, const at::Tensor& segments,
-                  const std::vector<std::vector<double>>& hyper, double mix_a, double mix_b,
-                  double send_scale, double grad_scale, bool decoupled_weight_decay,
-                  bool momentum_init, bool accum_boundary, bool skip_update,
-                  bool zero_grad = false);
+                  const c10::optional<at::Tensor>& send, const c10::optional<at::Tensor>& segments,
+                  const std::vector<GroupHyper>& groups, double mix_a, double mix_b,
+                  double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
+                  const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
+                  bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
+                  bool skip_update, bool zero_grad);
 
 // dst = alpha * src, flat contiguous tensors of the same dtype (fp32/bf16/fp16), numel and device.
 void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha);

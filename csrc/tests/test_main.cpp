@@ -100,12 +100,13 @@ static void reference(const MixStepArgs& a, std::vector<double>& p, const std::v
           mt = s0[i];
           vt = s1[i];
         } else {
-          s2[i] += double(h.accum_scale) * gg;
+          s2[i] += gg / double(h.accum_iter);
           mt = b1 * s0[i] + (1 - b1) * gg;
           vt = b2 * s1[i] + (1 - b2) * gg * gg;
         }
-        x -= (double(h.lr) / h.bias_correction1) * mt /
-             (std::sqrt(vt) / h.bias_correction2_sqrt + double(h.eps));
+        const double k = double(h.bias_step);
+        x -= (double(h.lr) / (1.0 - std::pow(b1, k))) * mt /
+             (std::sqrt(vt) / std::sqrt(1.0 - std::pow(b2, k)) + double(h.eps));
         if (a.kind == OptKind::AccumAdam && a.accum_boundary) {
           s0[i] = b1 * s0[i] + (1 - b1) * s2[i];
           s1[i] = b2 * s1[i] + (1 - b2) * s2[i] * s2[i];
@@ -171,9 +172,8 @@ static void run_kind(OptKind kind, int64_t n, bool comm, bool send, bool alias, 
     h.beta1 = 0.9f - 0.05f * gi;
     h.beta2 = 0.999f - 0.01f * gi;
     h.eps = 1e-8f;
-    h.bias_correction1 = 1.f - std::pow(h.beta1, 3.f);
-    h.bias_correction2_sqrt = std::sqrt(1.f - std::pow(h.beta2, 3.f));
-    h.accum_scale = 0.25f;
+    h.bias_step = 3;
+    h.accum_iter = 4;
   }
 
   auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };

@@ -1,0 +1,60 @@
+"""The one Python module that calls decentpy's compiled kernels.
+
+The fused optimizers (:mod:`decentpy.optim`), the generic mix of the reducer and the send-buffer
+copy all go through here. The kernel contract's types come from the extension itself
+(``_C.OptKind``, ``_C.GroupHyper``, ``_C.MAX_GROUPS``), so Python never copies an enum value or a
+limit, and every argument is passed by keyword: a mismatch between the two sides fails at the
+call with pybind's message instead of silently reading the wrong slot.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+__all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "mix", "scale_copy",
+           "segments_for_numel"]
+
+OptKind = _C.OptKind
+GroupHyper = _C.GroupHyper
+MAX_GROUPS: int = int(_C.MAX_GROUPS)
+# Parameter dtypes the kernels step (fp32 math, fp32 state); others take torch's path.
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fused_step(kind: "_C.OptKind", param: Tensor, grad: Optional[Tensor], states: Sequence[Tensor],
+               segments: Tensor, groups: Sequence["_C.GroupHyper"], *, comm: Optional[Tensor] = None,
+               send: Optional[Tensor] = None, mix_a: float = 1.0, mix_b: float = 0.0, send_scale: float = 1.0,
+               grad_scale: float = 1.0, grad_norm: Optional[Tensor] = None, scaler_scale: Optional[Tensor] = None,
+               clip_norm: float = 0.0, decoupled_weight_decay: bool = False, momentum_init: bool = False,
+               accum_boundary: bool = False, skip_update: bool = False, zero_grad: bool = False) -> None:
+    """One pass over a flat buffer: mix with ``comm``, the optimizer update, the send-buffer write
+    (see csrc/kernels/mix_and_step.h). ``grad_norm`` / ``scaler_scale``: one-element tensors on the
+    buffer's device from which the kernel derives the gradient factor and the found-inf skip."""
+    _C.mix_and_step(kind=kind, param=param, grad=grad, states=list(states), comm=comm, send=send,
+                    segments=segments, groups=list(groups), mix_a=mix_a, mix_b=mix_b, send_scale=send_scale,
+                    grad_scale=grad_scale, grad_norm=grad_norm, scaler_scale=scaler_scale, clip_norm=clip_norm,
+                    decoupled_weight_decay=decoupled_weight_decay, momentum_init=momentum_init,
+                    accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad)
+
+
+def mix(param: Tensor, comm: Optional[Tensor], mix_a: float, mix_b: float, *, grad: Optional[Tensor] = None,
+        send: Optional[Tensor] = None, send_scale: float = 1.0, zero_grad: bool = False) -> None:
+    """``param = mix_a * param + mix_b * comm`` (no update); optionally ``send = send_scale * param``
+    and ``grad`` zeroed, in the same pass."""
+    _C.mix_and_step(kind=OptKind.NONE, param=param, grad=grad, comm=comm, send=send, mix_a=mix_a, mix_b=mix_b,
+                    send_scale=send_scale, zero_grad=zero_grad)
+
+
+def scale_copy(dst: Tensor, src: Tensor, alpha: float) -> None:
+    """``dst = alpha * src`` (``dst`` may be ``src``)."""
+    _C.scale_copy_(dst, src, float(alpha))
+
+
+def segments_for_numel(numel: int, device: torch.device) -> Tensor:
+    """The segment table of a buffer with one parameter group."""
+    return torch.tensor([[0, int(numel), 0]], dtype=torch.int64, device=device)

@@ -1,0 +1,69 @@
+"""The wrapper on a GPU, in a world of one process: what only a CUDA device can show.
+
+- The in-backward step does not synchronise with the host: with a GradScaler or clipping, the
+  kernels read each bucket's gradient norm on the device; the one read-back is at the end of the
+  iteration (the per-bucket skip decisions). Counted with torch's CUDA sync debug mode.
+- A CPU model under the NCCL backend is refused with a message saying what to do.
+
+Every test here skips without CUDA.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dist_harness import single_process_group
+from reference import batch, loss_fn, make_mlp
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _syncs_in(fn) -> int:
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["plain", "scaler", "clip"])
+def test_backward_reads_back_at_most_once_per_iteration(mode: str) -> None:
+    from decentpy import DecentralizedDataParallel
+    from decentpy.optim import optim_fn_adamw
+
+    with single_process_group("gloo"):
+        scaler = torch.amp.GradScaler("cuda") if mode == "scaler" else None
+        ddp = DecentralizedDataParallel(make_mlp(0).cuda(), optim_fn_adamw, topology="complete", scaler=scaler,
+                                        grad_clip_norm=1.0 if mode == "clip" else 0.0, bucket_size_in_mb=0.0005)
+        assert len(ddp.buckets) > 1
+        counts = []
+        for k in range(3):
+            x, y = (t.cuda() for t in batch(0, k))
+            loss = loss_fn(ddp(x), y)
+            loss = scaler.scale(loss) if scaler is not None else loss
+            counts.append(_syncs_in(loss.backward))
+        ddp.close()
+    # iteration 0 also fixes the bucket layout; from then on: no sync, or the one read-back
+    assert counts[1:] == ([0, 0] if mode == "plain" else [1, 1]), counts
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_cpu_model_under_nccl_is_refused() -> None:
+    from decentpy import DecentralizedDataParallel
+    from decentpy.optim import optim_fn_adamw
+
+    with single_process_group("nccl"):
+        model = make_mlp(0)
+        with pytest.raises(ValueError, match=r"backend is nccl but parameter '0.weight' is on cpu; move the model"):
+            DecentralizedDataParallel(model, optim_fn_adamw)
+        assert all(p.device.type == "cpu" for p in model.parameters())
