@@ -4,6 +4,8 @@
 #   make test    C++ tests (ctest, when cmake is present) and the Python tests
 #   make bench   kernel microbenchmarks
 #   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...)
+#   make bench-shard        sharded data parallel: decentpy OSS+ShardedDataParallel vs torch ZeRO vs DDP vs
+#                           fairscale (2 and 4 workers; BENCH_ARGS=...)
 #   make bench-convergence  fixed-budget accuracy of each topology x optimizer vs DDP on digits
 #   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
@@ -28,6 +30,7 @@ ARGS    ?=
 BENCH_ARGS ?=
 TORCH_VERSION ?= 2.13.0
 DECENT_DP_VERSION ?= 0.2.3
+FAIRSCALE_VERSION ?= 0.4.13
 NPROC   := $(shell nproc 2>/dev/null || echo 2)
 CMAKE   := $(shell command -v cmake 2>/dev/null)
 CMAKE_BUILD_DIR := build/cmake
@@ -105,10 +108,16 @@ bench: $(BUILD_STAMP)
 	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-train bench-convergence runtime-model
+.PHONY: bench-train bench-shard bench-convergence runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py $(BENCH_ARGS)
+
+# fairscale is the reference of the sharding benchmark only; --no-deps: it depends on an unpinned
+# torch, which would replace the CPU torch of $(VENV) with CUDA wheels.
+bench-shard: $(BUILD_STAMP)
+	$(PIP) install $(PIP_Q) --no-deps "fairscale==$(FAIRSCALE_VERSION)"
+	OMP_NUM_THREADS=1 $(PY) bench/bench_shard.py $(BENCH_ARGS)
 
 bench-convergence: $(BUILD_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_convergence.py $(BENCH_ARGS)

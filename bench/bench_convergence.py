@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 import train_digits as td  # noqa: E402  (the example's data, model and helpers)
 from launcher import spawn_workers  # noqa: E402
+from tables import print_table  # noqa: E402
 
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 OPTIMIZERS = ("sgd", "adamw", "accum-adam")
@@ -197,15 +198,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  consensus_before_avg="" if method == "ddp" else f"{statistics.mean(a['cons']):.4e}",
                                  rank_acc_spread=f"{max(a['spread']):.2e}",
                                  wall_s=f"{statistics.mean(a['wall']):.2f}"))
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
     print()
-    print("  ".join(h.rjust(w) for h, w in zip(hdr, widths)))
-    last = None
-    for t in table:
-        if last is not None and t[0] != last:
-            print()
-        last = t[0]
-        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
+    print_table(hdr, table, group=lambda t: t[0])
     print("test acc: the averaged model (global_avg) for the decentralized runs; DDP's replicas are identical. "
           "consensus: RMS distance of the workers to their average just before global_avg.")
     out = Path(args.out)

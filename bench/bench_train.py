@@ -33,7 +33,6 @@ plus more) and ``bench/out/bench_train.png``.
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import math
 import os
@@ -42,11 +41,14 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from launcher import spawn_workers
+from tables import fmt
+from tables import write_csv as write_rows_csv
+from tables import print_table as print_table_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -264,12 +266,22 @@ class Runner:
         self.times: List[float] = []
         self.compute: List[float] = []
         self.opt = None
+        self.zero_grad_kwargs: Dict[str, Any] = {}  # build() may ask for another zero_grad mode
         _trim()
         self.hwm_ok = _reset_hwm()
         self.rss0 = _rss_bytes()
         model = make_model(cfg.model, seed)
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.rss_model = _rss_bytes()
+        self.build(model)
+        self.net.train()
+
+    def build(self, model: Any) -> None:
+        """Wrap ``model`` for ``self.cfg.framework``: set ``self.net`` and ``self.opt`` (None when the
+        wrapper steps inside backward). Other benchmarks (bench_shard.py) override this."""
+        import torch
+
+        cfg = self.cfg
         if cfg.framework == "decentpy":
             from decentpy import DecentralizedDataParallel
 
@@ -293,7 +305,6 @@ class Runner:
         else:
             self.net = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
-        self.net.train()
 
     def step(self) -> Tuple[float, float]:
         x, y = self.batches[self.i % len(self.batches)]
@@ -304,7 +315,7 @@ class Runner:
         t1 = time.perf_counter()
         if self.opt is not None:
             self.opt.step()
-            self.opt.zero_grad()
+            self.opt.zero_grad(**self.zero_grad_kwargs)
         t2 = time.perf_counter()
         return t2 - t0, t1 - t0
 
@@ -322,20 +333,20 @@ class Runner:
         self.hwm = hwm if hwm is not None else self.rss1
 
 
-def _warm_runner(cfg: Config, rank: int, plan: Dict[str, Any], steps: int) -> Runner:
+def _warm_runner(cfg: Config, rank: int, plan: Dict[str, Any], steps: int, runner_cls: Any = None) -> Runner:
     """Build ``cfg`` on every rank (after a barrier) and run ``steps`` untimed steps."""
     import torch.distributed as dist
 
     dist.barrier()
-    r = Runner(cfg, rank, plan["seed"])
+    r = (runner_cls or Runner)(cfg, rank, plan["seed"])
     for _ in range(steps):
         r.step()
     return r
 
 
-def _measure_memory(cfg: Config, rank: int, plan: Dict[str, Any]) -> List[float]:
+def _measure_memory(cfg: Config, rank: int, plan: Dict[str, Any], runner_cls: Any = None) -> List[float]:
     """Build ``cfg`` alone, warm it up, free it: its memory figures (bytes) without the others alive."""
-    r = _warm_runner(cfg, rank, plan, plan["warmup"])
+    r = _warm_runner(cfg, rank, plan, plan["warmup"], runner_cls)
     r.after_warmup()
     mem = [r.rss0, r.rss_model, r.rss1, r.hwm]
     r.finish()
@@ -344,8 +355,81 @@ def _measure_memory(cfg: Config, rank: int, plan: Dict[str, Any]) -> List[float]
     return mem
 
 
-def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
+def _prime(cfgs: Sequence[Config], rank: int, plan: Dict[str, Any], runner_cls: Any = None) -> None:
+    """One throw-away configuration per framework (when ``plan["primer"]``): one-time costs (lazy
+    thread pools, kernel dispatch tables, gloo transport) land in the baseline, not in the first
+    configuration measured. Ends trimmed, after a barrier."""
+    import torch.distributed as dist
+
+    seen = set() if plan["primer"] else {c.framework for c in cfgs}
+    for cfg in cfgs:
+        if cfg.framework in seen:
+            continue
+        seen.add(cfg.framework)
+        primer = _warm_runner(cfg, rank, plan, max(2, plan["warmup"]), runner_cls)
+        primer.finish()
+        del primer
+        _trim()
+    dist.barrier()
+    _trim()
+
+
+def _measure_and_time(cfgs: Sequence[Config], rank: int, plan: Dict[str, Any],
+                      runner_cls: Any = None) -> Tuple[List[Runner], List[List[float]]]:
+    """Memory pass, then timing pass; the live runners (with their step times) and memory figures."""
+    import torch.distributed as dist
+
+    # Memory pass: each configuration alone (built, warmed up, freed), so that one
+    # configuration's heap does not shape the next one's peak.
+    mems = [_measure_memory(cfg, rank, plan, runner_cls) for cfg in cfgs]
+    # Timing pass: all configurations alive, timed in interleaved rounds.
+    runners: List[Runner] = [_warm_runner(cfg, rank, plan, plan["warmup"], runner_cls) for cfg in cfgs]
+    for rnd in range(plan["rounds"]):
+        order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
+        for r in order:
+            dist.barrier()
+            for _ in range(plan["rewarm"]):
+                r.step()
+            for _ in range(plan["chunk"]):
+                t, c = r.step()
+                r.times.append(t)
+                r.compute.append(c)
+    dist.barrier()
+    return runners, mems
+
+
+def _gather_results(runners: Sequence[Runner], mems: Sequence[List[float]], base_rss: float, rank: int,
+                    n: int) -> List[Dict[str, Any]]:
+    """Per configuration, the step times (max over ranks per step) and memory figures (max over
+    ranks); collective, the list is filled on rank 0 only."""
     import torch
+    import torch.distributed as dist
+
+    results = []
+    for r, m in zip(runners, mems):
+        t = torch.tensor([r.times, r.compute], dtype=torch.float64)
+        allt = [torch.empty_like(t) for _ in range(n)]
+        dist.all_gather(allt, t)
+        mem = torch.tensor(list(m) + [base_rss], dtype=torch.float64)
+        allm = [torch.empty_like(mem) for _ in range(n)]
+        dist.all_gather(allm, mem)
+        if rank == 0:
+            st = torch.stack(allt)  # [n, 2, steps]
+            step_max = st[:, 0].max(0).values.tolist()
+            comp_max = st[:, 1].max(0).values.tolist()
+            mm = torch.stack(allm)  # [n, 5]: rss0, rss_model, rss1, hwm, base
+            results.append(dict(
+                cfg=asdict(r.cfg), step_max=step_max, compute_max=comp_max,
+                param_bytes=r.param_bytes,
+                base_rss=float(mm[:, 4].max()),
+                peak_delta=float((mm[:, 3] - mm[:, 0]).max()),
+                steady_delta=float((mm[:, 2] - mm[:, 0]).max()),
+                wrap_delta=float((mm[:, 2] - mm[:, 1]).max()),
+                hwm_reset=r.hwm_ok))
+    return results
+
+
+def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
 
     try:
@@ -366,61 +450,14 @@ def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
         cfgs = [Config(**c) for c in plan["configs"] if c["model"] == model]
         if not cfgs:
             continue
-        # One throw-away configuration per framework first: one-time costs (lazy thread pools,
-        # kernel dispatch tables, gloo transport) land in the baseline, not in the first
-        # configuration measured.
-        seen = set() if plan["primer"] else {c.framework for c in cfgs}
-        for cfg in cfgs:
-            if cfg.framework in seen:
-                continue
-            seen.add(cfg.framework)
-            primer = _warm_runner(cfg, rank, plan, max(2, plan["warmup"]))
-            primer.finish()
-            del primer
-            _trim()
-        dist.barrier()
-        _trim()
+        _prime(cfgs, rank, plan)
         if model == plan["models"][0] or base_rss is None:
             base_rss = _rss_bytes()
-        # Memory pass: each configuration alone (built, warmed up, freed), so that one
-        # configuration's heap does not shape the next one's peak.
-        mems = [_measure_memory(cfg, rank, plan) for cfg in cfgs]
-        # Timing pass: all configurations alive, timed in interleaved rounds.
-        runners: List[Runner] = [_warm_runner(cfg, rank, plan, plan["warmup"]) for cfg in cfgs]
-        for rnd in range(plan["rounds"]):
-            order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
-            for r in order:
-                dist.barrier()
-                for _ in range(plan["rewarm"]):
-                    r.step()
-                for _ in range(plan["chunk"]):
-                    t, c = r.step()
-                    r.times.append(t)
-                    r.compute.append(c)
-        dist.barrier()
-        for r, m in zip(runners, mems):
-            t = torch.tensor([r.times, r.compute], dtype=torch.float64)
-            allt = [torch.empty_like(t) for _ in range(n)]
-            dist.all_gather(allt, t)
-            mem = torch.tensor(m + [base_rss], dtype=torch.float64)
-            allm = [torch.empty_like(mem) for _ in range(n)]
-            dist.all_gather(allm, mem)
-            if rank == 0:
-                st = torch.stack(allt)  # [n, 2, steps]
-                step_max = st[:, 0].max(0).values.tolist()
-                comp_max = st[:, 1].max(0).values.tolist()
-                mm = torch.stack(allm)  # [n, 5]: rss0, rss_model, rss1, hwm, base
-                results.append(dict(
-                    cfg=asdict(r.cfg), step_max=step_max, compute_max=comp_max,
-                    param_bytes=r.param_bytes,
-                    base_rss=float(mm[:, 4].max()),
-                    peak_delta=float((mm[:, 3] - mm[:, 0]).max()),
-                    steady_delta=float((mm[:, 2] - mm[:, 0]).max()),
-                    wrap_delta=float((mm[:, 2] - mm[:, 1]).max()),
-                    hwm_reset=r.hwm_ok))
+        runners, mems = _measure_and_time(cfgs, rank, plan)
+        results += _gather_results(runners, mems, base_rss, rank, n)
         for r in runners:
             r.finish()
-        del runners, r
+        del runners
         _trim()
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
     allru: List[Any] = [None] * n
@@ -480,17 +517,21 @@ def _pct(xs: List[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def timing_row(res: Dict[str, Any]) -> Dict[str, Any]:
+    """One configuration's gathered results as a report row: its Config, median / quartile step
+    times (the max over ranks per step), compute time, parameter bytes and peak RSS."""
+    return dict(cfg=Config(**res["cfg"]), step=statistics.median(res["step_max"]), p25=_pct(res["step_max"], 0.25),
+                p75=_pct(res["step_max"], 0.75), steps=len(res["step_max"]),
+                compute=statistics.median(res["compute_max"]), param_bytes=res["param_bytes"],
+                peak_rss=res["base_rss"] + res["peak_delta"])
+
+
 def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     rows = []
     for res in raw:
-        cfg = Config(**res["cfg"])
-        rows.append(dict(
-            cfg=cfg, step=statistics.median(res["step_max"]), p25=_pct(res["step_max"], 0.25),
-            p75=_pct(res["step_max"], 0.75), steps=len(res["step_max"]),
-            compute=statistics.median(res["compute_max"]), param_bytes=res["param_bytes"],
-            peak_rss=res["base_rss"] + res["peak_delta"], steady_delta=res["steady_delta"],
-            peak_delta=res["peak_delta"],
-            wrap_delta=res["wrap_delta"], bytes=bytes_per_step(cfg, res["param_bytes"])))
+        row = timing_row(res)
+        rows.append(dict(row, steady_delta=res["steady_delta"], peak_delta=res["peak_delta"],
+                         wrap_delta=res["wrap_delta"], bytes=bytes_per_step(row["cfg"], res["param_bytes"])))
     by = {(r["cfg"].model, r["cfg"].workers, r["cfg"].framework, r["cfg"].topology): r for r in rows}
     for r in rows:
         c = r["cfg"]
@@ -513,10 +554,6 @@ def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
-def _fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
-    return "-" if x is None else format(x, spec) + suffix
-
-
 def print_table(rows: List[Dict[str, Any]]) -> None:
     hdr = ["model", "n", "framework", "topology", "median ms", "p25-p75 ms", "steps",
            "dp-ref/this", "DDP/this", "this/floor", "this/ffloor", "peak RSS MiB", "extra MiB", "P MiB",
@@ -527,20 +564,13 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
         table.append([c.model, str(c.workers), c.framework, SHORT_TOPO.get(c.topology, c.topology),
                       f"{r['step'] * 1e3:.2f}", f"{r['p25'] * 1e3:.1f}-{r['p75'] * 1e3:.1f}",
                       str(r["steps"]),
-                      _fmt(r["vs_ref"], ".2f", "x") if c.framework == "decentpy" else "",
-                      _fmt(r["vs_ddp"], ".2f", "x") if c.framework != "torch-ddp" else "",
-                      _fmt(r["vs_floor"], ".2f", "x"), _fmt(r["vs_ffloor"], ".2f", "x"),
-                      f"{r['peak_rss'] / 2**20:.0f}", _fmt(None if r["extra"] is None else r["extra"] / 2**20,
+                      fmt(r["vs_ref"], ".2f", "x") if c.framework == "decentpy" else "",
+                      fmt(r["vs_ddp"], ".2f", "x") if c.framework != "torch-ddp" else "",
+                      fmt(r["vs_floor"], ".2f", "x"), fmt(r["vs_ffloor"], ".2f", "x"),
+                      f"{r['peak_rss'] / 2**20:.0f}", fmt(None if r["extra"] is None else r["extra"] / 2**20,
                                                           "+.1f"),
                       f"{r['param_bytes'] / 2**20:.2f}", f"{r['bytes'] / 1e6:.2f}"])
-    widths = [max(len(h), *(len(t[i]) for t in table)) for i, h in enumerate(hdr)]
-    print("  ".join(h.rjust(w) for h, w in zip(hdr, widths)))
-    last = None
-    for t in table:
-        if last is not None and (t[0], t[1]) != last:
-            print()
-        last = (t[0], t[1])
-        print("  ".join(c.rjust(w) for c, w in zip(t, widths)))
+    print_table_rows(hdr, table, group=lambda t: (t[0], t[1]))
     print("dp-ref/this = decent-dp step time / this (>1: faster than decent-dp, same topology); "
           "DDP/this = torch DDP / this (>1: faster than DDP);\nthis/floor = this / no-communication "
           "floor with torch AdamW (1.00 = no overhead); this/ffloor = this / no-communication floor "
@@ -614,28 +644,26 @@ CSV_FIELDS = ["framework", "topology", "workers", "model", "step_time_s", "bytes
 
 
 def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
-        wr.writeheader()
-        for r in rows:
-            c = r["cfg"]
-            wr.writerow(dict(
-                framework=c.framework, topology=c.topology, workers=c.workers, model=c.model,
-                step_time_s=f"{r['step']:.6g}", bytes_per_step=f"{r['bytes']:.0f}",
-                # forward+backward of the local floor (same n): the compute of one iteration
-                compute_time_s=f"{(r['floor_compute'] if r['floor_compute'] is not None else r['compute']):.6g}",
-                model_bytes=r["param_bytes"], local_world_size=c.local_world_size,
-                step_time_p25_s=f"{r['p25']:.6g}", step_time_p75_s=f"{r['p75']:.6g}", timed_steps=r["steps"],
-                own_compute_time_s=f"{r['compute']:.6g}", peak_rss_mib=f"{r['peak_rss'] / 2**20:.1f}",
-                extra_rss_mib="" if r["extra"] is None else f"{r['extra'] / 2**20:.2f}",
-                extra_steady_rss_mib="" if r["extra_steady"] is None else f"{r['extra_steady'] / 2**20:.2f}",
-                wrap_rss_mib=f"{r['wrap_delta'] / 2**20:.2f}",
-                speedup_vs_decent_dp="" if r["vs_ref"] is None else f"{r['vs_ref']:.4f}",
-                speedup_vs_ddp="" if r["vs_ddp"] is None else f"{r['vs_ddp']:.4f}",
-                ratio_vs_floor="" if r["vs_floor"] is None else f"{r['vs_floor']:.4f}",
-                ratio_vs_fused_floor="" if r["vs_ffloor"] is None else f"{r['vs_ffloor']:.4f}",
-                cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"]))
+    def row(r: Dict[str, Any]) -> Dict[str, Any]:
+        c = r["cfg"]
+        return dict(
+            framework=c.framework, topology=c.topology, workers=c.workers, model=c.model,
+            step_time_s=f"{r['step']:.6g}", bytes_per_step=f"{r['bytes']:.0f}",
+            # forward+backward of the local floor (same n): the compute of one iteration
+            compute_time_s=f"{(r['floor_compute'] if r['floor_compute'] is not None else r['compute']):.6g}",
+            model_bytes=r["param_bytes"], local_world_size=c.local_world_size,
+            step_time_p25_s=f"{r['p25']:.6g}", step_time_p75_s=f"{r['p75']:.6g}", timed_steps=r["steps"],
+            own_compute_time_s=f"{r['compute']:.6g}", peak_rss_mib=f"{r['peak_rss'] / 2**20:.1f}",
+            extra_rss_mib="" if r["extra"] is None else f"{r['extra'] / 2**20:.2f}",
+            extra_steady_rss_mib="" if r["extra_steady"] is None else f"{r['extra_steady'] / 2**20:.2f}",
+            wrap_rss_mib=f"{r['wrap_delta'] / 2**20:.2f}",
+            speedup_vs_decent_dp="" if r["vs_ref"] is None else f"{r['vs_ref']:.4f}",
+            speedup_vs_ddp="" if r["vs_ddp"] is None else f"{r['vs_ddp']:.4f}",
+            ratio_vs_floor="" if r["vs_floor"] is None else f"{r['vs_floor']:.4f}",
+            ratio_vs_fused_floor="" if r["vs_ffloor"] is None else f"{r['vs_ffloor']:.4f}",
+            cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"])
+
+    write_rows_csv(path, CSV_FIELDS, (row(r) for r in rows))
 
 
 def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> Optional[Path]:

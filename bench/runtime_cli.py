@@ -12,7 +12,7 @@ import csv
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import runtime_model
 from runtime_fit import calibrate, load_measurements
@@ -36,6 +36,7 @@ from runtime_model import (
     topology_valid,
 )
 from runtime_plots import SHORT, plot_iteration_times
+from tables import print_table
 
 __all__ = ["main"]
 
@@ -43,16 +44,6 @@ __all__ = ["main"]
 def _fmt_ms(t: Optional[float]) -> str:
     """Seconds as milliseconds for the tables; n/a where the topology does not fit."""
     return "n/a" if t is None else f"{t * 1e3:.1f}"
-
-
-def _print_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-    """Right-aligned columns, so the tables read without a dependency."""
-    rows = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(header)]
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -129,7 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         row.append(f"{times['allreduce'] / best[0]:.2f}x ({SHORT[best[1]]})")
         table.append(row)
     print("Predicted iteration time (ms); n/a = topology not valid for n, L")
-    _print_table(["n", "N", *[SHORT[k] for k in names], "AR/best-decent"], table)
+    print_table(["n", "N", *[SHORT[k] for k in names], "AR/best-decent"], table)
 
     print("\nConsensus: spectral gap of the period-averaged W (exact for n <= "
           f"{EXACT_GAP_MAX_N}, closed form beyond); iterations and time to cut the consensus "
@@ -149,7 +140,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hdr = ["n"]
     for k in TOPOLOGIES:
         hdr += [f"gap {SHORT[k]}", f"10x {SHORT[k]}"]
-    _print_table(hdr, ctab)
+    print_table(hdr, ctab)
 
     print("\nPublished comparison: AER vs all-reduce iteration time (papers: AER 1.2x-2.8x "
           "shorter on 16-64 GPUs, 25-100 Gb/s, NVLink intra-node)")
@@ -159,7 +150,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           "(ResNet-50: 1024 images, ~1200 img/s/GPU AMP + 5 ms; Transformer-110M fp32: 262k "
           "tokens, 6*P*tokens FLOPs at 40 TFLOP/s + 10 ms), DDP hierarchical ring, 25 MB buckets")
     ptab = published_table(args.allreduce)
-    _print_table(
+    print_table(
         ["model", "GPUs", "L", "inter Gb/s", "MB", "compute ms", "AR ms", "AER ms", "AR/AER",
          "published", "in range"],
         [[r["model"], r["gpus"], r["local"], f"{r['inter_gbps']:g}", f"{r['model_mb']:.0f}",
@@ -189,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"calibration on {len(ms)} measurements from {cal_path}: effective bandwidth "
                   f"{h.intra_bw / 1e9:.3g} GB/s, latency {h.intra_lat * 1e6:.3g} us, kernel "
                   f"bandwidth {h.mem_bw / 1e9:.3g} GB/s, overlap {h.overlap:.2f}")
-            _print_table(
+            print_table(
                 ["framework", "topology", "n", "model", "measured ms", "model ms", "rel err"],
                 [[m.framework, m.topology, m.workers, m.model, f"{m.step_time_s * 1e3:.2f}",
                   f"{p * 1e3:.2f}", f"{e:+.1%}"]

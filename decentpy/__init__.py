@@ -20,6 +20,7 @@ from .config import show_config  # noqa: E402
 from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
 from .join import Join, Joinable, JoinHook  # noqa: E402
 from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
+from .sharding import OSS, ShardedDataParallel, ShardedGradScaler  # noqa: E402
 from .topology import (  # noqa: E402
     CustomTopology,
     Group,
@@ -38,6 +39,9 @@ __all__ = [
     "Joinable",
     "JoinHook",
     "ReduceScatterBucketer",
+    "OSS",
+    "ShardedDataParallel",
+    "ShardedGradScaler",
     "OPTIM_FN_TYPE",
     "LR_SCHEDULER_FN_TYPE",
     "Topology",

@@ -119,15 +119,17 @@ def _untraced_work(label: str) -> Iterator[None]:
             _C.set_record_function_enabled(before)
 
 
-def first_difference_across_ranks(mine: Sequence[Any]) -> Optional[Tuple[int, int, Any, Any]]:
-    """Compare every rank's ``mine`` with rank 0's (a collective over the default group).
+def first_difference_across_ranks(mine: Sequence[Any],
+                                  group: Optional[dist.ProcessGroup] = None) -> Optional[Tuple[int, int, Any, Any]]:
+    """Compare every rank's ``mine`` with the first rank's (a collective over ``group``, default:
+    the world).
 
-    Returns the first ``(rank, position, rank 0's item, that rank's item)`` that differs (an item
-    is ``None`` past the end of a shorter list), or ``None``; the same answer on every rank, so
-    all of them can raise the same error.
+    Returns the first ``(rank in group, position, first rank's item, that rank's item)`` that
+    differs (an item is ``None`` past the end of a shorter list), or ``None``; the same answer on
+    every rank, so all of them can raise the same error.
     """
-    everyone: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, list(mine))
+    everyone: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, list(mine), group=group)
     ref = everyone[0]
     for r, other in enumerate(everyone):
         if other == ref:
@@ -140,13 +142,14 @@ def first_difference_across_ranks(mine: Sequence[Any]) -> Optional[Tuple[int, in
     return None
 
 
-def raise_if_any_rank_failed(failure: Optional[BaseException], what: str) -> None:
-    """A collective: if ``failure`` is set on any rank, raise on every rank (the failing rank its own
-    exception, the others a RuntimeError naming that rank and its message), so that no rank goes on
-    to a collective its peers will never join."""
+def raise_if_any_rank_failed(failure: Optional[BaseException], what: str,
+                             group: Optional[dist.ProcessGroup] = None) -> None:
+    """A collective over ``group`` (default: the world): if ``failure`` is set on any rank, raise on
+    every rank (the failing rank its own exception, the others a RuntimeError naming that rank (in
+    the group) and its message), so that no rank goes on to a collective its peers never join."""
     mine = None if failure is None else f"{type(failure).__name__}: {failure}"
-    everyone: List[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone: List[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
     if failure is not None:
         raise failure
     bad = [(r, m) for r, m in enumerate(everyone) if m is not None]

@@ -24,7 +24,7 @@ from .bucket import Bucket, BucketPlan
 from .comm import default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
 from .nccl_comm import COMM_CHOICES, select_communicator
 from .grad_scaling import BucketGradScaling
-from .reducer import GossipReducer, OptimFn, SchedulerFn
+from .reducer import GossipReducer, OptimFn, SchedulerFn, accumulating
 from .topo import hook_edges
 from .topology import Topology, make_topology
 
@@ -283,12 +283,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside only accumulate gradients."""
-        before = self._reducer.accumulate
-        self._reducer.accumulate = True
-        try:
+        with accumulating(self._reducer):
             yield
-        finally:
-            self._reducer.accumulate = before
 
     def set_adaptive_factor(self, factor: float) -> None:
         """Scale the mixing: ``p <- (1 - f) p + f * mix(p)`` (1.0, the default, is plain gossip)."""

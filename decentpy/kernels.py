@@ -17,7 +17,7 @@ from torch import Tensor
 from . import _C
 
 __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "mix", "scale_copy",
-           "segments_for_numel"]
+           "segments_for_numel", "flat_alias"]
 
 OptKind = _C.OptKind
 GroupHyper = _C.GroupHyper
@@ -58,3 +58,13 @@ def scale_copy(dst: Tensor, src: Tensor, alpha: float) -> None:
 def segments_for_numel(numel: int, device: torch.device) -> Tensor:
     """The segment table of a buffer with one parameter group."""
     return torch.tensor([[0, int(numel), 0]], dtype=torch.int64, device=device)
+
+
+def flat_alias(t: Tensor) -> Tensor:
+    """A 1-D alias of a dense tensor in memory order (channels_last included): what the kernels and
+    the sharded optimizer's pieces address."""
+    if t.is_contiguous():
+        return t.view(-1)
+    if not torch._prims_common.is_non_overlapping_and_dense_or_false(t):
+        raise ValueError(f"expected a dense tensor; got sizes {tuple(t.shape)} strides {t.stride()}")
+    return t.as_strided((t.numel(),), (1,))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -25,7 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from . import kernels
 from .grad_scaling import GradArgs
-from .kernels import KERNEL_DTYPES, OptKind
+from .kernels import KERNEL_DTYPES, OptKind, flat_alias
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +53,6 @@ __all__ = [
 MAX_GROUPS_PER_BUCKET = kernels.MAX_GROUPS  # parameter groups one bucket's kernel pass can mix
 
 
-def _flat_alias(t: Tensor) -> Tensor:
-    """A 1-D alias of a dense tensor in memory order (channels_last included)."""
-    if t.is_contiguous():
-        return t.view(-1)
-    if not torch._prims_common.is_non_overlapping_and_dense_or_false(t):
-        raise ValueError(
-            f"fused optimizers need dense parameters; got sizes {tuple(t.shape)} strides {t.stride()}"
-        )
-    return t.as_strided((t.numel(),), (1,))
-
-
 def _step_one_tensor(kind: OptKind, p: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: "kernels.GroupHyper",
                      decoupled_weight_decay: bool, momentum_init: bool, accum_boundary: bool) -> None:
     """One kernel pass over one parameter (no mixing): the standalone form of the fused update."""
@@ -75,7 +64,7 @@ def _step_one_tensor(kind: OptKind, p: Tensor, grad: Tensor, states: Sequence[Te
                              f"{st.dtype} {tuple(st.shape)}")
     if grad.stride() != p.stride():
         grad = torch.empty_like(p).copy_(grad)  # same memory order as p
-    kernels.fused_step(kind, _flat_alias(p), _flat_alias(grad), [_flat_alias(st) for st in states],
+    kernels.fused_step(kind, flat_alias(p), flat_alias(grad), [flat_alias(st) for st in states],
                        kernels.segments_for_numel(p.numel(), p.device), [hyper],
                        decoupled_weight_decay=decoupled_weight_decay, momentum_init=momentum_init,
                        accum_boundary=accum_boundary)
@@ -137,8 +126,14 @@ class FusedOptimizer(Optimizer):
     def _step_tensor(self, p: Tensor) -> Tensor:
         st = self.state[p]
         if "step" not in st:
-            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            st["step"] = torch.tensor(self._loaded_step(st), dtype=torch.float32)
         return st["step"]
+
+    def _loaded_step(self, st: Dict[str, Any]) -> float:
+        """Steps already taken by a parameter whose state has no step count: state buffers loaded
+        from a torch optimizer (torch's SGD keeps only ``momentum_buffer``) mean at least one, so
+        they are continued rather than re-initialised."""
+        return 1.0 if any(isinstance(st.get(n), Tensor) for n in self.state_names) else 0.0
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -179,7 +174,8 @@ class FusedOptimizer(Optimizer):
         if self._flat_layout_key == key and all(n in self._flat_state for n in names):
             return [self._flat_state[n] for n in names]
         steps = [self.state[p]["step"] for p in params if "step" in self.state.get(p, {})]
-        start = float(steps[0].item()) if steps else 0.0
+        start = float(steps[0].item()) if steps else max(
+            (self._loaded_step(self.state[p]) for p in params if p in self.state), default=0.0)
         self._shared_step = torch.tensor(start, dtype=torch.float32)
         for name in names:
             block = torch.zeros(total, dtype=torch.float32, device=device)
@@ -202,6 +198,11 @@ class FusedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
+        # The kernels keep fp32 state whatever the parameter dtype (torch casts loaded state to it).
+        for st in self.state.values():
+            for k, v in list(st.items()):
+                if k != "step" and isinstance(v, Tensor) and v.is_floating_point() and v.dtype != torch.float32:
+                    st[k] = v.float()
         self._flat_layout_key = None  # re-link the loaded values into flat blocks on next use
 
     def group_hypers(self, step: int) -> List["kernels.GroupHyper"]:

@@ -15,9 +15,10 @@ gets its update too.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +40,18 @@ logger = logging.getLogger(__name__)
 
 OptimFn = Callable[[List[Tuple[str, Tensor]]], Optimizer]
 SchedulerFn = Callable[[Optimizer], LRScheduler]
+
+@contextlib.contextmanager
+def accumulating(reducer: Any) -> Iterator[None]:
+    """``no_sync()`` of a wrapper: backward passes inside only accumulate gradients (the reducer's
+    ``accumulate`` flag is set, and restored after, also when nested)."""
+    before = reducer.accumulate
+    reducer.accumulate = True
+    try:
+        yield
+    finally:
+        reducer.accumulate = before
+
 
 class GossipReducer:
     """Bucket-by-bucket mix-and-step inside backward, with exchanges overlapping compute."""
