@@ -38,19 +38,20 @@ class Exchange:
     def wait(self, timeout: datetime.timedelta) -> None:
         peers = [r for r in self.ranks if r != self.rank]
         for work in self._works:
-            try:
-                ok = work.wait(timeout)
-            except RuntimeError as exc:  # gloo raises on timeout or on a closed connection
-                raise PeerTimeoutError(
-                    f"rank {self.rank}: exchange of bucket {self.bucket} with peer(s) {peers} failed or did not "
-                    f"complete within {timeout.total_seconds():.0f} s ({exc}); a peer may have died"
-                ) from exc
-            if ok is False:
-                raise PeerTimeoutError(
-                    f"rank {self.rank}: exchange of bucket {self.bucket} with peer(s) {peers} did not complete "
-                    f"within {timeout.total_seconds():.0f} s; a peer may have died"
-                )
+            wait_bounded(work, timeout, f"rank {self.rank}: exchange of bucket {self.bucket} with peer(s) {peers}")
         self._works = []
+
+
+def wait_bounded(work: dist.Work, timeout: datetime.timedelta, what: str) -> None:
+    """Wait for ``work`` at most ``timeout``; a :class:`PeerTimeoutError` that starts with ``what``
+    otherwise (gloo raises on a timeout or a closed connection, other backends return False)."""
+    try:
+        ok = work.wait(timeout)
+    except RuntimeError as exc:
+        raise PeerTimeoutError(f"{what} failed or did not complete within {timeout.total_seconds():g} s ({exc}); "
+                               "a peer may have died") from exc
+    if ok is False:
+        raise PeerTimeoutError(f"{what} did not complete within {timeout.total_seconds():g} s; a peer may have died")
 
 
 class TorchCommunicator:
@@ -117,6 +118,13 @@ def _untraced_work(label: str) -> Iterator[None]:
             yield
         finally:
             _C.set_record_function_enabled(before)
+
+
+def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
+    """Global ranks of ``group`` (the world when None), in group-rank order."""
+    if group is None or group is dist.group.WORLD:
+        return list(range(dist.get_world_size()))
+    return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
 def first_difference_across_ranks(mine: Sequence[Any],

@@ -11,8 +11,10 @@ import datetime
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import traceback
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch.multiprocessing as mp
 
@@ -126,3 +128,13 @@ def single_process_group(backend: str) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def torchrun(script: str, nproc: int, env: Dict[str, str], timeout: float,
+             args: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """``torchrun --standalone`` on this interpreter, one torch thread per worker."""
+    full = dict(os.environ, OMP_NUM_THREADS="1", **env)
+    full.pop("LOCAL_WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
+           *args]
+    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)

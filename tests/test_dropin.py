@@ -15,14 +15,14 @@ import inspect
 import json
 import math
 import os
-import subprocess
-import sys
 import uuid
 from typing import Any, Dict, List
 
 import pytest
 import torch
 from torch import nn
+
+from dist_harness import torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "decent_dp_style.py")
@@ -31,14 +31,6 @@ WORLD = 4
 HAVE_DECENT_DP = all(importlib.util.find_spec(m) is not None for m in ("decent_dp", "loguru"))
 needs_decent_dp = pytest.mark.skipif(
     not HAVE_DECENT_DP, reason="decent-dp 0.2.3 is not installed (make deps installs it with --no-deps)")
-
-
-def torchrun(script: str, nproc: int, env: Dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """``torchrun --standalone`` on this interpreter, one torch thread per worker."""
-    full = dict(os.environ, OMP_NUM_THREADS="1", **env)
-    full.pop("LOCAL_WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script]
-    return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
 
 
 def run_script(tmp: str, text: str) -> List[Dict[str, Any]]:

@@ -28,7 +28,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from ..bucket import flatten_params
-from ..comm import first_difference_across_ranks, raise_if_any_rank_failed
+from ..comm import first_difference_across_ranks, group_ranks, raise_if_any_rank_failed
 from ..kernels import flat_alias
 from ..optim import fuse_torch_optimizer
 from .partition import MIN_SPLIT_NUMEL, Shard, owner_runs, partition_by_size
@@ -52,13 +52,6 @@ class FlatLayout:
     runs: List[Tuple[int, int, int]]
     block: Tensor
     owned: List[Optional[Tuple[Shard, Tensor]]]  # per parameter: this rank's shard and the tensor it steps
-
-
-def group_ranks(group: Optional[dist.ProcessGroup]) -> List[int]:
-    """Global ranks of ``group`` (the world when None), in group-rank order."""
-    if group is None or group is dist.group.WORLD:
-        return list(range(dist.get_world_size()))
-    return [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
 
 
 def comm_device(group: Optional[dist.ProcessGroup], fallback: torch.device) -> torch.device:

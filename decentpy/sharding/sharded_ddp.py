@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..comm import first_difference_across_ranks, raise_if_any_rank_failed
+from ..comm import first_difference_across_ranks, group_ranks, raise_if_any_rank_failed
 from ..reducer import accumulating
 from .grad_reducer import ShardedGradReducer
-from .oss import OSS, comm_device, group_ranks
+from .oss import OSS, comm_device
 
 __all__ = ["ShardedDataParallel"]
 

@@ -1,0 +1,630 @@
+"""``AsyncPipe``: a model's layers in stages, one per process, with micro-batches flowing through.
+
+fairscale's constructor and way of driving it, on plain ``torch.distributed`` point-to-point
+messages (:mod:`.transport`; gloo on CPU, NCCL on GPU) instead of torch RPC:
+
+* every rank calls ``out = pipe(x)`` (only the first stage needs real data; later stages learn
+  the shapes and the micro-batch count from the messages). The final stage gets the gathered
+  output and calls ``loss.backward()``. A non-final stage serves the backward of its micro-batches
+  **inside** ``forward``: in training with autograd on, its ``forward`` returns once every
+  micro-batch's gradient has passed through it (so a script that calls ``pipe.back_helper(out)``
+  afterwards, as fairscale's do, works unchanged: it has nothing left to do). Meanwhile the final
+  stage must not wait for the other stages (no collective between its forward and its backward);
+* ``pipe.train_step(x, target, loss_fn)`` runs a whole GPipe or 1F1B schedule (:mod:`.schedule`)
+  and returns the loss on the final stage.
+
+Every step ends with one small all-reduce over the pipe's group (idle ranks included): it tells
+every rank whether a stage failed (one host read of one int64: the agreement needs its value).
+A failure anywhere (forward, backward, loss) sends ``ERROR`` to the neighbours that may be
+waiting for a message, so no rank hangs; the stages then read what the failed step left unread
+(the pipe stays usable: the next step starts in step), and every rank raises -- the failing one
+its own exception, the others a :class:`PipelineError` naming the stage. Every wait is bounded by
+the pipe's timeout; a timeout (a stage died or never called the pipe) leaves the pipe unusable.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import logging
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint
+from torch import Tensor, nn
+
+from ..comm import PeerTimeoutError, default_timeout, first_difference_across_ranks, group_ranks, wait_bounded
+from .batchnorm import DeferredBatchNorm, recomputing
+from .layers import build_stage, check_balance, check_no_shared_layers, layer_list
+from .microbatch import TensorOrTensors, as_tuple, batch_size, check, gather, scatter
+from .schedule import SCHEDULES, Action
+from .transport import Kind, Link
+
+__all__ = ["AsyncPipe", "PipelineError", "CHECKPOINT_MODES"]
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_MODES = ("always", "except_last", "never")
+_NO_FAILURE = 2 ** 62
+
+
+class PipelineError(RuntimeError):
+    """A pipeline stage failed (``stage``); raised on the ranks other than the failing one."""
+
+    def __init__(self, message: str, stage: int) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+class _PeerFailed(Exception):
+    """A neighbour sent ERROR: stage ``origin`` failed with ``text``."""
+
+    def __init__(self, origin: int, text: str, via: Link) -> None:
+        super().__init__(text)
+        self.origin, self.text, self.via = origin, text, via
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity whose backward hands the gradients to ``hook`` instead of passing them on. Two
+    uses: a stage's received inputs (the hook sends their gradients upstream) and the final
+    stage's gathered output (the hook runs each micro-batch's backward itself, so that a failure
+    there reaches the other stages)."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Callable[[Tuple[Optional[Tensor], ...]], None], *xs: Tensor) -> Tuple[Tensor, ...]:
+        ctx.hook = hook
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, ...]:
+        ctx.hook(grads)
+        return (None,) * (len(grads) + 1)
+
+
+class _Step:
+    """One mini-batch on one stage: its micro-batches' inputs and outputs."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.outputs: Dict[int, TensorOrTensors] = {}
+        self.input_rg: Dict[int, bool] = {}      # micro-batch -> its inputs need gradients (upstream waits)
+        self.answered: Dict[int, bool] = {}      # micro-batch -> GRAD/NOGRAD sent upstream
+        self.losses: Dict[int, Tensor] = {}
+        self.forwards = 0
+
+
+class AsyncPipe(nn.Module):
+    """A sequential model split over the ranks of ``group``, one stage per rank (fairscale's
+    ``AsyncPipe``).
+
+    Args:
+        module: an ``nn.Sequential``, or a list of layers (modules, or callables building them:
+            only the owning stage builds its layers).
+        balance: layers per stage; stage ``i`` runs on group rank ``i``; ranks beyond the stages
+            hold nothing (their ``forward`` returns its input).
+        group: the process group of the pipe (default: the world). Give each pipeline its own group
+            (e.g. several pipelines side by side, their stages' replicas in data-parallel groups).
+        worker_map: accepted for compatibility; not needed (no RPC).
+        input_device: where the first stage puts its input (default: its layers' device).
+        chunks: micro-batches per mini-batch (a batch smaller than that gives one per sample).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: micro-batches before the stop
+            keep only their inputs (and RNG state) and are recomputed just before their backward;
+            never in eval mode or without autograd.
+        deferred_batch_norm: BatchNorm running statistics updated once per mini-batch
+            (:class:`~decentpy.pipeline.DeferredBatchNorm`), as plain BatchNorm on the whole batch.
+        schedule: the default of :meth:`train_step`: ``"gpipe"`` or ``"1f1b"``.
+        timeout: the most any wait on another stage may take (default: the process group's).
+    """
+
+    def __init__(self, module: Union[nn.Sequential, List[Any]], balance: Sequence[int], *, group: Any = None,
+                 worker_map: Optional[Dict[int, str]] = None, input_device: Any = None, chunks: int = 1,
+                 checkpoint: str = "except_last", deferred_batch_norm: bool = False, schedule: str = "gpipe",
+                 timeout: Union[None, float, datetime.timedelta] = None) -> None:
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("AsyncPipe needs torch.distributed: call torch.distributed.init_process_group(...) first")
+        layers = layer_list(module)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+            raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)}, "
+                             f"got {checkpoint!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(repr(s) for s in SCHEDULES)}, got {schedule!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self._ranks = group_ranks(self.group)
+        self.balance = check_balance(len(layers), balance, len(self._ranks))
+        check_no_shared_layers(layers, self.balance)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.schedule = schedule
+        self.worker_map = worker_map
+        self.input_device = input_device
+        self.timeout = (timeout if isinstance(timeout, datetime.timedelta) else
+                        datetime.timedelta(seconds=float(timeout)) if timeout is not None else default_timeout())
+        mine = [("balance", self.balance), ("chunks", chunks), ("checkpoint", checkpoint), ("layers", len(layers)),
+                ("schedule", schedule)]
+        diff = first_difference_across_ranks(mine, group=self.group)
+        if diff is not None:
+            r, _, a, b = diff
+            raise ValueError(f"AsyncPipe's arguments differ between group rank 0 and group rank {r}: {a[0]} is {a[1]!r} "
+                             f"on rank 0 but {b[1]!r} on rank {r}; every rank must build the same pipe")
+
+        rank = dist.get_rank(self.group)
+        self.num_stages = len(self.balance)
+        self.stage: Optional[int] = rank if rank < self.num_stages else None
+        self.final_stage = self.stage == self.num_stages - 1
+        self.partition: Optional[nn.Sequential] = None
+        if self.stage is not None:
+            part = build_stage(layers, self.balance, self.stage)
+            if deferred_batch_norm:
+                part = DeferredBatchNorm.convert_deferred_batch_norm(part, chunks)
+            self.partition = part
+        else:
+            logger.warning("AsyncPipe: group rank %d holds no stage (%d stages on %d ranks)", rank, self.num_stages,
+                           len(self._ranks))
+        del module, layers
+
+        nccl = dist.get_backend(self.group) == dist.Backend.NCCL
+        self._wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._prev: Optional[Link] = None
+        self._next: Optional[Link] = None
+        if self.stage is not None and self.stage > 0:
+            self._prev = Link(self._ranks[self.stage - 1], self.stage - 1, self.stage, self.group, self._wire,
+                              self._wire, self.timeout)
+        if self.stage is not None and not self.final_stage:
+            self._next = Link(self._ranks[self.stage + 1], self.stage + 1, self.stage, self.group, self._wire,
+                              self._wire, self.timeout)
+        self._broken: Optional[str] = None
+        self._pending: Optional[_Step] = None   # the final stage's step waiting for its user-driven backward
+
+    # -- fairscale's container API ----------------------------------------------------------------
+    @property
+    def partitions(self) -> List[nn.Sequential]:
+        """This rank's partitions (one, or none on an idle rank)."""
+        return [self.partition] if self.partition is not None else []
+
+    def __len__(self) -> int:
+        """The number of layers this rank holds."""
+        return len(self.partition) if self.partition is not None else 0
+
+    def __getitem__(self, index: int) -> nn.Module:
+        """A layer this rank holds (negative indices count from its last)."""
+        if self.partition is None:
+            raise IndexError("this rank holds no stage")
+        layers = list(self.partition)
+        try:
+            return layers[index]
+        except IndexError:
+            raise IndexError(f"layer index {index} out of range: this rank holds {len(layers)} layers") from None
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        """The layers this rank holds, in order."""
+        return iter(list(self.partition) if self.partition is not None else [])
+
+    @property
+    def devices(self) -> List[torch.device]:
+        return [self._device()]
+
+    def _device(self) -> torch.device:
+        """Where this stage computes: its layers' device (the wire's when it has no tensors)."""
+        if self.partition is not None:
+            t = next(itertools.chain(self.partition.parameters(), self.partition.buffers()), None)
+            if t is not None:
+                return t.device
+        return self._wire
+
+    # -- driving it as fairscale does ---------------------------------------------------------------
+    def forward(self, input: Any = None, *, event: Any = None) -> Any:  # type: ignore[override]
+        """Run the mini-batch through the pipeline (every rank calls it; only the first stage's
+        ``input`` is used). Returns the gathered output on the final stage (with autograd, as the
+        unpipelined model's), this stage's micro-batch outputs (detached) elsewhere, ``input`` on
+        an idle rank. In training with autograd on, a non-final stage returns after its part of
+        the backward (driven by the final stage's ``loss.backward()``)."""
+        self._start()
+        grad = self.training and torch.is_grad_enabled()
+        result: Any = input
+        finish = True
+        try:
+            with torch.set_grad_enabled(grad):
+                if self.stage is not None:
+                    step = self._forward_all(input, grad)
+                    if self.final_stage:
+                        result, finish = self._final_output(step, grad)
+                    else:
+                        result = [_detached(step.outputs[j]) for j in range(step.count)]
+                        if grad:
+                            self._serve_backward(step)
+        except BaseException as exc:  # noqa: BLE001 - every rank must learn about it before raising
+            self._fail(exc)
+        if finish:
+            self._finish_step(None)
+        return result
+
+    def back_helper(self, output: Any) -> None:
+        """fairscale's backward service for non-final stages. decentpy's ``forward`` already served
+        it, so this only checks the call (kept so that fairscale scripts run unchanged)."""
+        if self.final_stage:
+            raise ValueError("back_helper should only be called on non-final stages (the final stage calls "
+                             "loss.backward())")
+
+    # -- a whole schedule ----------------------------------------------------------------------------
+    def train_step(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], *,
+                   schedule: Optional[str] = None) -> Optional[Tensor]:
+        """Forward and backward of one mini-batch with the GPipe or 1F1B schedule (every rank calls
+        it; ``x`` matters on the first stage, ``target`` on the final one). ``loss_fn(output,
+        target)`` is applied per micro-batch and weighted by the micro-batch's share of the batch,
+        so a mean-reduced loss gives the gradients of the whole batch's loss. Returns that loss
+        (detached) on the final stage, None elsewhere; parameter gradients accumulate in
+        ``.grad`` as after ``loss.backward()``. In eval mode or under ``torch.no_grad()`` it only
+        runs the forward (the loss is still returned)."""
+        name = schedule if schedule is not None else self.schedule
+        if name not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(repr(s) for s in SCHEDULES)}, got {name!r}")
+        self._start()
+        grad = self.training and torch.is_grad_enabled()
+        loss: Optional[Tensor] = None
+        try:
+            with torch.set_grad_enabled(grad):
+                if self.stage is not None:
+                    loss = self._run_schedule(x, target, loss_fn, name, grad)
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+        self._finish_step(None)
+        return loss
+
+    # -- one step, step by step --------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"AsyncPipe: {self._broken}; build a new AsyncPipe (its message streams are out of "
+                               "step)")
+        if self._pending is not None:
+            # the other stages still wait for that step's gradients: end it, as a failure, everywhere
+            self._pending = None
+            self._fail(RuntimeError(
+                "AsyncPipe: the final stage ran forward again before the backward of the previous training "
+                "output (in training with autograd on, call backward on a loss of the output, or run the "
+                "forward under torch.no_grad() / in eval mode)"))
+
+    def _checkpointed(self, mb: int, count: int, grad: bool) -> bool:
+        if not grad:
+            return False
+        stop = {"always": count, "except_last": count - 1, "never": 0}[self.checkpoint]
+        return mb < stop
+
+    def _first_inputs(self, input: Any) -> List[TensorOrTensors]:
+        check(input)
+        batch_size(input)
+        if self.input_device is not None:
+            input = tuple(t.to(self.input_device) for t in input) if isinstance(input, tuple) else \
+                input.to(self.input_device)
+        return scatter(input, self.chunks)
+
+    def _receive_input(self, mb: int, step_count: Optional[int]) -> Tuple[TensorOrTensors, int, bool]:
+        """Micro-batch ``mb``'s inputs from the previous stage: (inputs, the step's count, whether
+        they need gradients)."""
+        assert self._prev is not None
+        msg = self._prev.recv(f"the activations of micro-batch {mb}")
+        if msg.kind == Kind.ERROR:
+            raise _PeerFailed(msg.mb, msg.text, self._prev)
+        if msg.kind != Kind.DATA or msg.mb != mb or (step_count is not None and msg.count != step_count):
+            raise RuntimeError(f"stage {self.stage}: expected the activations of micro-batch {mb}, got {msg.kind.name} "
+                               f"for micro-batch {msg.mb} (count {msg.count}): the stages disagree on the schedule")
+        device = self._device()
+        grad = torch.is_grad_enabled()
+        xs = []
+        needs = False
+        for t, rg in zip(msg.tensors, msg.requires_grad):
+            assert t is not None
+            t = t.to(device)
+            if grad and rg and (t.is_floating_point() or t.is_complex()):
+                t.requires_grad_(True)
+                needs = True
+            xs.append(t)
+        return (xs[0] if len(xs) == 1 else tuple(xs)), msg.count, needs
+
+    def _run_partition(self, mb: int, step: _Step, inputs: TensorOrTensors, checkpointed: bool) -> TensorOrTensors:
+        """The stage's layers on one micro-batch: received inputs behind a :class:`_GradTap` (their
+        gradients go upstream), checkpointed when asked."""
+        assert self.partition is not None
+        xs = list(as_tuple(inputs))
+        single = not isinstance(inputs, tuple)
+        diff = [i for i, t in enumerate(xs) if t.requires_grad] if self.stage != 0 else []
+        step.input_rg[mb] = bool(diff)
+        if diff:
+            views = _GradTap.apply(lambda grads: self._send_input_grads(step, mb, len(xs), diff, grads),
+                                    *[xs[i] for i in diff])
+            for i, v in zip(diff, views):
+                xs[i] = v
+        part = self.partition
+        try:
+            out = self._call_partition(part, xs, single, checkpointed)
+        except RuntimeError as exc:
+            if "_GradTap is a view and is being modified inplace" in str(exc):
+                raise RuntimeError(f"stage {self.stage}: a layer modified its input in place, but the activations "
+                                   "it received from the previous stage require grad; use an out-of-place "
+                                   f"operation (or clone the input first). torch: {exc}") from exc
+            raise
+        check(out, f"the output of stage {self.stage}")
+        return out
+
+    @staticmethod
+    def _call_partition(part: nn.Module, xs: List[Tensor], single: bool, checkpointed: bool) -> TensorOrTensors:
+        if not checkpointed:
+            out = part(xs[0] if single else tuple(xs))
+        else:
+            calls = [0]
+
+            def run(*args: Tensor) -> TensorOrTensors:
+                calls[0] += 1
+                arg = args[0] if single else tuple(args)
+                if calls[0] == 1:
+                    return part(arg)
+                with recomputing():  # DeferredBatchNorm counts the first run only
+                    return part(arg)
+
+            out = torch.utils.checkpoint.checkpoint(run, *xs, use_reentrant=False, preserve_rng_state=True)
+        return out
+
+    def _send_input_grads(self, step: _Step, mb: int, width: int, diff: List[int],
+                          grads: Sequence[Optional[Tensor]]) -> None:
+        assert self._prev is not None
+        full: List[Optional[Tensor]] = [None] * width
+        for i, g in zip(diff, grads):
+            full[i] = g
+        if all(g is None for g in full):
+            self._prev.send(Kind.NOGRAD, mb, step.count, [])
+        else:
+            self._prev.send(Kind.GRAD, mb, step.count, full)
+        step.answered[mb] = True
+
+    def _answer_upstream(self, step: _Step, mb: int) -> None:
+        """NOGRAD upstream for a micro-batch whose backward did not reach this stage's inputs."""
+        if self._prev is not None and step.input_rg.get(mb) and not step.answered.get(mb):
+            self._prev.send(Kind.NOGRAD, mb, step.count, [])
+            step.answered[mb] = True
+
+    def _forward_one(self, step: _Step, mb: int, inputs: TensorOrTensors, grad: bool) -> TensorOrTensors:
+        out = self._run_partition(mb, step, inputs, self._checkpointed(mb, step.count, grad))
+        step.outputs[mb] = out
+        step.forwards += 1
+        if self._next is not None:
+            ys = as_tuple(out)
+            self._next.send(Kind.DATA, mb, step.count, [y.detach() for y in ys], [y.requires_grad for y in ys])
+        if step.forwards == step.count:
+            self._commit_batch_norm()
+        return out
+
+    def _commit_batch_norm(self) -> None:
+        if self.partition is not None and self.training:
+            for m in self.partition.modules():
+                if isinstance(m, DeferredBatchNorm):
+                    m.commit()
+
+    def _forward_all(self, input: Any, grad: bool) -> _Step:
+        """GPipe's forward phase: every micro-batch through this stage, in order."""
+        if self.stage == 0:
+            mbs = self._first_inputs(input)
+            step = _Step(len(mbs))
+            for j, x in enumerate(mbs):
+                self._forward_one(step, j, x, grad)
+            return step
+        x, count, _ = self._receive_input(0, None)
+        step = _Step(count)
+        self._forward_one(step, 0, x, grad)
+        for j in range(1, count):
+            x, _, _ = self._receive_input(j, count)
+            self._forward_one(step, j, x, grad)
+        return step
+
+    def _backward_one(self, step: _Step, mb: int, grads: Optional[Sequence[Optional[Tensor]]]) -> None:
+        """Micro-batch ``mb``'s backward through this stage, from its outputs' gradients (None:
+        none came); its inputs' gradients go upstream (through :class:`_GradTap`)."""
+        out = step.outputs.pop(mb)
+        if grads is not None:
+            pairs = [(y, g) for y, g in zip(as_tuple(out), grads) if g is not None and y.requires_grad]
+            if pairs:
+                torch.autograd.backward([y for y, _ in pairs], [g.to(y.device) for y, g in pairs])
+        del out
+        self._answer_upstream(step, mb)
+
+    def _expects_grad(self, step: _Step, mb: int) -> bool:
+        return any(y.requires_grad for y in as_tuple(step.outputs[mb]))
+
+    def _receive_grad(self, step: _Step, mb: Optional[int]) -> Tuple[int, Optional[List[Optional[Tensor]]]]:
+        assert self._next is not None
+        msg = self._next.recv("gradients" if mb is None else f"the gradients of micro-batch {mb}")
+        if msg.kind == Kind.ERROR:
+            raise _PeerFailed(msg.mb, msg.text, self._next)
+        if msg.kind not in (Kind.GRAD, Kind.NOGRAD) or (mb is not None and msg.mb != mb) or msg.mb not in step.outputs:
+            raise RuntimeError(f"stage {self.stage}: expected gradients{'' if mb is None else f' of micro-batch {mb}'}, "
+                               f"got {msg.kind.name} for micro-batch {msg.mb}: the stages disagree on the schedule")
+        return msg.mb, (msg.tensors if msg.kind == Kind.GRAD else None)
+
+    def _serve_backward(self, step: _Step) -> None:
+        """A non-final stage's backward, driven by the gradients arriving from the next stage (in
+        the order the final stage's backward produces them)."""
+        waiting = {j for j in step.outputs if self._expects_grad(step, j)}
+        for j in [j for j in step.outputs if j not in waiting]:
+            self._backward_one(step, j, None)
+        while waiting:
+            j, grads = self._receive_grad(step, None)
+            waiting.discard(j)
+            self._backward_one(step, j, grads)
+
+    def _final_output(self, step: _Step, grad: bool) -> Tuple[TensorOrTensors, bool]:
+        """The gathered output of the final stage, and whether the step ends now. With autograd it
+        comes out of a :class:`_GradTap`, whose backward runs the micro-batches' backward and ends the
+        step then."""
+        outs = [step.outputs[j] for j in range(step.count)]
+        joined = list(as_tuple(gather([_detached(o) for o in outs])))
+        diff = [i for i in range(len(joined)) if any(as_tuple(o)[i].requires_grad for o in outs)]
+        if not grad or not diff:  # no backward will come: the step ends here
+            for j in range(step.count):
+                self._answer_upstream(step, j)
+            step.outputs.clear()
+            return (joined[0] if len(joined) == 1 else tuple(joined)), True
+        sizes = [as_tuple(o)[0].shape[0] for o in outs]
+        leaves = [joined[i].requires_grad_(True) for i in diff]
+        width = len(joined)
+        views = _GradTap.apply(lambda grads: self._final_backward(step, sizes, width, diff, grads), *leaves)
+        for i, v in zip(diff, views):
+            joined[i] = v
+        self._pending = step
+        return (joined[0] if width == 1 else tuple(joined)), False
+
+    def _final_backward(self, step: _Step, sizes: List[int], width: int, diff: List[int],
+                        grads: Sequence[Optional[Tensor]]) -> None:
+        """Inside the user's ``loss.backward()``: each micro-batch's backward (the last first, as
+        GPipe), then the end of the step; a failure reaches every stage."""
+        if self._pending is not step:
+            raise RuntimeError("AsyncPipe: backward of an output whose step already ended (a later forward "
+                               "ran, or this backward already ran once)")
+        self._pending = None
+        try:
+            per_mb: List[List[Optional[Tensor]]] = [[None] * width for _ in sizes]
+            for i, g in zip(diff, grads):
+                if g is None:
+                    continue
+                for j, part in enumerate(torch.split(g, sizes)):
+                    per_mb[j][i] = part
+            for j in reversed(range(step.count)):
+                self._backward_one(step, j, per_mb[j])
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+        self._finish_step(None)
+
+    def _run_schedule(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], name: str,
+                      grad: bool) -> Optional[Tensor]:
+        first: Optional[Tuple[TensorOrTensors, int]] = None
+        if self.stage == 0:
+            mbs: Optional[List[TensorOrTensors]] = self._first_inputs(x)
+            count = len(mbs)
+        else:
+            mbs = None
+            x0, count, _ = self._receive_input(0, None)
+            first = (x0, count)
+        step = _Step(count)
+        targets: Optional[List[Any]] = None
+        weights: List[float] = []
+        actions: List[Action] = SCHEDULES[name](count, self.num_stages, self.stage)
+        if not grad:
+            actions = [a for a in actions if a.forward]
+        for a in actions:
+            if a.forward:
+                if mbs is not None:
+                    inp = mbs[a.mb]
+                elif a.mb == 0 and first is not None:
+                    inp = first[0]
+                else:
+                    inp, _, _ = self._receive_input(a.mb, count)
+                out = self._forward_one(step, a.mb, inp, grad)
+                if self.final_stage:
+                    if targets is None:
+                        targets, weights = self._split_target(target, step, out)
+                    loss = loss_fn(out, targets[a.mb])
+                    if not isinstance(loss, Tensor) or loss.numel() != 1:
+                        raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                        + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""))
+                    step.losses[a.mb] = loss.reshape(()) * weights[a.mb]
+                    if not grad:
+                        step.outputs.pop(a.mb)
+            elif self.final_stage:
+                step.outputs.pop(a.mb)
+                loss = step.losses[a.mb]
+                if loss.requires_grad:
+                    loss.backward()
+                self._answer_upstream(step, a.mb)
+            else:
+                if self._expects_grad(step, a.mb):
+                    _, grads = self._receive_grad(step, a.mb)
+                else:
+                    grads = None
+                self._backward_one(step, a.mb, grads)
+        if not grad:
+            for j in range(count):
+                self._answer_upstream(step, j)
+        if self.final_stage:
+            return torch.stack([step.losses[j].detach() for j in range(count)]).sum()
+        return None
+
+    def _split_target(self, target: Any, step: _Step, first_out: TensorOrTensors) -> Tuple[List[Any], List[float]]:
+        """The target cut as the batch was (sizes from the micro-batches), and each one's weight."""
+        check(target, "train_step's target (on the final stage)")
+        n = batch_size(target, "train_step's target")
+        parts = scatter(target, step.count)
+        sizes = [batch_size(p, "train_step's target") for p in parts]
+        if sizes[0] != as_tuple(first_out)[0].shape[0]:
+            raise ValueError(f"train_step's target has {n} rows, which do not split as the input's micro-batches "
+                             f"(first micro-batch {as_tuple(first_out)[0].shape[0]} rows, target's {sizes[0]})")
+        return parts, [s / n for s in sizes]
+
+    # -- ending a step ---------------------------------------------------------------------------------
+    def _links(self) -> List[Link]:
+        return [link for link in (self._prev, self._next) if link is not None]
+
+    def _fail(self, exc: BaseException) -> None:
+        """This step failed here (or a neighbour said so): tell the neighbours that may wait for a
+        message, agree with every rank, raise."""
+        if isinstance(exc, _PeerFailed):
+            origin, text, skip = exc.origin, exc.text, exc.via
+        else:
+            origin, text, skip = (self.stage if self.stage is not None else -1), f"{type(exc).__name__}: {exc}", None
+        if isinstance(exc, PeerTimeoutError):  # a stage may be gone: no agreement is possible
+            self._broken = f"a wait timed out ({exc})"
+            raise exc
+        for link in self._links():
+            if link is not skip:
+                try:
+                    link.send_error(origin, text)
+                except Exception:  # noqa: BLE001 - the neighbour may be gone; the timeout bounds the rest
+                    logger.debug("could not tell stage %d about the failure", link.peer_stage, exc_info=True)
+        self._pending = None
+        self._finish_step((origin, text, exc if not isinstance(exc, _PeerFailed) else None))
+
+    def _finish_step(self, failure: Optional[Tuple[int, str, Optional[BaseException]]]) -> None:
+        """The end of every step on every rank of the group: one all-reduce says whether (and where)
+        a stage failed. After a failure the stages exchange how many messages each sent and read
+        what is left unread (so the next step starts in step), then every rank raises."""
+        code = _NO_FAILURE if failure is None else failure[0]
+        status = torch.tensor([code], dtype=torch.int64, device=self._wire)
+        try:
+            work = dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
+            wait_bounded(work, self.timeout, f"AsyncPipe stage {self.stage}: the end-of-step agreement")
+            origin = int(status.item())
+            if origin != _NO_FAILURE:
+                self._drain()
+            for link in self._links():
+                link.finish()
+        except Exception as exc:
+            self._broken = f"a stage did not finish the step ({exc})"
+            raise
+        if origin == _NO_FAILURE:
+            return
+        text = [failure[1] if failure is not None and failure[0] == origin and failure[2] is not None else None]
+        src = self._ranks[origin] if origin >= 0 else None
+        if src is not None:
+            dist.broadcast_object_list(text, src=src, group=self.group)
+        own = failure[2] if failure is not None and failure[0] == origin else None
+        if own is not None and self.stage == origin:
+            if hasattr(own, "add_note"):
+                own.add_note(f"(raised on AsyncPipe stage {origin}; every stage of the pipe raised)")
+            raise own
+        raise PipelineError(f"AsyncPipe stage {origin} (rank {src}) failed: {text[0]}", origin)
+
+    def _drain(self) -> None:
+        """Read the messages of the failed step that nobody read (a failure only on the failure
+        path: one all-gather of every stage's sent counts)."""
+        mine = torch.tensor([self._prev.sent if self._prev else 0, self._next.sent if self._next else 0],
+                            dtype=torch.int64, device=self._wire)
+        counts = [torch.empty_like(mine) for _ in self._ranks]
+        dist.all_gather(counts, mine, group=self.group)
+        if self._prev is not None:
+            self._prev.drain(int(counts[self._prev.peer_stage][1]))
+        if self._next is not None:
+            self._next.drain(int(counts[self._next.peer_stage][0]))
+
+
+def _detached(value: TensorOrTensors) -> TensorOrTensors:
+    return tuple(t.detach() for t in value) if isinstance(value, tuple) else value.detach()

@@ -1,0 +1,769 @@
+"""decentpy.AsyncPipe on gloo workers, checked against the unpipelined model in one process.
+
+The reference is always plain PyTorch: the same ``nn.Sequential`` (same seed) run in each worker
+on the whole batch, with ``loss.backward()`` and ``torch.optim.SGD``; ``nn.BatchNorm1d`` on the
+whole batch for DeferredBatchNorm; ``checkpoint="never"`` for the dropout masks of a recomputed
+forward (whose draws must equal the first forward's).
+
+One spawn per world size (2, 3, 4) runs every scenario and returns all results (a scenario that
+raises records its traceback instead of stopping the others); the tests only assert on the
+cached results, so a failure names its scenario and configuration.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dist_harness import run_workers, single_process_group, torchrun
+
+CHUNKS = (1, 2, 4, 7)
+CHECKPOINTS = ("never", "except_last", "always")
+DRIVERS = ("forward", "gpipe", "1f1b")  # forward: fairscale's `out = pipe(x)` + loss.backward()
+BALANCES = {2: [3, 2], 3: [2, 2, 1], 4: [1, 1, 2, 1]}
+BATCH = 10  # chunks 4 and 7 do not divide it; with 4 stages, chunks 1 and 2 give fewer micro-batches
+TOL = {torch.float64: 1e-10, torch.float32: 2e-6}  # max abs error vs the reference (values ~1)
+TIMEOUT_S = 15.0  # the pipe's own wait bound in these tests
+
+
+# --- models ---------------------------------------------------------------------------------------
+
+
+def mlp(dtype: torch.dtype = torch.float64, seed: int = 0) -> nn.Sequential:
+    """Five layers (Linear, Tanh, Linear, ReLU, Linear): 6 -> 3."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).to(dtype)
+
+
+def data(n: int = BATCH, dtype: torch.dtype = torch.float64, seed: int = 1) -> Tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g, dtype=dtype), torch.randn(n, 3, generator=g, dtype=dtype)
+
+
+def mse(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).mean()
+
+
+class Counter(nn.Module):
+    """Identity that counts its calls (forwards and recomputations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: Any) -> Any:
+        self.calls += 1
+        return x
+
+
+class SplitSign(nn.Module):
+    """Tensor -> (tensor, int64 count of positives per row, bool mask): non-float tensors and a
+    tuple cross the next boundary."""
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        return x, (x > 0).sum(1), x > 0.5
+
+
+class Join(nn.Module):
+    """(h, counts, mask) -> h * (1 + counts) + mask: uses every element of the tuple."""
+
+    def forward(self, xs: Tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        h, counts, mask = xs
+        return h * (1 + counts.unsqueeze(1).to(h.dtype)) + mask.to(h.dtype)
+
+
+class Boom(nn.Module):
+    """Raises in forward (``when="forward"``) or in backward (``"backward"``) while ``armed``."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__()
+        self.when, self.armed = when, False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed and self.when == "forward":
+            raise ValueError("boom in forward")
+        return _RaiseInBackward.apply(x) if self.armed else x
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        raise ValueError("boom in backward")
+
+
+class InPlace(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.add_(1.0)
+
+
+# --- helpers run in the workers -----------------------------------------------------------------------
+
+
+def make_pipe(module: Any, balance: Sequence[int], **kw: Any) -> Any:
+    from decentpy import AsyncPipe
+
+    kw.setdefault("timeout", TIMEOUT_S)
+    return AsyncPipe(module, list(balance), **kw)
+
+
+def drive(pipe: Any, x: Tensor, y: Tensor, driver: str) -> Optional[Tensor]:
+    """One training step's forward and backward; the output (final stage) or None."""
+    if driver == "forward":
+        out = pipe(x if pipe.stage == 0 else None)
+        if pipe.final_stage:
+            if out.requires_grad:  # not in eval mode / under no_grad
+                mse(out, y).backward()
+            return out.detach()
+        pipe.back_helper(out)
+        return None
+    loss = pipe.train_step(x, y, mse, schedule=driver)
+    return loss
+
+
+def stage_params(pipe: Any, ref: nn.Sequential) -> List[Tuple[str, Tensor, Tensor]]:
+    """(name, the pipe's parameter, the reference's) for this rank's layers (names as in the model)."""
+    refp = dict(ref.named_parameters())
+    return [(n, p, refp[n]) for n, p in pipe.partition.named_parameters()] if pipe.partition is not None else []
+
+
+def max_err(pairs: Sequence[Tuple[Optional[Tensor], Optional[Tensor]]]) -> float:
+    err = 0.0
+    for a, b in pairs:
+        if a is None or b is None:
+            return float("inf") if (a is None) != (b is None) else err
+        err = max(err, (a.double() - b.double()).abs().max().item())
+    return err
+
+
+def guarded(fn: Callable[..., Any], *args: Any) -> Any:
+    """A scenario's result, or its traceback (the other scenarios go on)."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc()}
+
+
+def expect_failure(fn: Callable[[], Any]) -> Dict[str, Any]:
+    """Run ``fn`` (every rank), which should raise; what was raised and how long it took."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        from decentpy import PipelineError
+
+        return {"raised": type(exc).__name__, "text": str(exc), "pipeline_error": isinstance(exc, PipelineError),
+                "stage": getattr(exc, "stage", None), "seconds": time.monotonic() - t0}
+    return {"raised": None, "seconds": time.monotonic() - t0}
+
+
+# --- scenarios ---------------------------------------------------------------------------------------
+
+
+def sc_matrix(rank: int, world: int) -> Dict[str, float]:
+    """Every chunks x checkpoint x driver x dtype: max error of this stage's gradients and of the
+    output / loss vs the reference."""
+    out: Dict[str, float] = {}
+    balance = BALANCES[world]
+    for dtype in (torch.float64, torch.float32):
+        x, y = data(dtype=dtype)
+        ref = mlp(dtype)
+        ref_out = ref(x)
+        ref_loss = mse(ref_out, y)
+        ref_loss.backward()
+        for driver in DRIVERS:
+            for chunks in CHUNKS:
+                for ckpt in CHECKPOINTS:
+                    pipe = make_pipe(mlp(dtype), balance, chunks=chunks, checkpoint=ckpt)
+                    result = drive(pipe, x, y, driver)
+                    pairs = [(p.grad, r.grad) for _, p, r in stage_params(pipe, ref)]
+                    if pipe.final_stage:
+                        pairs.append((result, ref_out.detach() if driver == "forward" else ref_loss.detach()))
+                    out[f"{driver}/{chunks}/{ckpt}/{str(dtype)[6:]}"] = max_err(pairs)
+    return out
+
+
+def sc_training(rank: int, world: int) -> Dict[str, float]:
+    """Four SGD (momentum) steps per stage, batches of changing size, vs single-process training."""
+    out: Dict[str, float] = {}
+    for driver in DRIVERS:
+        ref = mlp()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        pipe = make_pipe(mlp(), BALANCES[world], chunks=3, checkpoint="except_last", schedule="1f1b")
+        params = list(pipe.parameters())  # a stage may have none (Tanh alone)
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9) if params else None
+        for k, n in enumerate((10, 6, 13, 2)):
+            x, y = data(n, seed=10 + k)
+            ref_opt.zero_grad()
+            mse(ref(x), y).backward()
+            ref_opt.step()
+            if opt is not None:
+                opt.zero_grad()
+            drive(pipe, x, y, driver)
+            if opt is not None:
+                opt.step()
+        out[driver] = max_err([(p, r) for _, p, r in stage_params(pipe, ref)])
+    return out
+
+
+def sc_tuples(rank: int, world: int) -> Dict[str, float]:
+    """A tuple with int64 and bool tensors crosses a boundary; batch size changes between steps."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 5), SplitSign(), Join(), nn.Linear(5, 3)).double()
+
+    balance = {2: [2, 2], 3: [2, 1, 1], 4: [1, 1, 1, 1]}[world]
+    out: Dict[str, float] = {}
+    for driver in DRIVERS:
+        for n in (10, 5):
+            x, y = data(n, seed=n)
+            ref = model()
+            ref_out = ref(x)
+            mse(ref_out, y).backward()
+            pipe = make_pipe(model(), balance, chunks=3)
+            result = drive(pipe, x, y, driver)
+            pairs = [(p.grad, r.grad) for _, p, r in stage_params(pipe, ref)]
+            if pipe.final_stage:
+                pairs.append((result, ref_out.detach() if driver == "forward" else mse(ref_out, y).detach()))
+            out[f"{driver}/batch{n}"] = max_err(pairs)
+    return out
+
+
+def sc_dropout(rank: int, world: int) -> Dict[str, float]:
+    """Dropout in every stage: checkpointed runs (recomputed before backward) vs checkpoint="never"
+    with the same seeds: the same masks, so the same output and gradients."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(5)
+        layers: List[nn.Module] = []
+        for _ in range(world):
+            layers += [nn.Linear(6, 6), nn.Dropout(0.5)]
+        return nn.Sequential(*layers).double()
+
+    x = torch.randn(12, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    y = torch.randn(12, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    out: Dict[str, float] = {}
+    for driver in DRIVERS:
+        runs = {}
+        for ckpt in CHECKPOINTS:
+            pipe = make_pipe(model(), [2] * world, chunks=4, checkpoint=ckpt)
+            torch.manual_seed(100 + rank)
+            result = drive(pipe, x, y, driver)
+            runs[ckpt] = ([p.grad for p in pipe.parameters()], result)
+        base_grads, base_out = runs["never"]
+        for ckpt in ("except_last", "always"):
+            grads, result = runs[ckpt]
+            pairs = list(zip(grads, base_grads)) + ([(result, base_out)] if result is not None else [])
+            out[f"{driver}/{ckpt}"] = max_err(pairs)
+        # the masks are random (a zero-dropout run would differ): guards against a vacuous check
+        pipe = make_pipe(model(), [2] * world, chunks=4, checkpoint="never")
+        torch.manual_seed(200 + rank)
+        drive(pipe, x, y, driver)
+        out[f"{driver}/other_seed_differs"] = max_err(list(zip([p.grad for p in pipe.parameters()], base_grads)))
+    return out
+
+
+def sc_calls(rank: int, world: int) -> Dict[str, Any]:
+    """How often each stage's layers run: m per mini-batch, plus one recomputation per
+    checkpointed micro-batch in training; none in eval or under no_grad, where no graph is built."""
+    m = 4
+    out: Dict[str, Any] = {}
+    for ckpt in CHECKPOINTS:
+        for mode in ("train", "eval", "no_grad"):
+            for driver in DRIVERS:
+                layers: List[nn.Module] = []
+                for _ in range(world):
+                    layers += [Counter(), nn.Linear(6, 6)]
+                torch.manual_seed(0)
+                pipe = make_pipe(nn.Sequential(*layers).double(), [2] * world, chunks=m, checkpoint=ckpt)
+                x, _ = data(8)
+                y = torch.zeros(8, 6, dtype=torch.float64)
+                if mode == "eval":
+                    pipe.eval()
+                ctx = torch.no_grad() if mode == "no_grad" else torch.enable_grad()
+                with ctx:
+                    if driver == "forward":
+                        res = pipe(x if pipe.stage == 0 else None)
+                        graph = any(t.requires_grad or t.grad_fn is not None
+                                    for t in (res if isinstance(res, list) else [res]))
+                        if pipe.final_stage and mode == "train":
+                            mse(res, y).backward()
+                        elif mode == "train":
+                            pipe.back_helper(res)
+                    else:
+                        res = pipe.train_step(x, y, mse, schedule=driver)
+                        graph = res is not None and (res.requires_grad or res.grad_fn is not None)
+                out[f"{ckpt}/{mode}/{driver}"] = (pipe[0].calls, graph)
+    return out
+
+
+def sc_batchnorm(rank: int, world: int) -> Dict[str, float]:
+    """deferred_batch_norm=True: after two mini-batches (chunks 4, not dividing the batch; every
+    micro-batch recomputed for its backward) each stage's running statistics equal those of an
+    nn.BatchNorm1d fed the whole mini-batch that reached the layer (its micro-batches joined)."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(9)
+        layers: List[nn.Module] = []
+        for _ in range(world):
+            layers += [nn.Linear(6, 6), nn.BatchNorm1d(6, momentum=0.3)]
+        return nn.Sequential(*layers)
+
+    pipe = make_pipe(model(), [2] * world, chunks=4, deferred_batch_norm=True, checkpoint="always")
+    bn = pipe[1]
+    ref = nn.BatchNorm1d(6, momentum=0.3)
+    seen: List[Tensor] = []
+    bn.register_forward_pre_hook(lambda _m, args: seen.append(args[0].detach().clone()))
+    for k in range(2):
+        x = torch.randn(10, 6, generator=torch.Generator().manual_seed(20 + k)) * 3 + 1
+        y = torch.randn(10, 6, generator=torch.Generator().manual_seed(30 + k))
+        seen.clear()
+        drive(pipe, x, y, "gpipe")
+        assert len(seen) == 8, len(seen)  # 4 forwards + 4 recomputations
+        ref(torch.cat(seen[:4]))  # the micro-batches' first forwards make up the mini-batch
+    return {"stats": max_err([(bn.running_mean, ref.running_mean), (bn.running_var, ref.running_var)]),
+            "tracked": float(int(bn.num_batches_tracked) != int(ref.num_batches_tracked)),
+            "deferred": float(type(bn).__name__ != "DeferredBatchNorm"),
+            "moved": max_err([(bn.running_mean, torch.zeros(6))])}
+
+
+def sc_failures(rank: int, world: int) -> Dict[str, Any]:
+    """An exception in a stage reaches every rank as an exception naming the stage, in time."""
+    out: Dict[str, Any] = {}
+    last = world - 1
+    cases = [("last_forward_eval", last, "forward", "eval"), ("last_forward_train", last, "forward", "train"),
+             ("first_forward_train", 0, "forward", "train"), ("last_backward_train", last, "backward", "train"),
+             ("first_backward_train", 0, "backward", "train")]
+    if world > 2:
+        cases.append(("middle_backward_train", 1, "backward", "train"))
+    for name, where, when, mode in cases:
+        for driver in DRIVERS:
+            layers: List[nn.Module] = []
+            for s in range(world):
+                layers += [nn.Linear(6, 6), Boom(when)]
+            torch.manual_seed(0)
+            pipe = make_pipe(nn.Sequential(*layers).double(), [2] * world, chunks=3)
+            if pipe.stage == where:
+                pipe[1].armed = True
+            if mode == "eval":
+                pipe.eval()
+            x, _ = data(6)
+            y = torch.zeros(6, 6, dtype=torch.float64)
+            res = expect_failure(lambda: drive(pipe, x, y, driver))
+            # the stages read what the failed step left unread: the pipe goes on, in step
+            res["next_step"] = expect_failure(lambda: drive(pipe, x, y, driver))["raised"]
+            pipe[1].armed = False
+            res["recovered"] = expect_failure(lambda: drive(pipe, x, y, driver))["raised"]
+            out[f"{name}/{driver}"] = res
+    return out
+
+
+def sc_container(rank: int, world: int) -> Dict[str, Any]:
+    """len, indexing (negative too), iteration over this rank's layers; lazily built layers (a list
+    of callables is called only on the owning rank)."""
+    built: List[int] = []
+
+    def lazy(i: int) -> Callable[[], nn.Module]:
+        def make() -> nn.Module:
+            built.append(i)
+            return nn.Linear(6, 6)
+        return make
+
+    n = 2 * world
+    pipe = make_pipe([lazy(i) for i in range(n)], [2] * world)
+    mine = list(pipe)
+    res = {"len": len(pipe), "built": built, "iter_is_layers": [type(m).__name__ for m in mine],
+           "neg_index_is_last": pipe[-1] is mine[-1], "index0_is_first": pipe[0] is mine[0]}
+    try:
+        pipe[len(mine)]
+        res["out_of_range"] = None
+    except IndexError as exc:
+        res["out_of_range"] = str(exc)
+    return res
+
+
+def sc_idle_rank(rank: int, world: int) -> Dict[str, float]:
+    """Fewer stages than ranks: the last rank holds nothing, its forward returns its input, and it
+    takes part in every step's end."""
+    if world < 3:
+        return {}
+    balance = [3, 2] if world == 3 else [2, 2, 1]
+    x, y = data()
+    ref = mlp()
+    ref_out = ref(x)
+    mse(ref_out, y).backward()
+    out = {}
+    for driver in DRIVERS:
+        pipe = make_pipe(mlp(), balance, chunks=2)
+        result = drive(pipe, x, y, driver)
+        if pipe.stage is None:
+            out[driver] = float(len(pipe) != 0 or pipe.partition is not None)
+        else:
+            pairs = [(p.grad, r.grad) for _, p, r in stage_params(pipe, ref)]
+            if pipe.final_stage:
+                pairs.append((result, ref_out.detach() if driver == "forward" else mse(ref_out, y).detach()))
+            out[driver] = max_err(pairs)
+    return out
+
+
+def sc_hybrid(rank: int, world: int) -> Dict[str, float]:
+    """Two 2-stage pipelines side by side ({0, 1} and {2, 3}), each stage's two replicas averaging
+    gradients in their own group ({0, 2} and {1, 3}): equal to one model on both halves' batch."""
+    if world != 4:
+        return {}
+    pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, stage = rank // 2, rank % 2
+    x, y = data(12)
+    ref = mlp()
+    mse(ref(x), y).backward()
+    out = {}
+    for driver in DRIVERS:
+        pipe = make_pipe(mlp(), [3, 2], group=pipes[replica], chunks=3)
+        assert pipe.stage == stage
+        half = slice(6 * replica, 6 * replica + 6)
+        drive(pipe, x[half], y[half], driver)
+        for p in pipe.parameters():
+            dist.all_reduce(p.grad, group=dps[stage])
+            p.grad /= 2
+        out[driver] = max_err([(p.grad, r.grad) for _, p, r in stage_params(pipe, ref)])
+    return out
+
+
+def sc_bad_input(rank: int, world: int) -> Dict[str, Any]:
+    """Bad input that only some ranks see, or that needs the group: a clear error on every rank."""
+    out: Dict[str, Any] = {}
+    # arguments that differ between ranks
+    out["chunks_differ"] = expect_failure(lambda: make_pipe(mlp(), BALANCES[world], chunks=2 + (rank == 1)))
+    # not a tensor on the first stage: every rank raises (ERROR notices only, the pipe stays usable)
+    pipe = make_pipe(mlp(), BALANCES[world], chunks=2)
+    x, y = data()
+    for name, bad in (("list_input", [x]), ("str_input", "x"), ("scalar_input", torch.tensor(1.0)),
+                      ("ragged_tuple", (x, x[:3]))):
+        for driver in ("forward", "gpipe"):
+            res = expect_failure(lambda: drive(pipe, bad if pipe.stage == 0 else None, y, driver))  # noqa: B023
+            out[f"{name}/{driver}"] = res
+    loss = drive(pipe, x, y, "gpipe")
+    out["usable_after"] = max_err([(loss, mse(mlp()(x), y))]) if pipe.final_stage else 0.0
+    # in-place on an input that requires grad (the second stage's received activations)
+    torch.manual_seed(0)
+    layers: List[nn.Module] = [nn.Linear(6, 6)] + [InPlace() if s == 1 else nn.Linear(6, 6) for s in range(1, world)]
+    pipe = make_pipe(nn.Sequential(*layers).double(), [1] * world, chunks=2)
+    out["inplace"] = expect_failure(lambda: drive(pipe, x, torch.zeros(10, 6, dtype=torch.float64), "gpipe"))
+    # a loss that is not a scalar
+    pipe = make_pipe(mlp(), BALANCES[world], chunks=2)
+    out["loss_not_scalar"] = expect_failure(lambda: pipe.train_step(x, y, lambda o, t: (o - t) ** 2))
+    # the final stage runs forward twice without a backward in between
+    pipe = make_pipe(mlp(), BALANCES[world], chunks=2)
+
+    def twice() -> None:
+        for _ in range(2):
+            out_ = pipe(x if pipe.stage == 0 else None)
+            if not pipe.final_stage:
+                pipe.back_helper(out_)
+
+    out["forward_twice"] = expect_failure(twice)
+    out["forward_twice_then"] = expect_failure(lambda: drive(pipe, x, y, "forward"))["raised"]
+    return out
+
+
+def sc_memory(rank: int, world: int) -> Dict[str, Any]:
+    """Activation memory per stage (bytes autograd holds for backward, ActivationMeter): GPipe
+    keeps all m micro-batches alive, 1F1B at most S - s on stage s."""
+    from decentpy.pipeline import ActivationMeter
+
+    m, width = 8, 32
+    torch.manual_seed(0)
+    layers: List[nn.Module] = []
+    for _ in range(world):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    x = torch.randn(4 * m, width)
+    y = torch.zeros(4 * m, width)
+    out: Dict[str, Any] = {}
+    for name in ("gpipe", "1f1b"):
+        pipe = make_pipe(nn.Sequential(*layers), [2] * world, chunks=m, checkpoint="never")
+        with ActivationMeter() as meter:
+            pipe.train_step(x, y, mse, schedule=name)
+        out[name] = (meter.peak_bytes, meter.live_bytes)
+    # one micro-batch's worth: the same stage on a single micro-batch
+    pipe = make_pipe(nn.Sequential(*layers), [2] * world, chunks=1, checkpoint="never")
+    with ActivationMeter() as meter:
+        pipe.train_step(x[:4], y[:4], mse)
+    out["one"] = meter.peak_bytes
+    return out
+
+
+SCENARIOS: Dict[str, Callable[[int, int], Any]] = {
+    "memory": sc_memory,
+    "matrix": sc_matrix, "training": sc_training, "tuples": sc_tuples, "dropout": sc_dropout,
+    "calls": sc_calls, "batchnorm": sc_batchnorm, "failures": sc_failures, "container": sc_container,
+    "idle_rank": sc_idle_rank, "hybrid": sc_hybrid, "bad_input": sc_bad_input,
+}
+
+
+def pipeline_worker(rank: int, world: int) -> Dict[str, Any]:
+    return {name: guarded(fn, rank, world) for name, fn in SCENARIOS.items()}
+
+
+_CACHE: Dict[int, List[Dict[str, Any]]] = {}
+
+
+def results(world: int) -> List[Dict[str, Any]]:
+    if world not in _CACHE:
+        _CACHE[world] = run_workers(pipeline_worker, world, timeout=420, pg_timeout_s=60)
+    return _CACHE[world]
+
+
+def scenario(world: int, name: str) -> List[Any]:
+    res = [r[name] for r in results(world)]
+    errors = [f"rank {r}:\n{v['error']}" for r, v in enumerate(res) if isinstance(v, dict) and "error" in v]
+    assert not errors, f"scenario {name} raised:\n" + "\n".join(errors)
+    return res
+
+
+WORLDS = (2, 3, 4)
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_gradients_and_output_equal_unpipelined(world: int, dtype: str) -> None:
+    tol = TOL[getattr(torch, dtype)]
+    bad = {}
+    for rank, res in enumerate(scenario(world, "matrix")):
+        for key, err in res.items():
+            if key.endswith(dtype) and not err <= tol:
+                bad[f"rank {rank} {key}"] = err
+    checked = sum(key.endswith(dtype) for key in results(world)[0]["matrix"])
+    assert checked == len(DRIVERS) * len(CHUNKS) * len(CHECKPOINTS), checked
+    assert not bad, f"max abs error above {tol}: {bad}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_training_matches_single_process(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "training")):
+        assert set(res) == set(DRIVERS)
+        for driver, err in res.items():
+            assert err <= 1e-10, (rank, driver, err)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_tuples_and_integer_tensors_cross_boundaries(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "tuples")):
+        assert len(res) == 2 * len(DRIVERS)
+        for key, err in res.items():
+            assert err <= 1e-10, (rank, key, err)
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_dropout_recomputed_with_the_same_mask(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "dropout")):
+        for key, err in res.items():
+            if key.endswith("other_seed_differs"):
+                assert err > 1e-3, (rank, key, err)  # the masks really are random
+            else:
+                assert err <= 1e-12, (rank, key, err)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_recomputation_only_when_training(world: int) -> None:
+    m = 4
+    expected = {"never": m, "except_last": 2 * m - 1, "always": 2 * m}
+    for rank, res in enumerate(scenario(world, "calls")):
+        for key, (calls, graph) in res.items():
+            ckpt, mode, driver = key.split("/")
+            want = expected[ckpt] if mode == "train" else m
+            assert calls == want, (rank, key, calls, want)
+            if mode != "train":
+                assert not graph, (rank, key, "a graph was built")
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_deferred_batch_norm_equals_full_batch(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "batchnorm")):
+        assert res["deferred"] == 0.0 and res["tracked"] == 0.0, res
+        assert res["stats"] <= 1e-4, (rank, res)
+        assert res["moved"] > 1e-2, (rank, res)  # the statistics did move (a non-vacuous comparison)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_failures_reach_every_rank(world: int) -> None:
+    res = scenario(world, "failures")
+    for key in res[0]:
+        where = int(next(r[key]["stage"] for r in res if r[key]["pipeline_error"]))
+        for rank, per in enumerate(res):
+            got = per[key]
+            assert got["raised"] is not None, (key, rank, "did not raise")
+            assert got["seconds"] < TIMEOUT_S, (key, rank, got)  # no rank waited for a timeout
+            if rank == where:
+                assert got["raised"] == "ValueError" and "boom" in got["text"], (key, rank, got)
+            else:
+                assert got["pipeline_error"] and got["stage"] == where, (key, rank, got)
+                assert "boom" in got["text"] and f"stage {where}" in got["text"], (key, rank, got)
+        # the pipe goes on: the next step fails in the same way (still armed), then one succeeds
+        assert {r[key]["next_step"] for r in res} == {"ValueError", "PipelineError"}, key
+        assert {r[key]["recovered"] for r in res} == {None}, key
+
+
+@pytest.mark.parametrize("world", (3, 4))
+def test_activation_memory_gpipe_vs_1f1b(world: int) -> None:
+    for stage, res in enumerate(scenario(world, "memory")):
+        one, m = res["one"], 8
+        assert one > 0, res
+        assert res["gpipe"][1] == 0 and res["1f1b"][1] == 0, res  # nothing left after the step
+        assert res["gpipe"][0] >= m * one * 0.95, (stage, res)
+        assert res["1f1b"][0] <= (world - stage) * one * 1.05, (stage, res)
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_container_api_and_lazy_layers(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "container")):
+        assert res["len"] == 2 and res["built"] == [2 * rank, 2 * rank + 1], res
+        assert res["iter_is_layers"] == ["Linear", "Linear"] and res["neg_index_is_last"] and res["index0_is_first"]
+        assert res["out_of_range"] and "2 layers" in res["out_of_range"], res
+
+
+@pytest.mark.parametrize("world", (3, 4))
+def test_idle_rank(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "idle_rank")):
+        assert set(res) == set(DRIVERS)
+        for driver, err in res.items():
+            assert err <= 1e-10, (rank, driver, err)
+
+
+def test_pipelines_side_by_side_with_data_parallel_groups() -> None:
+    for rank, res in enumerate(scenario(4, "hybrid")):
+        assert set(res) == set(DRIVERS)
+        for driver, err in res.items():
+            assert err <= 1e-10, (rank, driver, err)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_bad_input_raises_on_every_rank(world: int) -> None:
+    res = scenario(world, "bad_input")
+    for rank, per in enumerate(res):
+        got = per["chunks_differ"]
+        assert got["raised"] == "ValueError" and "chunks" in got["text"], (rank, got)
+        for key, got in per.items():
+            if "/" not in key:
+                continue
+            if rank == 0:
+                assert got["raised"] in ("TypeError", "ValueError") and "input" in got["text"], (rank, key, got)
+            else:
+                assert got["pipeline_error"] and got["stage"] == 0, (rank, key, got)
+        assert per["usable_after"] <= 1e-12, per["usable_after"]
+        got = per["inplace"]
+        if rank == 1:
+            assert got["raised"] == "RuntimeError" and "in place" in got["text"], got
+        else:
+            assert got["pipeline_error"] and got["stage"] == 1, (rank, got)
+        got = per["loss_not_scalar"]
+        if rank == world - 1:
+            assert got["raised"] == "TypeError" and "scalar" in got["text"], got
+        else:
+            assert got["pipeline_error"], (rank, got)
+        got = per["forward_twice"]
+        assert got["raised"] is not None and got["seconds"] < TIMEOUT_S, (rank, got)
+        assert "backward" in got["text"], got
+        assert per["forward_twice_then"] is None, per  # the pipe goes on with the next step
+
+
+# --- bad construction: local checks, no group needed beyond this process -------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> Any:
+    with single_process_group("gloo"):
+        yield
+
+
+@pytest.mark.parametrize("module, balance, kw, error, words", [
+    (nn.Linear(2, 2), [1], {}, TypeError, "nn.Sequential or a list"),
+    ([nn.Linear(2, 2), 3], [2], {}, TypeError, "layer 1"),
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1], {}, ValueError, "sums to 1 layers but the module has 2"),
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [2, 0], {}, ValueError, "non-positive"),
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1, 1], {}, ValueError, "2 partitions but the pipe's group has only 1"),
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [], {}, ValueError, "empty"),
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1.5, 0.5], {}, TypeError, "ints"),
+    (nn.Sequential(nn.Linear(2, 2)), [1], {"chunks": 0}, ValueError, "chunks must be a positive int"),
+    (nn.Sequential(nn.Linear(2, 2)), [1], {"chunks": 2.0}, ValueError, "chunks must be a positive int"),
+    (nn.Sequential(nn.Linear(2, 2)), [1], {"checkpoint": "sometimes"}, ValueError,
+     "'always', 'except_last', 'never'"),
+    (nn.Sequential(nn.Linear(2, 2)), [1], {"schedule": "zigzag"}, ValueError, "'gpipe', '1f1b'"),
+])
+def test_bad_construction(one_rank: Any, module: Any, balance: list, kw: dict, error: type, words: str) -> None:
+    from decentpy import AsyncPipe
+
+    with pytest.raises(error, match=None) as info:
+        AsyncPipe(module, balance, **kw)
+    assert words in str(info.value), str(info.value)
+
+
+def test_same_layer_in_two_stages_refused() -> None:
+    from decentpy.pipeline.layers import check_no_shared_layers, layer_list
+
+    shared = nn.Linear(2, 2)
+    layers = layer_list(nn.Sequential(shared, nn.ReLU(), shared))
+    with pytest.raises(ValueError, match="same module as layer 0"):
+        check_no_shared_layers(layers, [2, 1])
+    check_no_shared_layers(layers, [3])  # within one stage it is fine (shared parameters, one process)
+
+
+def test_schedules_order_and_memory() -> None:
+    """The schedules every rank computes: each micro-batch's forward before its backward, every
+    micro-batch once; 1F1B keeps at most S - s micro-batches alive on stage s, GPipe all."""
+    from decentpy.pipeline.schedule import SCHEDULES, max_alive
+
+    for stages in (1, 2, 3, 4):
+        for m in (1, 2, 3, 7, 16):
+            for stage in range(stages):
+                for name, fn in SCHEDULES.items():
+                    acts = fn(m, stages, stage)
+                    fwd = [a.mb for a in acts if a.forward]
+                    bwd = [a.mb for a in acts if not a.forward]
+                    assert fwd == list(range(m)) and sorted(bwd) == list(range(m)), (name, acts)
+                    assert all(acts.index(next(a for a in acts if a.forward and a.mb == j)) <
+                               acts.index(next(a for a in acts if not a.forward and a.mb == j)) for j in range(m))
+                    want = m if name == "gpipe" else min(m, stages - stage)
+                    assert max_alive(acts) == want, (name, stages, m, stage, acts)
+
+
+def test_microbatch_split_and_join() -> None:
+    from decentpy.pipeline.microbatch import gather, scatter
+
+    x = torch.arange(20.0).reshape(10, 2)
+    idx = torch.arange(10)
+    for chunks in (1, 3, 4, 10, 16):
+        parts = scatter((x, idx), chunks)
+        assert len(parts) == min(chunks, 10)
+        sizes = [p[0].shape[0] for p in parts]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+        joined = gather(parts)
+        assert torch.equal(joined[0], x) and torch.equal(joined[1], idx)
+
+
+def test_example_trains_under_torchrun() -> None:
+    """examples/pipeline_digits.py, 2 stages under torchrun: the loss falls and the pipelined
+    model classifies the held-out digits."""
+    import os
+    import re
+
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
+                          "pipeline_digits.py")
+    proc = torchrun(script, 2, {}, timeout=240, args=["--epochs", "3"])
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    text = proc.stdout + proc.stderr
+    losses = [float(v) for v in re.findall(r"train loss ([0-9.]+)", text)]
+    acc = re.search(r"test accuracy ([0-9.]+)", text)
+    assert len(losses) == 3 and losses[-1] < losses[0] * 0.5, text[-2000:]
+    assert acc is not None and float(acc.group(1)) > 0.8, text[-2000:]
