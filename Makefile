@@ -6,6 +6,8 @@
 #   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...)
 #   make bench-shard        sharded data parallel: decentpy OSS+ShardedDataParallel vs torch ZeRO vs DDP vs
 #                           fairscale (2 and 4 workers; BENCH_ARGS=...)
+#   make bench-pipe         pipeline parallelism: decentpy AsyncPipe vs torch.distributed.pipelining (GPipe, 1F1B)
+#                           vs one process (2 and 4 stages, chunks 1..16; BENCH_ARGS=...)
 #   make bench-convergence  fixed-budget accuracy of each topology x optimizer vs DDP on digits
 #   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
@@ -108,7 +110,7 @@ bench: $(BUILD_STAMP)
 	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-train bench-shard bench-convergence runtime-model
+.PHONY: bench-train bench-shard bench-pipe bench-convergence runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py $(BENCH_ARGS)
@@ -118,6 +120,10 @@ bench-train: $(BUILD_STAMP)
 bench-shard: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) --no-deps "fairscale==$(FAIRSCALE_VERSION)"
 	OMP_NUM_THREADS=1 $(PY) bench/bench_shard.py $(BENCH_ARGS)
+
+bench-pipe: $(BUILD_STAMP)
+	$(PIP) install $(PIP_Q) matplotlib
+	OMP_NUM_THREADS=1 $(PY) bench/bench_pipe.py $(BENCH_ARGS)
 
 bench-convergence: $(BUILD_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_convergence.py $(BENCH_ARGS)

@@ -501,7 +501,53 @@ def sc_memory(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+def sc_transport(rank: int, world: int) -> Dict[str, Any]:
+    """Both wire formats (one buffer: gloo's; header then tensors: NCCL's, run here over gloo) carry
+    every dtype, empty and absent tensors, a header longer than HEADER_SLOTS, growing and
+    shrinking messages, in order."""
+    if world != 2:
+        return {}
+    from decentpy.pipeline.transport import DTYPES, HEADER_SLOTS, Kind, Link
+
+    g = torch.Generator().manual_seed(4)
+
+    def tensor(dtype: torch.dtype, shape: Tuple[int, ...]) -> Tensor:
+        t = torch.randn(shape, generator=g, dtype=torch.float64) * 50
+        if dtype.is_complex:
+            return torch.complex(t, -t).to(dtype)
+        return t.to(dtype) if dtype != torch.bool else t > 0
+
+    messages: List[Tuple[Kind, List[Optional[Tensor]]]] = [
+        (Kind.DATA, [tensor(d, (3, 2 + i % 3)) for i, d in enumerate(DTYPES)]),   # every dtype, in one message
+        (Kind.DATA, [tensor(torch.float32, (1, 2))]),                            # shrinks
+        (Kind.GRAD, [None, tensor(torch.float64, (500, 7)), torch.empty(0, 5)]),  # grows; absent and empty
+        (Kind.DATA, [tensor(torch.int64, (2,) * 7) for _ in range(6)]),           # header > HEADER_SLOTS
+        (Kind.NOGRAD, []),
+    ]
+    out: Dict[str, Any] = {}
+    for one_buffer in (True, False):
+        link = Link(1 - rank, 1 - rank, rank, dist.group.WORLD, torch.device("cpu"), one_buffer,
+                    datetime.timedelta(seconds=TIMEOUT_S))
+        ok = []
+        for j, (kind, tensors) in enumerate(messages):
+            if rank == 0:
+                link.send(kind, j, len(messages), tensors, [t is not None and t.is_floating_point() for t in tensors])
+                continue
+            msg = link.recv(f"message {j}")
+            same = msg.kind == kind and msg.mb == j and msg.count == len(messages) and len(msg.tensors) == len(tensors)
+            for a, b in zip(msg.tensors, tensors):
+                same = same and ((a is None and b is None) or
+                                 (a is not None and b is not None and a.dtype == b.dtype and torch.equal(a, b)))
+            ok.append(same)
+        link.finish()
+        dist.barrier()
+        out["one_buffer" if one_buffer else "parts"] = ok
+    out["long_header"] = 5 + sum(4 + 7 for _ in range(6)) > HEADER_SLOTS
+    return out
+
+
 SCENARIOS: Dict[str, Callable[[int, int], Any]] = {
+    "transport": sc_transport,
     "memory": sc_memory,
     "matrix": sc_matrix, "training": sc_training, "tuples": sc_tuples, "dropout": sc_dropout,
     "calls": sc_calls, "batchnorm": sc_batchnorm, "failures": sc_failures, "container": sc_container,
@@ -613,6 +659,12 @@ def test_failures_reach_every_rank(world: int) -> None:
         # the pipe goes on: the next step fails in the same way (still armed), then one succeeds
         assert {r[key]["next_step"] for r in res} == {"ValueError", "PipelineError"}, key
         assert {r[key]["recovered"] for r in res} == {None}, key
+
+
+def test_transport_wire_formats() -> None:
+    res = scenario(2, "transport")[1]  # the receiving rank
+    assert res["long_header"], res
+    assert res["one_buffer"] == [True] * 5 and res["parts"] == [True] * 5, res
 
 
 @pytest.mark.parametrize("world", (3, 4))

@@ -172,10 +172,10 @@ class AsyncPipe(nn.Module):
         self._next: Optional[Link] = None
         if self.stage is not None and self.stage > 0:
             self._prev = Link(self._ranks[self.stage - 1], self.stage - 1, self.stage, self.group, self._wire,
-                              self._wire, self.timeout)
+                              not nccl, self.timeout)
         if self.stage is not None and not self.final_stage:
             self._next = Link(self._ranks[self.stage + 1], self.stage + 1, self.stage, self.group, self._wire,
-                              self._wire, self.timeout)
+                              not nccl, self.timeout)
         self._broken: Optional[str] = None
         self._pending: Optional[_Step] = None   # the final stage's step waiting for its user-driven backward
 

@@ -2,12 +2,22 @@
 
 Every rank computes the same schedule, so each receive knows its source (the stage before or
 after) and the order of its messages: no tags, no receive-from-any-source (which NCCL lacks).
-A message is a header -- an int64 tensor: its kind, micro-batch, the step's micro-batch count,
-and per tensor whether it is present, its dtype, whether it requires grad and its shape -- then
-the tensors themselves, each sent as its raw bytes (any dtype, any shape; shapes may change from
-batch to batch). Headers have a fixed size (:data:`HEADER_SLOTS`); a longer one (many tensors or
-dimensions) continues in a second message. Sends are asynchronous (the buffers stay alive until
-the step ends); every receive is bounded by the pipe's timeout.
+A message is a header -- int64 values: its kind, micro-batch, the step's micro-batch count, and
+per tensor whether it is present, its dtype, whether it requires grad and its shape -- and the
+tensors' raw bytes (any dtype, any shape; shapes may change from batch to batch). Sends are
+asynchronous (the buffers stay alive until the step ends); every receive is bounded by the pipe's
+timeout. Two wire formats, chosen by the backend:
+
+* **one buffer** (gloo): header and tensors travel as one message, ``[header | tensor 0 | ...]``
+  (each part 16-byte aligned; the received tensors are views of the buffer). Gloo accepts a
+  message shorter than the receive buffer, so the receiver posts a buffer of the link's
+  *capacity*: the largest message sent on it so far, which both sides know without talking. A
+  message larger than that is announced by a header-only ``GROW`` message first. One handshake
+  per message: under CPU contention each handshake costs a scheduling delay, so this is what
+  keeps the pipe as fast as torch's pre-shaped stages.
+* **header, then tensors** (NCCL, whose send and receive sizes must match): a fixed-size header
+  (:data:`HEADER_SLOTS`, a continuation when longer), read back to the host to size the receive
+  buffers, then one message per tensor.
 
 Kinds: ``DATA`` (a micro-batch's activations, downstream), ``GRAD`` (the gradients of a stage's
 inputs, upstream), ``NOGRAD`` (no gradient will come for that micro-batch: its backward did not
@@ -34,6 +44,7 @@ __all__ = ["Kind", "Message", "Link", "HEADER_SLOTS"]
 
 HEADER_SLOTS = 32
 _FIXED = 5  # kind, micro-batch, count, tensors, total header length
+_ALIGN = 16  # byte alignment of every part of a one-buffer message (the widest element: complex128)
 
 # dtype codes: positions in this tuple (the same on every rank: part of the wire format)
 DTYPES: Tuple[torch.dtype, ...] = (
@@ -48,6 +59,7 @@ class Kind(enum.IntEnum):
     GRAD = 2
     NOGRAD = 3
     ERROR = 4
+    GROW = 5  # one-buffer wire only: the next message is larger than the link's capacity (mb field: its size)
 
 
 @dataclass
@@ -100,41 +112,83 @@ def _bytes(t: Tensor) -> Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _layout(header_slots: int, specs: Sequence[Optional[Tuple[torch.dtype, Any]]]) -> Tuple[List[int], int]:
+    """Byte offsets of the tensors of a one-buffer message, and its total size."""
+    offsets: List[int] = []
+    at = _aligned(8 * max(header_slots, HEADER_SLOTS))
+    for spec in specs:
+        offsets.append(at)
+        if spec is not None:
+            dtype, shape = spec
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            at += _aligned(numel * dtype.itemsize)
+    return offsets, at
+
+
 @dataclass
 class Link:
     """This stage's connection to one neighbour (``peer``: its global rank; ``peer_stage``: its
     stage), on ``group``. Tensors travel on ``device`` (the CPU for gloo, the current GPU for
-    NCCL) and headers on ``meta_device`` (the same; NCCL's headers are read back to the host: their
-    shapes size the receive buffers)."""
+    NCCL); ``one_buffer`` picks the wire format (see the module's docstring)."""
 
     peer: int
     peer_stage: int
     stage: int
     group: Any
     device: torch.device
-    meta_device: torch.device
+    one_buffer: bool
     timeout: datetime.timedelta
     _inflight: List[Tuple[Any, Tensor]] = field(default_factory=list)
-    sent: int = 0      # messages sent to the peer this step (every kind)
+    sent: int = 0      # messages sent to the peer this step (every kind but GROW)
     received: int = 0  # messages received from it this step
+    # one-buffer wire: the largest message each direction has carried (the same on both sides)
+    send_capacity: int = 8 * HEADER_SLOTS
+    recv_capacity: int = 8 * HEADER_SLOTS
 
     # -- sending -----------------------------------------------------------------------------
     def _isend(self, t: Tensor) -> None:
         work = dist.isend(t, dst=self.peer, group=self.group)
         self._inflight.append((work, t))  # the buffer must outlive the send
 
+    def _header(self, values: List[int]) -> Tensor:
+        return torch.tensor(values + [0] * max(0, HEADER_SLOTS - len(values)), dtype=torch.int64)
+
     def send(self, kind: Kind, mb: int, count: int, tensors: Sequence[Optional[Tensor]],
              requires_grad: Optional[Sequence[bool]] = None) -> None:
         rg = list(requires_grad) if requires_grad is not None else [False] * len(tensors)
         values = encode(kind, mb, count, tensors, rg)
-        head = values + [0] * max(0, HEADER_SLOTS - len(values))
-        self._isend(torch.tensor(head[:HEADER_SLOTS], dtype=torch.int64, device=self.meta_device))
-        if len(values) > HEADER_SLOTS:
-            self._isend(torch.tensor(values[HEADER_SLOTS:], dtype=torch.int64, device=self.meta_device))
-        for t in tensors:
-            if t is not None and t.numel() > 0:
-                self._isend(_bytes(t.to(self.device)))
+        if self.one_buffer:
+            self._send_one_buffer(values, tensors)
+        else:
+            head = self._header(values).to(self.device)
+            self._isend(head[:HEADER_SLOTS])
+            if len(values) > HEADER_SLOTS:
+                self._isend(head[HEADER_SLOTS:])
+            for t in tensors:
+                if t is not None and t.numel() > 0:
+                    self._isend(_bytes(t.to(self.device)))
         self.sent += 1
+
+    def _send_one_buffer(self, values: List[int], tensors: Sequence[Optional[Tensor]]) -> None:
+        specs = [None if t is None else (t.dtype, t.shape) for t in tensors]
+        offsets, total = _layout(len(values), specs)
+        if total > self.send_capacity:
+            self._isend(self._header([int(Kind.GROW), total, 0, 0, _FIXED]).view(torch.uint8))
+            self.send_capacity = total
+        buf = torch.empty(total, dtype=torch.uint8, device=self.device)
+        head = self._header(values)
+        buf[:8 * head.numel()].copy_(head.view(torch.uint8))
+        for t, at in zip(tensors, offsets):
+            if t is not None and t.numel() > 0:
+                src = _bytes(t)
+                buf[at:at + src.numel()].copy_(src)
+        self._isend(buf)
 
     def send_error(self, origin_stage: int, text: str) -> None:
         """Tell the neighbour this step failed (on ``origin_stage``); it stops waiting for us."""
@@ -149,29 +203,54 @@ class Link:
     def recv(self, what: str) -> Message:
         """The next message from the neighbour (``what``: what it should be, for a timeout's
         message). Tensors arrive on this stage's device."""
-        head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.meta_device)
-        self._recv_into(head, what)
-        values = head.tolist()
+        msg = self._recv_one_buffer(what) if self.one_buffer else self._recv_parts(what)
+        self.received += 1
+        return msg
+
+    def _recv_one_buffer(self, what: str) -> Message:
+        while True:
+            buf = torch.empty(self.recv_capacity, dtype=torch.uint8, device=self.device)
+            self._recv_into(buf, what)
+            values = buf[:8 * HEADER_SLOTS].view(torch.int64).tolist()
+            if values[0] != Kind.GROW:
+                break
+            self.recv_capacity = values[1]
         if values[4] > HEADER_SLOTS:
-            rest = torch.empty(values[4] - HEADER_SLOTS, dtype=torch.int64, device=self.meta_device)
+            values = buf[:8 * values[4]].view(torch.int64).tolist()
+        kind, mb, count, specs = decode(values)
+        offsets, _ = _layout(values[4], [None if s is None else (s[0], s[2]) for s in specs])
+        tensors: List[Optional[Tensor]] = []
+        for spec, at in zip(specs, offsets):
+            if spec is None:
+                tensors.append(None)
+                continue
+            dtype, _, shape = spec
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            tensors.append(buf[at:at + n].view(dtype).view(shape) if n > 0 else
+                           torch.empty(shape, dtype=dtype, device=self.device))
+        return Message(kind, mb, count, tensors, [s is not None and s[1] for s in specs])
+
+    def _recv_parts(self, what: str) -> Message:
+        head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        self._recv_into(head, what)
+        values = head.tolist()  # a host read on NCCL: the shapes size the receive buffers
+        if values[4] > HEADER_SLOTS:
+            rest = torch.empty(values[4] - HEADER_SLOTS, dtype=torch.int64, device=self.device)
             self._recv_into(rest, what)
             values += rest.tolist()
         kind, mb, count, specs = decode(values)
         tensors: List[Optional[Tensor]] = []
-        rgs: List[bool] = []
         for spec in specs:
             if spec is None:
                 tensors.append(None)
-                rgs.append(False)
                 continue
-            dtype, rg, shape = spec
-            t = torch.empty(shape, dtype=dtype, device=self.device)
+            t = torch.empty(spec[2], dtype=spec[0], device=self.device)
             if t.numel() > 0:
-                self._recv_into(_bytes_view(t), what)
+                self._recv_into(t.reshape(-1).view(torch.uint8), what)
             tensors.append(t)
-            rgs.append(rg)
-        self.received += 1
-        return Message(kind, mb, count, tensors, rgs)
+        return Message(kind, mb, count, tensors, [s is not None and s[1] for s in specs])
 
     # -- end of a step -------------------------------------------------------------------------
     def drain(self, peer_sent: int) -> int:
@@ -189,8 +268,3 @@ class Link:
             wait_bounded(work, self.timeout, f"stage {self.stage}: a send to stage {self.peer_stage}")
         self._inflight = []
         self.sent = self.received = 0
-
-
-def _bytes_view(t: Tensor) -> Tensor:
-    """A fresh contiguous ``t`` as a writable flat uint8 view (the receive buffer)."""
-    return t.reshape(-1).view(torch.uint8)
