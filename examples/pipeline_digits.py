@@ -85,6 +85,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if pipe.final_stage:
         acc = (out.argmax(1) == y[test]).float().mean().item()
         log.info("test accuracy %.3f (%d stages, chunks %d, %s)", acc, pipe.num_stages, args.chunks, args.schedule)
+    # every rank done before the teardown: a rank that destroys its gloo group while a peer still
+    # uses it can abort ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
