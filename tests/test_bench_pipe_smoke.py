@@ -8,17 +8,12 @@ skipped with the reason when torch.distributed.pipelining does not import or gav
 
 from __future__ import annotations
 
-import csv
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench" / "bench_pipe.py"
+from bench_smoke import run_quick
+
 REL_TOL = 1e-4  # float32: the pipelined loss sums the micro-batches' weighted losses in another order
 
 COLUMNS = {"framework", "schedule", "stages", "chunks", "micro_batch", "batch", "status", "reason", "step_time_s",
@@ -33,20 +28,9 @@ Rows = Dict[Tuple[str, str, int], Dict[str, str]]
 @pytest.fixture(scope="module")
 def bench_rows(tmp_path_factory: pytest.TempPathFactory) -> Tuple[str, Rows]:
     """One quick run (a probe spawn and a measurement spawn of 2 workers)."""
-    out = tmp_path_factory.mktemp("bench_pipe")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(BENCH), "--quick", "--no-plot", "--out", str(out), "--timeout", "60"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"bench_pipe.py failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    for word in ("machine:", "median ms", "targets:"):
-        assert word in proc.stdout, proc.stdout
-    path = out / "bench_pipe.csv"
-    assert path.is_file(), proc.stdout
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        missing = COLUMNS - set(reader.fieldnames or [])
-        rows = list(reader)
-    assert not missing, f"missing columns {sorted(missing)}"
+    stdout, rows = run_quick("bench_pipe.py", ["--quick", "--no-plot", "--timeout", "60"],
+                             tmp_path_factory.mktemp("bench_pipe"), "bench_pipe.csv", COLUMNS,
+                             ("machine:", "median ms", "targets:"), timeout=120)
     by: Rows = {}
     for r in rows:
         assert int(r["stages"]) == 2, r
@@ -58,7 +42,7 @@ def bench_rows(tmp_path_factory: pytest.TempPathFactory) -> Tuple[str, Rows]:
         else:
             assert r["status"] == "n/a" and r["reason"], r  # never a silent gap
         by[(r["framework"], r["schedule"], int(r["chunks"]))] = r
-    return proc.stdout, by
+    return stdout, by
 
 
 def _close(a: str, b: str) -> bool:

@@ -7,17 +7,12 @@ positive step times and memory, optimizer state per rank sharded for decentpy an
 
 from __future__ import annotations
 
-import csv
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench" / "bench_shard.py"
+from bench_smoke import run_quick
+
 
 COLUMNS = {"framework", "setup", "workers", "model", "step_time_s", "step_time_p25_s", "step_time_p75_s",
            "compute_time_s", "timed_steps", "optim_state_bytes_per_rank", "optim_state_bytes_ranks",
@@ -37,19 +32,8 @@ def bench_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """One quick run (one spawn of 2 workers, --no-probe) for every framework the test covers."""
     out = tmp_path_factory.mktemp("bench_shard")
     frameworks = "decentpy,torch-ddp" + (",fairscale" if _have_fairscale() else "")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(BENCH), "--quick", "--no-probe", "--frameworks", frameworks, "--out", str(out),
-           "--timeout", "60"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, f"bench_shard.py failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "median ms" in proc.stdout and "machine:" in proc.stdout and "targets:" in proc.stdout, proc.stdout
-    path = out / "bench_shard.csv"
-    assert path.is_file(), proc.stdout
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        missing = COLUMNS - set(reader.fieldnames or [])
-        rows = list(reader)
-    assert not missing, f"missing columns {sorted(missing)}"
+    stdout, rows = run_quick("bench_shard.py", ["--quick", "--no-probe", "--frameworks", frameworks, "--timeout", "60"],
+                             out, "bench_shard.csv", COLUMNS, ("median ms", "machine:", "targets:"), timeout=90)
     for r in rows:
         assert int(r["workers"]) == 2 and r["model"] == "mlp", r
         assert int(r["timed_steps"]) >= 3, r
@@ -59,7 +43,7 @@ def bench_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple:
         assert float(r["compute_time_s"]) <= float(r["step_time_s"]) * 1.5, r  # fwd+bwd is part of the step
         ranks = [int(b) for b in r["optim_state_bytes_ranks"].split(";")]
         assert len(ranks) == 2 and max(ranks) == int(r["optim_state_bytes_per_rank"]) > 0, r
-    return proc.stdout, {r["framework"]: r for r in rows}
+    return stdout, {r["framework"]: r for r in rows}
 
 
 def test_bench_shard_quick_decentpy_and_ddp(bench_rows: tuple) -> None:

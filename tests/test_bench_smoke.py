@@ -7,17 +7,15 @@ its part is skipped, with the reason, when ``import decent_dp`` fails.
 
 from __future__ import annotations
 
-import csv
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from bench_smoke import run_quick
+
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench" / "bench_train.py"
 
 CALIBRATION_COLUMNS = {"framework", "topology", "workers", "model", "step_time_s", "bytes_per_step",
                        "compute_time_s", "model_bytes", "local_world_size"}
@@ -41,20 +39,10 @@ def bench_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple:
 
 
 def _run(tmp_path: Path, frameworks: str) -> list:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(BENCH), "--quick", "--workers", "2", "--models", "mlp", "--frameworks", frameworks,
-           "--topologies", "ring", "--out", str(tmp_path), "--no-plot", "--timeout", "60"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
-    assert proc.returncode == 0, f"bench_train.py failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    assert "median ms" in proc.stdout and "machine:" in proc.stdout, proc.stdout
-    path = tmp_path / "bench_train.csv"
-    assert path.is_file(), proc.stdout
-    with open(path, newline="") as fh:
-        reader = csv.DictReader(fh)
-        cols = set(reader.fieldnames or [])
-        rows = list(reader)
-    missing = (CALIBRATION_COLUMNS | EXTRA_COLUMNS) - cols
-    assert not missing, f"missing columns {sorted(missing)} in {sorted(cols)}"
+    _, rows = run_quick("bench_train.py", ["--quick", "--workers", "2", "--models", "mlp", "--frameworks", frameworks,
+                                           "--topologies", "ring", "--no-plot", "--timeout", "60"],
+                        tmp_path, "bench_train.csv", CALIBRATION_COLUMNS | EXTRA_COLUMNS, ("median ms", "machine:"),
+                        timeout=90)
     for r in rows:
         assert float(r["step_time_s"]) > 0, r
         assert float(r["compute_time_s"]) > 0, r

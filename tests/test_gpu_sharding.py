@@ -13,12 +13,11 @@ Every test here skips without CUDA.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from torch import nn
 
+from cuda_sync import syncs_in
 from dist_harness import single_process_group
 from reference import IN, OUT, batch, loss_fn, make_mlp
 
@@ -33,18 +32,6 @@ class WithUnused(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x)
-
-
-def _syncs_in(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 @needs_cuda
@@ -85,7 +72,7 @@ def test_backward_reads_back_only_for_an_unused_parameter(unused: bool) -> None:
         for k in range(3):
             x, y = (t.cuda() for t in batch(0, k))
             loss = loss_fn(sdp(x), y)
-            counts.append(_syncs_in(loss.backward))
+            counts.append(syncs_in(loss.backward))
             if unused:
                 assert model.unused.weight.grad is None
             oss.step()

@@ -10,27 +10,14 @@ Every test here skips without CUDA.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
+from cuda_sync import syncs_in
 from dist_harness import single_process_group
 from reference import batch, loss_fn, make_mlp
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _syncs_in(fn) -> int:
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 @needs_cuda
@@ -50,7 +37,7 @@ def test_backward_reads_back_at_most_once_per_iteration(mode: str) -> None:
             x, y = (t.cuda() for t in batch(0, k))
             loss = loss_fn(ddp(x), y)
             loss = scaler.scale(loss) if scaler is not None else loss
-            counts.append(_syncs_in(loss.backward))
+            counts.append(syncs_in(loss.backward))
         ddp.close()
     # iteration 0 also fixes the bucket layout; from then on: no sync, or the one read-back
     assert counts[1:] == ([0, 0] if mode == "plain" else [1, 1]), counts
