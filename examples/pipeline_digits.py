@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,9 @@ def layers() -> List[nn.Module]:
             nn.Linear(128, 10)]
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Train and evaluate; the final stage's per-epoch train losses and test accuracy (empty on
+    the other stages)."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     initialize_dist()
@@ -65,6 +67,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                      checkpoint=args.checkpoint, schedule=args.schedule)
     params = list(pipe.parameters())
     opt = torch.optim.SGD(params, lr=args.lr, momentum=0.9) if params else None
+    result: Dict[str, Any] = {}
     for epoch in range(args.epochs):
         pipe.train()
         perm = train[torch.randperm(len(train), generator=g)]
@@ -79,16 +82,19 @@ def main(argv: Optional[List[str]] = None) -> None:
                 total += loss.item() * len(idx)
         if pipe.final_stage:
             log.info("epoch %d: train loss %.4f", epoch + 1, total / len(perm))
+            result.setdefault("losses", []).append(total / len(perm))
     pipe.eval()
     with torch.no_grad():
         out = pipe(x[test] if pipe.stage == 0 else None)
     if pipe.final_stage:
         acc = (out.argmax(1) == y[test]).float().mean().item()
         log.info("test accuracy %.3f (%d stages, chunks %d, %s)", acc, pipe.num_stages, args.chunks, args.schedule)
+        result["accuracy"] = acc
     # every rank done before the teardown: a rank that destroys its gloo group while a peer still
     # uses it can abort ("terminate called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
