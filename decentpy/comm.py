@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -54,23 +55,155 @@ def wait_bounded(work: dist.Work, timeout: datetime.timedelta, what: str) -> Non
         raise PeerTimeoutError(f"{what} did not complete within {timeout.total_seconds():g} s; a peer may have died")
 
 
-class TorchCommunicator:
-    """Exchange primitives over ``torch.distributed`` (gloo on CPU, NCCL, MPI)."""
+class SubGroup:
+    """A process group over some ranks of a :class:`CommGroup`, used for decentpy's own traffic.
 
-    def __init__(self, topology: Topology, timeout: datetime.timedelta) -> None:
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+    Ranks are global ranks. Two kinds: a group registered with torch (``dist.new_group``, on the
+    world, so users and tools see it as usual) and a private one (built on a store prefix of its own,
+    for wrappers on a process group other than the world: see :class:`CommGroup`)."""
+
+    def __init__(self, global_ranks: Sequence[int], pg: Any, registered: bool) -> None:
+        self.global_ranks = tuple(global_ranks)
+        self.pg = pg
+        self.registered = registered
+
+    def send_recv(self, send: Tensor, recv: Tensor, peer: int, tag: int) -> List[Any]:
+        """``send`` to global rank ``peer`` and ``recv`` from it (both in flight)."""
+        if self.registered:
+            ops = [dist.P2POp(dist.isend, send, peer, group=self.pg, tag=tag),
+                   dist.P2POp(dist.irecv, recv, peer, group=self.pg, tag=tag)]
+            return list(dist.batch_isend_irecv(ops))
+        to = self.global_ranks.index(peer)
+        return [self.pg.send([send], to, tag), self.pg.recv([recv], to, tag)]
+
+    def all_reduce(self, buffer: Tensor) -> Any:
+        """Sum ``buffer`` in place over the group (in flight)."""
+        if self.registered:
+            return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+        return self.pg.allreduce([buffer])
+
+    def destroy(self) -> None:
+        if self.registered:
+            dist.destroy_process_group(self.pg)
+        self.pg = None
+
+
+# Sub-groups built so far per process group (global ranks): the members of a group build the same
+# ones in the same order, so they agree on store prefixes without talking.
+_private_sequence: Dict[Tuple[int, ...], "itertools.count[int]"] = {}
+
+
+class CommGroup:
+    """The ranks one wrapper works over: a process group (the world by default), numbered by group rank.
+
+    Topologies and exchange plans speak group ranks ``0 .. size-1``; this object translates them to
+    global ranks and creates the wrapper's private sub-groups. On the world these are ordinary
+    ``dist.new_group`` groups (every rank creates every group, in the same order). Several wrappers
+    on disjoint process groups must run side by side and be built independently, which
+    ``dist.new_group`` cannot do safely: only the members of a group call it with
+    ``use_local_synchronization=True``, and torch then names the group after the process's count of
+    groups, which differs between ranks that belong to different wrappers (and repeats after a group
+    is destroyed, reusing stale rendezvous keys: a hang). So on another process group the sub-groups
+    are gloo groups on a store prefix of their own, named by the process group's ranks, a sequence
+    number and the sub-group's ranks; only their members build them.
+    """
+
+    def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
+        if process_group is dist.group.WORLD:
+            process_group = None
+        if process_group is not None:
+            if process_group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(process_group) < 0:
+                raise ValueError(
+                    f"rank {dist.get_rank()} is not a member of the process_group it was given; build the wrapper "
+                    "only on the ranks of its group (torch.distributed.new_group returns a non-member marker, not "
+                    "a group, to the other ranks)")
+        self.process_group = process_group
+        self.global_ranks: Tuple[int, ...] = tuple(group_ranks(process_group))
+        self.rank = self.global_ranks.index(dist.get_rank())
+        self.size = len(self.global_ranks)
+        self._prefix = ""
+        self._created = 0
+        if process_group is not None:
+            seq = next(_private_sequence.setdefault(self.global_ranks, itertools.count()))
+            self._prefix = f"decentpy/group{'-'.join(map(str, self.global_ranks))}/{seq}"
+
+    @property
+    def is_world(self) -> bool:
+        return self.process_group is None
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend(self.process_group))
+
+    def to_global(self, rank: int) -> int:
+        """The global rank of group rank ``rank``."""
+        return self.global_ranks[rank]
+
+    def describe(self, ranks: Sequence[int]) -> List[int]:
+        """Global ranks of group ranks ``ranks`` (for messages)."""
+        return [self.global_ranks[r] for r in ranks]
+
+    def new_subgroup(self, ranks: Sequence[int], timeout: datetime.timedelta) -> Optional[SubGroup]:
+        """A group over group ranks ``ranks``; ``None`` on a rank not in it. Every rank of this group
+        calls it for the same sub-groups in the same order."""
+        members = self.describe(sorted(ranks))
+        self._created += 1  # part of the store prefix: sub-groups with the same members (pairs, all-reduce) differ
+        if self.is_world:
+            pg = dist.new_group(members, timeout=timeout)  # collective over the world
+            return SubGroup(members, pg, registered=True) if self.rank in ranks else None
+        if self.rank not in ranks:
+            return None
+        if self.backend != dist.Backend.GLOO:
+            raise ValueError(
+                f"process groups other than the world need decentpy's own sub-groups, built on gloo here; the group's "
+                f"backend is {self.backend!r}: with NCCL use comm='auto' or 'nccl' (decentpy's NCCL communicator)")
+        store = dist.PrefixStore(f"{self._prefix}/{self._created}/{'-'.join(map(str, members))}/",
+                                 dist.distributed_c10d._get_default_store())
+        pg = dist.ProcessGroupGloo(store, members.index(dist.get_rank()), len(members), timeout)
+        return SubGroup(members, pg, registered=False)
+
+    def local_world_size(self, env_local_world_size: int) -> int:
+        """Ranks per node *of this group*, with nodes of ``env_local_world_size`` consecutive global
+        ranks: the count of members on each node, if every node with members has the same count and
+        group ranks fill the nodes in order; else 1 (no node structure the topology could use)."""
+        env = max(1, int(env_local_world_size))
+        if self.is_world:
+            return env
+        nodes = [g // env for g in self.global_ranks]
+        per = {n: nodes.count(n) for n in nodes}
+        counts = set(per.values())
+        if len(counts) == 1:
+            c = counts.pop()
+            if all(nodes[r] == nodes[(r // c) * c] for r in range(self.size)):
+                return c
+        logger.info("process group %s does not fill nodes of %d ranks evenly; its local world size is 1",
+                    list(self.global_ranks), env)
+        return 1
+
+
+class TorchCommunicator:
+    """Exchange primitives over ``torch.distributed`` (gloo on CPU, NCCL, MPI).
+
+    Ranks given to :meth:`send_recv` and :meth:`all_reduce` are ranks of ``group`` (the world by
+    default), as the topology numbers them.
+    """
+
+    def __init__(self, topology: Topology, timeout: datetime.timedelta, group: Optional[CommGroup] = None) -> None:
+        self.group = group if group is not None else CommGroup()
+        self.rank = self.group.rank
+        self.world_size = self.group.size
         self.timeout = timeout
-        self._subgroups: Dict[Tuple[int, ...], Optional[dist.ProcessGroup]] = {}
-        # new_group is collective over the default group: every rank creates every group, in the
-        # same (schedule) order. decentpy's traffic never uses the default group itself, so it
-        # cannot interleave with the user's collectives (torch DDP beside it, Join's all-reduces).
+        self._subgroups: Dict[Tuple[int, ...], Optional[SubGroup]] = {}
+        # Sub-group creation is collective over the group: every rank creates every group, in the
+        # same (schedule) order. decentpy's traffic never uses the group itself, so it cannot
+        # interleave with the user's collectives (torch DDP beside it, Join's all-reduces).
         p2p, collective = communication_needs(topology)
-        self._p2p_group: Optional[dist.ProcessGroup] = None
+        pg_timeout = max(timeout, datetime.timedelta(seconds=1))
+        self._p2p_group: Optional[SubGroup] = None
         if p2p:
-            self._p2p_group = dist.new_group(list(range(self.world_size)))
+            self._p2p_group = self.group.new_subgroup(list(range(self.world_size)), pg_timeout)
         for ranks in collective:
-            self._subgroups[ranks] = dist.new_group(list(ranks))
+            self._subgroups[ranks] = self.group.new_subgroup(ranks, pg_timeout)
         logger.debug("rank %d: %d sub-groups", self.rank, len(self._subgroups))
 
     def close(self) -> None:
@@ -80,22 +213,24 @@ class TorchCommunicator:
             groups.append(self._p2p_group)
         self._subgroups, self._p2p_group = {}, None
         for g in groups:
-            dist.destroy_process_group(g)
+            g.destroy()
 
     def send_recv(self, bucket: int, peer: int, send: Tensor, recv: Tensor) -> Exchange:
         """``send`` goes to ``peer``; the peer's counterpart lands in ``recv``."""
-        pg = self._p2p_group
-        ops = [dist.P2POp(dist.isend, send, peer, group=pg, tag=bucket),
-               dist.P2POp(dist.irecv, recv, peer, group=pg, tag=bucket)]
+        assert self._p2p_group is not None, "internal error: the topology has no pair exchange"
+        to = self.group.to_global(peer)
         with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
-            works = list(dist.batch_isend_irecv(ops))
-        return Exchange(works, bucket, tuple(sorted((self.rank, peer))), self.rank)
+            works = self._p2p_group.send_recv(send, recv, to, bucket)
+        me = dist.get_rank()
+        return Exchange(works, bucket, tuple(sorted((me, to))), me)
 
     def all_reduce(self, bucket: int, ranks: Tuple[int, ...], buffer: Tensor) -> Exchange:
         """``buffer`` summed in place over ``ranks``."""
+        sub = self._subgroups[ranks]
+        assert sub is not None, f"internal error: rank {self.rank} is not in group {ranks}"
         with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
-            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self._subgroups[ranks], async_op=True)
-        return Exchange([work], bucket, ranks, self.rank)
+            work = sub.all_reduce(buffer)
+        return Exchange([work], bucket, sub.global_ranks, dist.get_rank())
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
 from .bucket import Bucket, BucketPlan
-from .comm import default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
+from .comm import CommGroup, default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
 from .nccl_comm import COMM_CHOICES, select_communicator
 from .grad_scaling import BucketGradScaling
 from .reducer import GossipReducer, OptimFn, SchedulerFn, accumulating
@@ -63,6 +63,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         timeout: bound on every wait for a peer (defaults to the process group's timeout).
         comm: ``'auto'`` (decentpy's NCCL communicator when the process group is NCCL and the
             extension has it, else torch.distributed), ``'torch'`` or ``'nccl'``.
+        process_group: gossip among the ranks of this group only (default: the world). The
+            topology is built over the group's ranks (numbered by group rank; ``local_world_size``
+            defaults to the group's ranks per node), every exchange and every collective of the
+            wrapper (construction checks, the initial broadcast from the group's first rank,
+            :meth:`global_avg`, ``Join``) stays inside it, and wrappers on disjoint groups run side
+            by side in one job (e.g. one per pipeline stage or per model replica set). Build it on
+            the group's ranks only.
     """
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
@@ -83,6 +90,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         _local_world_size: Optional[int] = None,
         timeout: Optional[datetime.timedelta] = None,
         comm: str = "auto",
+        process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -103,11 +111,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if comm not in COMM_CHOICES:
             raise ValueError(f"comm must be one of {', '.join(map(repr, COMM_CHOICES))}, got {comm!r}")
 
-        self._rank = dist.get_rank()
-        self._world_size = dist.get_world_size()
+        self._group = CommGroup(process_group)
+        self._process_group = self._group.process_group  # None: the world
+        self._rank = self._group.rank
+        self._world_size = self._group.size
         lws = local_world_size if local_world_size is not None else _local_world_size
         if lws is None:
-            lws = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
         # Pure function of the sizes: raises identically on every rank, before any collective.
         self._topology = make_topology(topology, self._world_size, self._local_world_size)
@@ -137,27 +147,35 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
             self._reducer = GossipReducer(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, self._topology, self._grad_scaling,
-                self._bucket_size, self._param_as_bucket_view, self._timeout)
+                self._bucket_size, self._param_as_bucket_view, self._timeout, group=self._group)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
             failure = exc
-        raise_if_any_rank_failed(failure, "constructing DecentralizedDataParallel")
+        raise_if_any_rank_failed(failure, "constructing DecentralizedDataParallel", group=self._process_group)
         wants_edges = self._reducer.has_pre_average_hook()
         self._check_same_model(wants_edges)
+        if wants_edges and not self._group.is_world:  # the same verdict on every rank (checked just above)
+            raise ValueError(
+                "optimizers with decent-dp's pre_average_hook get edges whose .group is a torch process group over "
+                "the edge's ranks, which decentpy creates on the world only; with process_group= use an optimizer "
+                "without pre_average_hook")
         self._broadcast_from_rank0()
-        comm_ = select_communicator(comm, self._topology, self._timeout, device=self._params[0].device)
+        comm_ = select_communicator(comm, self._topology, self._timeout, device=self._params[0].device,
+                                    group=self._group)
         # Edges (with process groups) for optimizers that hook into the averaging; collective, so
         # only after the check above proved every rank wants them.
         self._reducer.attach(comm_, hook_edges(self._topology) if wants_edges else None)
         self._comm = comm_
         if self._rank == 0:
-            logger.info("decentpy: %s, world size %d, local world size %d, bucket cap %.1f MiB",
-                        self._topology.describe(), self._world_size, self._local_world_size, bucket_size_in_mb)
+            logger.info("decentpy: %s, %s %d, local world size %d, bucket cap %.1f MiB",
+                        self._topology.describe(),
+                        "world size" if self._group.is_world else f"process group {list(self._group.global_ranks)}, size",
+                        self._world_size, self._local_world_size, bucket_size_in_mb)
 
     # -- construction checks -----------------------------------------------------------------
     def _check_device(self) -> None:
         """With NCCL the parameters must be on this rank's GPU (moving them silently would leave the
         caller's references, e.g. an optimizer built on them, on the CPU)."""
-        if dist.get_backend() != dist.Backend.NCCL:
+        if dist.get_backend(self._process_group) != dist.Backend.NCCL:
             return
         bad = next(((n, p.device) for n, p in zip(self._param_names, self._params) if p.device.type != "cuda"), None)
         if bad is not None:
@@ -176,7 +194,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     def _check_same_model(self, wants_edges: bool) -> None:
         mine: List[Any] = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)]
         mine.append(("optimizer defines pre_average_hook", wants_edges))
-        diff = first_difference_across_ranks(mine)
+        diff = first_difference_across_ranks(mine, group=self._process_group)
         if diff is not None:
             r, k, a, b = diff
             if k == len(self._params) and isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0]:
@@ -191,8 +209,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     def _broadcast_from_rank0(self) -> None:
         if self._world_size == 1:
             return
+        src = self._group.to_global(0)
         for t in list(self._model.parameters()) + list(self._model.buffers()):
-            dist.broadcast(t.data, src=0)
+            dist.broadcast(t.data, src=src, group=self._process_group)
 
     # -- module interface ----------------------------------------------------------------------
     @property
@@ -202,7 +221,18 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     @property
     def topology(self) -> Topology:
+        """The topology, over the ranks of :attr:`process_group` (numbered by group rank)."""
         return self._topology
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The group this wrapper gossips in (``None``: the world)."""
+        return self._process_group
+
+    @property
+    def group_rank(self) -> int:
+        """This worker's rank in :attr:`process_group` (the topology's numbering)."""
+        return self._rank
 
     @property
     def step_count(self) -> int:
@@ -321,7 +351,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     @property
     def join_process_group(self) -> Any:
-        return dist.group.WORLD
+        return self._process_group if self._process_group is not None else dist.group.WORLD
 
     # -- averaging -----------------------------------------------------------------------------
     def _param_tensors(self) -> List[Tensor]:
@@ -351,9 +381,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             else:
                 torch._foreach_copy_(self._backups, tensors)
             self._skip_mix_before_avg = [b.skip_mix for b in r.buckets]
-        _average_(tensors, self._world_size)
+        _average_(tensors, self._world_size, self._process_group)
         if self._sync_buffer_in_global_avg if sync_buffers is None else sync_buffers:
-            _average_([b for b in self._model.buffers() if b.dtype in self.FLOAT_DTYPES], self._world_size)
+            _average_([b for b in self._model.buffers() if b.dtype in self.FLOAT_DTYPES], self._world_size,
+                      self._process_group)
         r.mark_equal()
         if return_d2c:
             sq = sum(float(torch.sum((t.double() - b.double()) ** 2)) for t, b in zip(tensors, self._backups))
@@ -382,11 +413,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         total = torch.zeros((), dtype=torch.float64)
         for t in self._param_tensors():
             mean = t.to(torch.float64, copy=True)
-            dist.all_reduce(mean)
+            dist.all_reduce(mean, group=self._process_group)
             mean.div_(self._world_size)
             total += torch.sum((t.double() - mean) ** 2).cpu()
         total = total.to(self._params[0].device)
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self._process_group)
         return math.sqrt(float(total) / self._world_size)
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -513,13 +544,14 @@ class _GossipJoinHook(JoinHook):
 
 
 @torch.no_grad()
-def _average_(tensors: List[Tensor], world_size: int) -> None:
-    """In-place exact average over all ranks (low-precision tensors reduced in fp32)."""
+def _average_(tensors: List[Tensor], world_size: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    """In-place exact average over the ``world_size`` ranks of ``group`` (low-precision tensors
+    reduced in fp32)."""
     if world_size == 1:
         return
     for t in tensors:
         buf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-        dist.all_reduce(buf)
+        dist.all_reduce(buf, group=group)
         buf.div_(world_size)
         if buf is not t:
             t.copy_(buf)

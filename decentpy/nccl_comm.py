@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _C
-from .comm import PeerTimeoutError, TorchCommunicator
+from .comm import CommGroup, PeerTimeoutError, TorchCommunicator
 from .exchange import communication_needs
 from .topology import Topology
 
@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 
 COMM_CHOICES = ("auto", "torch", "nccl")
 _UID_PREFIX = "decentpy/nccl_unique_id"
-_uid_sequence = itertools.count()  # same construction order on every rank -> same store keys
+# Communicators built so far per group (global ranks): the members of a group build the same ones in the
+# same order, so they agree on the store key without talking.
+_uid_sequence: Dict[Tuple[int, ...], "itertools.count[int]"] = {}
 
 DeviceLike = Union[None, int, str, torch.device]
 
@@ -112,7 +114,7 @@ def nccl_available(device: DeviceLike = None) -> bool:
     return nccl_unavailable_reason(device) is None
 
 
-def resolve_comm(comm: str, device: DeviceLike = None) -> Tuple[str, str]:
+def resolve_comm(comm: str, device: DeviceLike = None, group: Optional[CommGroup] = None) -> Tuple[str, str]:
     """This rank's choice for ``comm`` ('auto' | 'torch' | 'nccl'): ``(kind, reason)`` with kind
     'nccl' or 'torch'. Raises ``ValueError`` for another value and ``RuntimeError`` (with the
     reason) when 'nccl' is asked for but unavailable. Local: see :func:`select_communicator` for
@@ -126,7 +128,8 @@ def resolve_comm(comm: str, device: DeviceLike = None) -> Tuple[str, str]:
         if why is not None:
             raise RuntimeError(f"comm='nccl': decentpy's NCCL communicator is not available: {why}")
         return "nccl", "comm='nccl'"
-    backend = dist.get_backend() if dist.is_initialized() else None
+    pg = group.process_group if group is not None else None
+    backend = dist.get_backend(pg) if dist.is_initialized() else None
     if backend != dist.Backend.NCCL:
         return "torch", (f"comm='auto': the process group's backend is {backend!r}, not 'nccl'")
     if why is not None:
@@ -134,16 +137,17 @@ def resolve_comm(comm: str, device: DeviceLike = None) -> Tuple[str, str]:
     return "nccl", "comm='auto': the process group's backend is 'nccl' and decentpy has NCCL support"
 
 
-def _agree(local_ok: bool, reason: str) -> List[Tuple[bool, str]]:
+def _agree(local_ok: bool, reason: str, group: CommGroup) -> List[Tuple[bool, str]]:
     """Every rank's (ok, reason): the choice must be the same everywhere, or the exchanges hang."""
-    everyone: List[Optional[Tuple[bool, str]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (local_ok, reason))
+    everyone: List[Optional[Tuple[bool, str]]] = [None] * group.size
+    dist.all_gather_object(everyone, (local_ok, reason), group=group.process_group)
     return [e if e is not None else (False, "no answer") for e in everyone]
 
 
 def select_communicator(comm: str, topology: Topology, timeout: datetime.timedelta,
-                        device: DeviceLike = None):
-    """The communicator for ``comm='auto' | 'torch' | 'nccl'`` (collective over the default group).
+                        device: DeviceLike = None, group: Optional[CommGroup] = None):
+    """The communicator for ``comm='auto' | 'torch' | 'nccl'`` (collective over ``group``, default:
+    the world; the topology numbers the ranks of that group).
 
     * 'torch': :class:`~decentpy.comm.TorchCommunicator` (any backend).
     * 'nccl': :class:`NcclCommunicator`; ``RuntimeError`` naming the reason (and the rank) when it
@@ -157,16 +161,17 @@ def select_communicator(comm: str, topology: Topology, timeout: datetime.timedel
     if comm not in COMM_CHOICES:
         raise ValueError(f"comm must be one of {', '.join(repr(c) for c in COMM_CHOICES)}, got {comm!r}")
     if comm == "torch":
-        chosen = TorchCommunicator(topology, timeout)
+        chosen = TorchCommunicator(topology, timeout, group=group)
         chosen.selection_reason = "comm='torch' (torch.distributed)"  # type: ignore[attr-defined]
         return chosen
+    group = group if group is not None else CommGroup()
     try:
-        kind, reason = resolve_comm(comm, device)
+        kind, reason = resolve_comm(comm, device, group)
     except RuntimeError as exc:
         kind, reason = "error", str(exc)
-    if comm == "nccl" or dist.get_backend() == dist.Backend.NCCL:
+    if comm == "nccl" or dist.get_backend(group.process_group) == dist.Backend.NCCL:
         # Same choice on every rank (a build or library difference must not split the job).
-        everyone = _agree(kind == "nccl", reason)
+        everyone = _agree(kind == "nccl", reason, group)
         bad = [(r, why) for r, (ok, why) in enumerate(everyone) if not ok]
         if bad and kind == "nccl":
             r, why = bad[0]
@@ -176,9 +181,9 @@ def select_communicator(comm: str, topology: Topology, timeout: datetime.timedel
         elif bad and comm == "nccl":
             raise RuntimeError(reason)
     if kind == "nccl":
-        chosen = NcclCommunicator(topology, timeout, device=device)
+        chosen = NcclCommunicator(topology, timeout, device=device, group=group)
     else:
-        chosen = TorchCommunicator(topology, timeout)
+        chosen = TorchCommunicator(topology, timeout, group=group)
     chosen.selection_reason = reason  # type: ignore[attr-defined]
     logger.info("rank %d: decentpy exchanges over %s (%s)", dist.get_rank(),
                 "decentpy's NCCL communicator" if kind == "nccl" else "torch.distributed", reason)
@@ -193,7 +198,7 @@ def _timeout_ms(timeout: Union[datetime.timedelta, float, int]) -> int:
 
 
 def _share_unique_id(key: str, rank: int) -> bytes:
-    """Rank 0's ncclUniqueId through the default process group's c10d store."""
+    """Group rank 0's ncclUniqueId through the default process group's c10d store."""
     store = dist.distributed_c10d._get_default_store()
     if rank == 0:
         store.set(key, _C.nccl_get_unique_id())
@@ -251,7 +256,7 @@ class NcclCommunicator:
     """Exchanges over decentpy's NCCL communicator (one GPU per rank)."""
 
     def __init__(self, topology: Topology, timeout: datetime.timedelta, device: DeviceLike = None,
-                 blocking_wait: Optional[bool] = None) -> None:
+                 blocking_wait: Optional[bool] = None, group: Optional[CommGroup] = None) -> None:
         dev = _device_of(device)
         why = nccl_unavailable_reason(dev)
         if why is not None:
@@ -259,22 +264,25 @@ class NcclCommunicator:
         if dev is None or dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.device = dev
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.group = group if group is not None else CommGroup()
+        self.rank = self.group.rank  # ranks here are the group's (the topology's numbering)
+        self.world_size = self.group.size
         self.timeout = timeout
         self.timeout_ms = _timeout_ms(timeout)
         self.blocking_wait = _env_flag("DECENTPY_NCCL_BLOCKING_WAIT") if blocking_wait is None else bool(blocking_wait)
         blocking_comm = _env_flag("DECENTPY_NCCL_BLOCKING_COMM")  # unbounded init/connect: debugging only
         self.selection_reason = "constructed directly"
 
-        key = f"{_UID_PREFIX}/{next(_uid_sequence)}/world{self.world_size}"
+        members = self.group.global_ranks
+        seq = next(_uid_sequence.setdefault(members, itertools.count()))
+        key = f"{_UID_PREFIX}/{seq}/ranks{'-'.join(map(str, members))}"
         uid = _share_unique_id(key, self.rank)
         try:
             self._world = _C.NcclCommunicator(uid, self.rank, self.world_size, dev.index, self.timeout_ms,
                                               blocking=blocking_comm, name="decentpy world")
         except _C.NcclCommError as exc:
             raise PeerTimeoutError(str(exc)) from exc
-        self._world.set_global_ranks(list(range(self.world_size)))
+        self._world.set_global_ranks(list(members))
         self._streams = {id(self._world): torch.cuda.ExternalStream(self._world.stream, device=dev)}
 
         # ncclCommSplit is collective over the world communicator: every rank, every group, same order.
@@ -287,7 +295,7 @@ class NcclCommunicator:
                 if member:
                     if sub is None:  # pragma: no cover - NCCL contract
                         raise RuntimeError(f"internal error: ncclCommSplit gave no communicator for group {ranks}")
-                    sub.set_global_ranks(list(ranks))
+                    sub.set_global_ranks(self.group.describe(ranks))
                     self._streams[id(sub)] = torch.cuda.ExternalStream(sub.stream, device=dev)
                     self._subcomms[ranks] = sub
                 else:

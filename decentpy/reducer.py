@@ -21,13 +21,12 @@ import logging
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from .bucket import Bucket, BucketPlan, carry_over_state, check_optimizer, flatten_params, make_bucket
-from .comm import first_difference_across_ranks
+from .comm import CommGroup, first_difference_across_ranks
 from .grad_scaling import BucketGradScaling
 from .host_memory import release_free_host_memory
 from .exchange import Communicator, ExchangeSchedule
@@ -58,9 +57,11 @@ class GossipReducer:
 
     def __init__(self, params: List[Tensor], names: List[str], optim_fn: OptimFn,
                  scheduler_fn: Optional[SchedulerFn], topology: Topology, grad_scaling: BucketGradScaling,
-                 bucket_cap_bytes: int, param_as_bucket_view: bool, timeout: datetime.timedelta) -> None:
+                 bucket_cap_bytes: int, param_as_bucket_view: bool, timeout: datetime.timedelta,
+                 group: Optional[CommGroup] = None) -> None:
         """Local only (no collective): builds the buckets and their optimizers; :meth:`attach` then
-        gives the reducer its communicator."""
+        gives the reducer its communicator. ``group``: the ranks the topology numbers (the world by
+        default)."""
         self.params = params
         self.names = names
         self.optim_fn = optim_fn
@@ -72,7 +73,8 @@ class GossipReducer:
         self.param_as_bucket_view = param_as_bucket_view
         self.timeout = timeout
         self.hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], Edge]] = None  # for pre_average_hook
-        self.rank = dist.get_rank()
+        self.group = group if group is not None else CommGroup()
+        self.rank = self.group.rank
         self.plans = ExchangeSchedule(topology, self.rank)
 
         self.step = 0                       # iterations completed (schedule index of the next mix)
@@ -228,7 +230,8 @@ class GossipReducer:
         return all(b.layout_intact() for b in self.buckets)
 
     def _check_same_order(self, order: List[int]) -> None:
-        diff = first_difference_across_ranks([(i, tuple(self.params[i].shape)) for i in order])
+        diff = first_difference_across_ranks([(i, tuple(self.params[i].shape)) for i in order],
+                                             group=self.group.process_group)
         if diff is not None:
             r, pos = diff[0], diff[1]
             i = order[pos] if pos < len(order) else order[-1]

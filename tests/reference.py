@@ -123,13 +123,16 @@ def decentpy_optim_fn(name: str) -> Callable:
 def simulate(n: int, mixing: Callable[[int], Tensor], opt_name: str, steps: int, kind: str = "mlp",
              grad_hook: Callable[[int, int, List[Tensor]], None] | None = None,
              micro_batches: int = 1,
-             skip: Callable[[int, int], bool] | None = None) -> List[Dict[str, Tensor]]:
+             skip: Callable[[int, int], bool] | None = None,
+             data_ranks: Sequence[int] | None = None) -> List[Dict[str, Tensor]]:
     """Final float64 parameters of every worker after ``steps`` iterations.
 
     ``mixing(k)`` is W(k); ``micro_batches`` > 1 sums the gradients of that many batches per
     iteration (gradient accumulation); ``grad_hook(rank, k, grads)`` may edit gradients;
-    ``skip(rank, k)`` true means that worker only mixes at step k (no optimizer step).
+    ``skip(rank, k)`` true means that worker only mixes at step k (no optimizer step);
+    ``data_ranks[i]`` is the rank whose batches worker i trains on (default: i).
     """
+    data_ranks = list(range(n)) if data_ranks is None else list(data_ranks)
     make = make_mlp if kind == "mlp" else make_cnn
     models = [make(0).double() for _ in range(n)]
     opts = [REF_OPTIMIZERS[opt_name](m) for m in models]
@@ -138,7 +141,7 @@ def simulate(n: int, mixing: Callable[[int], Tensor], opt_name: str, steps: int,
             for p in m.parameters():
                 p.grad = None
             for mb in range(micro_batches):
-                x, y = batch(i, k * micro_batches + mb, kind)
+                x, y = batch(data_ranks[i], k * micro_batches + mb, kind)
                 loss_fn(m(x.double()), y.double()).backward()
             if grad_hook is not None:
                 grad_hook(i, k, [p.grad for p in m.parameters()])
