@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import statistics
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -23,19 +24,24 @@ from runtime_model import (
     GPU_INTRA_BW,
     GPU_INTRA_LAT,
     GPU_MEM_BW,
+    HYBRID_GPUS,
+    HYBRID_INTER_GBPS,
+    HYBRID_LOCAL,
+    HYBRID_MODES,
     PUBLISHED_RANGE,
     TOPOLOGIES,
     Hardware,
     Workload,
     decentralized_iteration_time,
     ddp_iteration_time,
+    hybrid_table,
     iteration_times,
     iterations_to_10x,
     published_table,
     spectral_gap,
     topology_valid,
 )
-from runtime_plots import SHORT, plot_iteration_times
+from runtime_plots import SHORT, plot_hybrid, plot_iteration_times
 from tables import print_table
 
 __all__ = ["main"]
@@ -64,10 +70,60 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--allreduce", choices=("hierarchical", "flat"), default="hierarchical",
                    help="DDP all-reduce algorithm")
     p.add_argument("--max-n", type=int, default=4096)
-    p.add_argument("--calibrate", default="bench/out/bench_train.csv",
-                   help="measured CPU step times (skipped with a message if the file is missing)")
+    p.add_argument("--calibrate", nargs="*",
+                   default=["bench/out/bench_train.csv", "bench/out/bench_hybrid.csv"],
+                   help="CSVs of measured CPU step times, fitted together (missing files are "
+                   "skipped with a message; no file: no calibration)")
     p.add_argument("--out", default="bench/out")
+    p.add_argument("--hybrid-plot", default=None,
+                   help="plot of the hybrid modes at scale (default: OUT/runtime_hybrid.png; the "
+                   "README's figure is docs/runtime_hybrid.png)")
+    p.add_argument("--hybrid-only", action="store_true",
+                   help="only the hybrid modes at scale (DDP, HSDP, AER, sharded AER on the GPU "
+                   "cluster of the published comparison): table, CSV and plot")
     return p.parse_args(argv)
+
+
+def _hybrid_report(out_dir: Path, plot_path: Optional[str]) -> List[Path]:
+    """Print the hybrid-modes table, write its CSV and plot; returns the paths written."""
+    rows = hybrid_table()
+    print(f"Hybrid modes at scale: {HYBRID_GPUS[0]}-{HYBRID_GPUS[-1]} GPUs, {HYBRID_LOCAL} per "
+          f"node, NVLink {GPU_INTRA_BW / 1e9:g} GB/s/GPU, NIC "
+          f"{'/'.join(f'{g:g}' for g in HYBRID_INTER_GBPS)} Gb/s per node, latency intra "
+          f"{GPU_INTRA_LAT * 1e6:g} us inter {GPU_INTER_LAT * 1e6:g} us, kernels "
+          f"{GPU_MEM_BW / 1e9:g} GB/s, full overlap; weak scaling (32 images / 4096 tokens per "
+          "GPU); DDP hierarchical all-reduce, HSDP = FSDP HYBRID_SHARD (shard in a node, "
+          "all-reduce across), AER = decentpy alternating-exp-ring, shard-AER = sharded gossip "
+          "(AER over the nodes); 25 MB buckets / FSDP units")
+    print("iteration time ms (speedup vs DDP = DDP ms / mode ms); n/a: AER needs >= 2 nodes")
+    table = []
+    for r in rows:
+        ddp = r["allreduce_s"]
+        cells = []
+        for k in HYBRID_MODES:
+            t = r[f"{k}_s"]
+            cells.append(_fmt_ms(t) if k == "allreduce" or t is None
+                         else f"{_fmt_ms(t)} ({ddp / t:.2f}x)")
+        table.append([r["model"], f"{r['inter_gbps']:g}", r["gpus"], r["nodes"], *cells])
+    print_table(["model", "Gb/s", "GPUs", "N", *[SHORT[k] for k in HYBRID_MODES]], table,
+                group=lambda row: (row[0], row[1]))
+    csv_path = out_dir / "runtime_hybrid.csv"
+    with open(csv_path, "w", newline="") as fh:
+        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+    ns = list(HYBRID_GPUS)
+    panels: Dict[str, Dict[str, List[Optional[float]]]] = {}
+    for r in rows:
+        series = panels.setdefault(f"{r['model']} ({r['model_mb']:.0f} MB, "
+                                   f"{r['compute_ms']:.1f} ms compute), {r['inter_gbps']:g} Gb/s",
+                                   {k: [] for k in HYBRID_MODES})
+        for k in HYBRID_MODES:
+            series[k].append(r[f"{k}_s"])
+    png = Path(plot_path) if plot_path else out_dir / "runtime_hybrid.png"
+    written = plot_hybrid(png, ns, panels, f"Predicted iteration time, {HYBRID_LOCAL} GPUs per "
+                          "node, NVLink intra-node (analytic model, bench/runtime_model.py)")
+    return [csv_path, written]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -84,6 +140,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = [n for n in (2 ** k for k in range(3, 13)) if n <= args.max_n and n % local == 0]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.hybrid_only:
+        paths = _hybrid_report(out_dir, args.hybrid_plot)
+        print(f"\nwrote {', '.join(map(str, paths))}")
+        return 0
 
     print(f"runtime model: M={args.model_mb:g} MB, compute={args.compute_ms:g} ms "
           f"(backward {args.backward_fraction:.2f}), intra {args.intra_gbps:g} Gb/s/worker, "
@@ -165,33 +225,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"all-reduce hides behind the backward), {above} above")
 
     print()
-    cal_path = Path(args.calibrate) if args.calibrate else None
-    if cal_path is None or not cal_path.is_file():
-        print(f"calibration skipped: {cal_path} does not exist (run the end-to-end benchmark "
-              "to write it: columns framework, topology, workers, model, step_time_s, "
-              "bytes_per_step, compute_time_s)")
+    hybrid_paths = _hybrid_report(out_dir, args.hybrid_plot)
+
+    print()
+    ms, used = [], []
+    for cal in args.calibrate or []:
+        cal_path = Path(cal)
+        if not cal_path.is_file():
+            print(f"calibration skipped for {cal_path}: it does not exist (bench_train.py / "
+                  "bench_hybrid.py write it: columns framework, topology, workers, model, "
+                  "step_time_s, bytes_per_step, compute_time_s)")
+            continue
+        found = load_measurements(cal_path)
+        if not found:
+            print(f"calibration skipped for {cal_path}: no usable rows")
+            continue
+        ms += found
+        used.append(str(cal_path))
+    if ms:
+        sources = ", ".join(used)
+        res = calibrate(ms, replace(wl, model_bytes=0.0, compute_s=0.0))
+        h = res.hardware
+        print(f"calibration on {len(ms)} measurements from {sources}: effective bandwidth "
+              f"{h.intra_bw / 1e9:.3g} GB/s, latency {h.intra_lat * 1e6:.3g} us, kernel "
+              f"bandwidth {h.mem_bw / 1e9:.3g} GB/s, overlap {h.overlap:.2f}")
+        print_table(
+            ["framework", "mode", "topology", "n", "L", "model", "measured ms", "model ms",
+             "rel err"],
+            [[m.framework, m.kind, m.topology, m.workers, m.local, m.model,
+              f"{m.step_time_s * 1e3:.2f}", f"{p * 1e3:.2f}", f"{e:+.1%}"]
+             for m, p, e in zip(res.measurements, res.predictions, res.rel_errors)])
+        by_kind: Dict[str, List[float]] = {}
+        for m, e in zip(res.measurements, res.rel_errors):
+            by_kind.setdefault(m.kind, []).append(abs(e))
+        print(f"median |relative error|: {res.median_abs_error:.1%} ("
+              + ", ".join(f"{k} {statistics.median(v):.1%} over {len(v)}"
+                          for k, v in sorted(by_kind.items())) + ")")
+        with open(out_dir / "runtime_model_calibration.csv", "w", newline="") as fh:
+            wr = csv.writer(fh)
+            wr.writerow(["param", "value"])
+            for k, v in asdict(h).items():
+                wr.writerow([k, v])
+            wr.writerow(["median_abs_rel_error", res.median_abs_error])
     else:
-        ms = load_measurements(cal_path)
-        if not ms:
-            print(f"calibration skipped: no usable rows in {cal_path}")
-        else:
-            res = calibrate(ms, replace(wl, model_bytes=0.0, compute_s=0.0))
-            h = res.hardware
-            print(f"calibration on {len(ms)} measurements from {cal_path}: effective bandwidth "
-                  f"{h.intra_bw / 1e9:.3g} GB/s, latency {h.intra_lat * 1e6:.3g} us, kernel "
-                  f"bandwidth {h.mem_bw / 1e9:.3g} GB/s, overlap {h.overlap:.2f}")
-            print_table(
-                ["framework", "topology", "n", "model", "measured ms", "model ms", "rel err"],
-                [[m.framework, m.topology, m.workers, m.model, f"{m.step_time_s * 1e3:.2f}",
-                  f"{p * 1e3:.2f}", f"{e:+.1%}"]
-                 for m, p, e in zip(res.measurements, res.predictions, res.rel_errors)])
-            print(f"median |relative error|: {res.median_abs_error:.1%}")
-            with open(out_dir / "runtime_model_calibration.csv", "w", newline="") as fh:
-                wr = csv.writer(fh)
-                wr.writerow(["param", "value"])
-                for k, v in asdict(h).items():
-                    wr.writerow([k, v])
-                wr.writerow(["median_abs_rel_error", res.median_abs_error])
+        print("calibration skipped: no measurements")
 
     csv_path = out_dir / "runtime_model.csv"
     with open(csv_path, "w", newline="") as fh:
@@ -206,12 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     title = (f"M={args.model_mb:g} MB, compute {args.compute_ms:g} ms, intra {args.intra_gbps:g} "
              f"Gb/s, inter {args.inter_gbps:g} Gb/s/node, L={local}")
     plot_path = plot_iteration_times(out_dir / "runtime_model.png", ns, series, title)
-    print(f"\nwrote {csv_path}, {pub_path}, {plot_path}")
+    print(f"\nwrote {csv_path}, {pub_path}, {plot_path}, {', '.join(map(str, hybrid_paths))}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Calibration of the runtime model's free parameters against measured step times.
 
-Reads the CSV of the end-to-end benchmark (``bench/bench_train.py``) into :class:`Measurement`
-rows and fits, on one machine (so the intra- and inter-node links are tied to one effective
-link), the effective bandwidth, latency, kernel memory bandwidth and compute/communication
-overlap of :class:`runtime_model.Hardware` to them. The model itself lives in
+Reads the CSVs of the end-to-end benchmarks (``bench/bench_train.py``, and the sharded-gossip
+and HSDP rows of ``bench/bench_hybrid.py`` when it writes them) into :class:`Measurement` rows
+and fits, on one machine (so the intra- and inter-node links are tied to one effective link),
+the effective bandwidth, latency, kernel memory bandwidth and compute/communication overlap of
+:class:`runtime_model.Hardware` to them. The model itself lives in
 ``runtime_model.py``.
 """
 
@@ -14,7 +15,7 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field, replace
-from typing import Callable, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import numpy as np
 from scipy.optimize import OptimizeResult, minimize
@@ -26,6 +27,9 @@ from runtime_model import (
     Workload,
     ddp_iteration_time,
     decentralized_iteration_time,
+    hsdp_iteration_time,
+    sharded_gossip_iteration_time,
+    sharded_topology_valid,
     topology_rows,
     topology_valid,
 )
@@ -43,14 +47,22 @@ __all__ = [
 class Measurement:
     """One measured configuration of the end-to-end benchmark (one CSV row)."""
 
-    framework: str  # 'ddp' (all-reduce) or 'decentpy'
-    topology: str  # one of TOPOLOGIES, or 'allreduce' for DDP
+    framework: str  # 'ddp' (all-reduce), 'decentpy', 'decentpy-shard', 'hsdp', ...
+    topology: str  # one of TOPOLOGIES, or 'allreduce' for DDP, 'hsdp' for HSDP
     workers: int
     model: str
     step_time_s: float
-    model_bytes: float
+    model_bytes: float  # the full model's bytes, also for the sharded modes
     compute_time_s: float
     local: int
+    sharded: bool = False  # sharded gossip (decentpy intra_node="shard") on ``topology``
+
+    @property
+    def kind(self) -> str:
+        """Which model predicts it: 'allreduce', 'hsdp', 'shard' (sharded gossip), 'gossip'."""
+        if self.topology in ("allreduce", "hsdp"):
+            return self.topology
+        return "shard" if self.sharded else "gossip"
 
 
 def _is_allreduce(framework: str, topology: str) -> bool:
@@ -61,14 +73,34 @@ def _is_allreduce(framework: str, topology: str) -> bool:
     return ("ddp" in f or "allreduce" in f or "all-reduce" in f) and "decent" not in f
 
 
+def _row_kind(framework: str, topology: str, row: Dict[str, str]) -> str:
+    """'allreduce', 'hsdp', 'shard', 'gossip', or 'zero' (DDP + ZeroRedundancyOptimizer: not
+    modelled, and not DDP: its step and parameter broadcast differ) for one CSV row."""
+    f, t = framework.strip().lower(), topology.strip().lower()
+    mode = ((row.get("intra_node") or "") + (row.get("mode") or "")).strip().lower()
+    if "zero" in f:
+        return "zero"
+    if any(k in f or k in t for k in ("hsdp", "hybrid_shard", "hybrid-shard")):
+        return "hsdp"
+    if mode == "shard" or ("decent" in f and "shard" in f):
+        return "shard"
+    return "allreduce" if _is_allreduce(framework, topology) else "gossip"
+
+
 def load_measurements(path: os.PathLike) -> List[Measurement]:
     """Read the end-to-end benchmark CSV.
 
     Columns: framework, topology, workers, model, step_time_s, bytes_per_step, compute_time_s;
-    optional: local_world_size (default: all workers on one node, except alternating-exp-ring,
-    which needs >= 2 nodes: L = 2), model_bytes (overrides bytes_per_step). ``bytes_per_step``
-    is read as the size of the buffer each worker exchanges / all-reduces per step (the model's
-    parameter or gradient bytes). Rows with missing or non-positive numbers are skipped.
+    optional: local_world_size (default: all workers on one node, except alternating-exp-ring
+    and the sharded modes, which need >= 2 nodes: L = 2 from 4 workers), model_bytes (overrides
+    bytes_per_step), intra_node / mode ('shard': sharded gossip). ``bytes_per_step`` is read as
+    the size of the buffer each worker exchanges / all-reduces per step (the model's parameter
+    or gradient bytes); sharded rows should carry the full model in model_bytes. Framework
+    names: DDP ('ddp', 'torch-ddp', or topology 'allreduce'), HSDP ('hsdp', 'fsdp-hybrid_shard',
+    or topology 'hsdp'), sharded gossip ('decentpy-shard' on one of TOPOLOGIES over the nodes),
+    plain gossip (anything else on one of TOPOLOGIES). Rows with missing or non-positive
+    numbers, ZeRO rows ('ddp-zero', 'torch-zero': not modelled) and topologies that do not fit
+    are skipped.
     """
     out: List[Measurement] = []
     with open(path, newline="") as fh:
@@ -90,21 +122,29 @@ def load_measurements(path: os.PathLike) -> List[Measurement]:
                 continue
             framework = (row["framework"] or "").strip()
             topology = (row["topology"] or "").strip()
-            if _is_allreduce(framework, topology):
-                topology = "allreduce"
+            kind = _row_kind(framework, topology, row)
+            if kind == "zero":
+                continue
+            if kind in ("allreduce", "hsdp"):
+                topology = kind
             elif topology not in TOPOLOGIES:
                 continue
             local_s = (row.get("local_world_size") or "").strip()
             if local_s:
                 local = int(float(local_s))
-            elif topology == "alternating-exp-ring" and workers >= 4:
+            elif ((topology == "alternating-exp-ring" or kind in ("shard", "hsdp"))
+                  and workers >= 4 and workers % 2 == 0):
                 local = 2
             else:
                 local = workers
-            if topology != "allreduce" and not topology_valid(topology, workers, local):
+            if local < 1 or workers % local:
+                continue
+            if kind == "gossip" and not topology_valid(topology, workers, local):
+                continue
+            if kind == "shard" and not sharded_topology_valid(topology, workers // local):
                 continue
             out.append(Measurement(framework, topology, workers, row["model"], step, nbytes,
-                                   compute, local))
+                                   compute, local, sharded=kind == "shard"))
     return out
 
 
@@ -120,8 +160,13 @@ def _hw_from_theta(theta: np.ndarray) -> Hardware:
 def predict(m: Measurement, hw: Hardware, base: Workload = Workload(0.0, 0.0)) -> float:
     """The model's step time for ``m`` (``base`` gives the knobs a measurement does not carry)."""
     wl = replace(base, model_bytes=m.model_bytes, compute_s=m.compute_time_s)
-    if m.topology == "allreduce":
+    kind = m.kind
+    if kind == "allreduce":
         return ddp_iteration_time(m.workers, m.local, wl, hw)[0]
+    if kind == "hsdp":
+        return hsdp_iteration_time(m.workers, m.local, wl, hw)[0]
+    if kind == "shard":
+        return sharded_gossip_iteration_time(m.topology, m.workers, m.local, wl, hw)[0]
     return decentralized_iteration_time(m.topology, m.workers, m.local, wl, hw)[0]
 
 
@@ -142,13 +187,18 @@ class _TiedPredictor:
 
     The calibration fits one machine, so both link kinds share bandwidth and latency and every
     cost row collapses to ``a * lat + b / bw``; one loss evaluation is then a few numpy ops.
+    The few HSDP and sharded-gossip rows go through :func:`predict` one by one.
     """
 
     def __init__(self, ms: Sequence[Measurement], base: Workload) -> None:
         row_a, row_b, row_step, step_meas, step_tc, step_k = [], [], [], [], [], []
         ddp_idx, ddp = [], []  # (index, a_full, b_full, a_tail, b_tail, compute, kernel bytes)
+        self.others = [(i, m) for i, m in enumerate(ms) if m.kind in ("hsdp", "shard")]
+        self.base = base
         n_steps = 0
         for i, m in enumerate(ms):
+            if m.kind in ("hsdp", "shard"):
+                continue
             if m.topology == "allreduce":
                 if m.workers <= 1:
                     full = tail = np.zeros(4)
@@ -199,6 +249,8 @@ class _TiedPredictor:
             t = ((1 - self.bwd) * tc + np.maximum(bwd, hidden) + (1 - ov) * np.minimum(bwd, hidden)
                  + tail + kb / hw.mem_bw)
             out[self.ddp_idx] = t
+        for i, m in self.others:
+            out[i] = predict(m, hw, self.base)
         return out
 
 

@@ -8,6 +8,8 @@ training iteration for
 * decentpy's decentralized topologies (``complete``, ``ring``, ``one-peer-exp``,
   ``alternating-exp-ring``), whose parameter exchange of iteration k overlaps the whole
   forward + backward of iteration k+1,
+* the hybrid modes that shard the model inside a node: HSDP (FSDP HYBRID_SHARD) and decentpy's
+  sharded gossip (a topology over the nodes, each node's model sharded over its workers),
 
 together with the consensus rate of each topology (spectral gap) and the published-speedup
 scenarios the model is compared with. Siblings in bench/: ``runtime_fit.py`` (measurements and
@@ -51,6 +53,42 @@ Iteration time (T_c = forward + backward compute, backward = ``backward_fraction
 * ``overlap`` (1.0 on GPUs with a dedicated comm stream) is the fraction of min(compute, comm)
   that is hidden; it is a free parameter of the CPU calibration (gloo and compute share cores).
 
+Hybrid modes (sharding inside a node; b = ``min(bucket_bytes, M)`` is one bucket / FSDP unit;
+``RS(x)`` / ``AG(x)`` = ring reduce-scatter / all-gather of x bytes over the L ranks of a node,
+half an intra ring all-reduce: ``(L-1) intra_lat + (L-1)/L * x / intra_bw``; ``_bucketed(C, A,
+e) = e + max(C, A - e) + (1 - overlap) * min(C, A - e)``: communication A overlapping compute C
+except an exposed piece e, the shape of DDP's backward above):
+
+* HSDP (torch FSDP HYBRID_SHARD): parameters, gradients and optimizer state sharded over the L
+  ranks of a node, replicated across the N nodes. Forward: ``_bucketed(F, AG(M), AG(b))`` (the
+  next unit's parameters are prefetched during the current unit's forward; the first unit's
+  all-gather is exposed). Backward: ``_bucketed(B, A_b, RS(b) + X(b))`` with ``A_b = AG(M) +
+  RS(M) + X(M)`` (the re-gather of the parameters resharded after the forward, the gradient
+  reduce-scatter, and X = the all-reduce of each rank's M / L shard across the N nodes, the L
+  such all-reduces of a node sharing its NIC: ``2 (N-1) inter_lat + 2 (N-1)/N * M / inter_bw``);
+  link by link these are the same bytes as DDP's hierarchical all-reduce, summed like it (no
+  pipelining across links); the last unit's gradient reduce-scatter and all-reduce are exposed.
+  Optimizer step: ``kernel_traffic_ddp * M / L / mem_bw``. N == 1: plain intra-node sharding.
+* Sharded gossip (decentpy ``intra_node="shard"``): per bucket in the backward the gradients are
+  reduce-scattered inside the node (overlapped with the backward like DDP's buckets, last bucket
+  exposed); each rank steps its M / L shard with the fused kernel (``kernel_traffic_dec * M / L
+  / mem_bw``, mixing in the shards received in the previous exchange) and exchanges the updated
+  shard with the same-shard ranks of the peer node(s) chosen by the topology run over the N
+  nodes; the updated shards are all-gathered inside the node before the next forward, with the
+  same prefetch as HSDP's forward (first bucket exposed). The exchange overlaps everything
+  between two steps: ``T_t = max(W, C_t) + (1 - overlap) * min(W, C_t) + K_shard`` with ``W =
+  _bucketed(F, AG(M), AG(b)) + _bucketed(B, RS(M), RS(b))``. ``C_t``: the topology's step
+  costed over N nodes of one rank (``complete``, ``ring``, ``one-peer-exp`` over N nodes;
+  ``alternating-exp-ring``: its node pairing, whose groups inside one node vanish, since the L
+  shards of a node form one model that the gradient reduce-scatter already averages). One rank
+  per node stands for the L concurrent same-shard flows of M / L each: the same NIC bytes and
+  message count. So the node's NIC moves M per pair exchange: L times less than plain
+  ``one-peer-exp`` (whose L workers each send a full model), as much as plain AER (whose
+  cross-node step is a hierarchical all-reduce over the 2 nodes), which however also carries an
+  intra-node reduce-scatter and all-gather and one more latency inside its exchange. The
+  exchange (NIC) and the all-gather / reduce-scatter (intra link) use different links, so they
+  overlap. L == 1: plain gossip.
+
 Consensus: ``gap`` = 1 - |lambda_2| of the period-averaged mixing matrix, from
 ``decentpy.topology`` for n <= ``EXACT_GAP_MAX_N`` and from closed forms beyond (checked equal
 in the tests): complete 1, ring (1 - cos(2 pi / n)) / 2, one-peer-exp 1 / log2(n),
@@ -85,7 +123,16 @@ __all__ = [
     "allreduce_time",
     "decentralized_iteration_time",
     "ddp_iteration_time",
+    "hsdp_iteration_time",
+    "sharded_topology_valid",
+    "node_topology_rows",
+    "sharded_gossip_iteration_time",
     "iteration_times",
+    "HYBRID_MODES",
+    "hybrid_iteration_times",
+    "hybrid_workloads",
+    "hybrid_table",
+    "gpu_hardware",
     "spectral_gap",
     "closed_form_gap",
     "iterations_to_10x",
@@ -233,8 +280,13 @@ def _cost_vector(hw: Hardware, nbytes: float, flat: bool = False) -> np.ndarray:
 
 def step_comm_times(name: str, n: int, local: int, model_bytes: float, hw: Hardware) -> np.ndarray:
     """Communication time of every step of the topology's period (seconds)."""
+    return _step_times(topology_rows(name, n, local), model_bytes, hw)
+
+
+def _step_times(steps: Sequence[np.ndarray], model_bytes: float, hw: Hardware) -> np.ndarray:
+    """Each step's cost: its slowest group (all groups run at once)."""
     v = _cost_vector(hw, model_bytes)
-    return np.array([float(np.max(rows @ v)) for rows in topology_rows(name, n, local)])
+    return np.array([float(np.max(rows @ v)) for rows in steps])
 
 
 def allreduce_time(
@@ -266,17 +318,102 @@ def decentralized_iteration_time(
     return float(np.mean(per_step)), float(np.mean(comm))
 
 
+def _bucketed(compute: float, comm: float, exposed: float, overlap: float) -> float:
+    """Compute and bucketed communication: all but the ``exposed`` bucket (the one that cannot
+    start before the compute ends, or that the compute must wait for) overlaps the compute."""
+    return _overlapped(compute, max(comm - exposed, 0.0), overlap) + exposed
+
+
+def _fwd_bwd(wl: Workload) -> Tuple[float, float]:
+    return (1.0 - wl.backward_fraction) * wl.compute_s, wl.backward_fraction * wl.compute_s
+
+
 def ddp_iteration_time(
     n: int, local: int, wl: Workload, hw: Hardware, algorithm: str = "hierarchical"
 ) -> Tuple[float, float]:
     """(iteration time, all-reduce time) of all-reduce DDP."""
-    fwd = (1.0 - wl.backward_fraction) * wl.compute_s
-    bwd = wl.backward_fraction * wl.compute_s
+    fwd, bwd = _fwd_bwd(wl)
     full = allreduce_time(wl.model_bytes, n, local, hw, algorithm)
     tail = allreduce_time(min(wl.bucket_bytes, wl.model_bytes), n, local, hw, algorithm)
-    hidden = max(full - tail, 0.0)
     kernel = wl.kernel_traffic_ddp * wl.model_bytes / hw.mem_bw
-    return fwd + _overlapped(bwd, hidden, hw.overlap) + tail + kernel, full
+    return fwd + _bucketed(bwd, full, tail, hw.overlap) + kernel, full
+
+
+# ----------------------------------------------------------------------------------------------
+# hybrid modes: sharding inside a node (see the module docstring)
+# ----------------------------------------------------------------------------------------------
+
+
+def _intra_shard_time(nbytes: float, local: int, hw: Hardware) -> float:
+    """Ring reduce-scatter (or all-gather) of ``nbytes`` over one node's L ranks: half a ring
+    all-reduce, which is a reduce-scatter followed by an all-gather."""
+    return 0.5 * allreduce_time(nbytes, local, local, hw)
+
+
+def _check_nodes(n: int, local: int) -> int:
+    if local < 1 or n % local:
+        raise ValueError(f"n={n} is not a multiple of L={local}")
+    return n // local
+
+
+def hsdp_iteration_time(n: int, local: int, wl: Workload, hw: Hardware) -> Tuple[float, float]:
+    """(iteration time, communication time) of HSDP: shard over the L ranks of a node, all-reduce
+    the shards across the N nodes."""
+    nodes = _check_nodes(n, local)
+    fwd, bwd = _fwd_bwd(wl)
+    m, b = wl.model_bytes, min(wl.bucket_bytes, wl.model_bytes)
+    gather, head = _intra_shard_time(m, local, hw), _intra_shard_time(b, local, hw)
+    # the shard all-reduces across nodes: L flows of M / L per NIC = one all-reduce of M over
+    # N nodes of one rank
+    across, across_tail = allreduce_time(m, nodes, 1, hw), allreduce_time(b, nodes, 1, hw)
+    backward_comm = gather + _intra_shard_time(m, local, hw) + across  # AG + RS + X
+    tail = _intra_shard_time(b, local, hw) + across_tail
+    kernel = wl.kernel_traffic_ddp * m / local / hw.mem_bw
+    t = (_bucketed(fwd, gather, head, hw.overlap) + _bucketed(bwd, backward_comm, tail, hw.overlap)
+         + kernel)
+    return t, gather + backward_comm
+
+
+def sharded_topology_valid(name: str, nodes: int) -> bool:
+    """Whether topology ``name`` can run over ``nodes`` nodes in sharded gossip (decentpy's rules
+    on the nodes: AER needs a power of two >= 2 nodes, whatever L)."""
+    if name == "alternating-exp-ring":
+        return topology_valid(name, 2 * nodes, 2)
+    return topology_valid(name, nodes, 1)
+
+
+@lru_cache(maxsize=256)
+def node_topology_rows(name: str, nodes: int) -> Tuple[np.ndarray, ...]:
+    """Per step, the cost rows of ``name`` run over the nodes (one rank per node: the node's L
+    same-shard flows of M / L each put the same bytes and messages on its NIC)."""
+    if not sharded_topology_valid(name, nodes):
+        raise ValueError(f"topology {name!r} is not valid over {nodes} nodes")
+    if name != "alternating-exp-ring":
+        return topology_rows(name, nodes, 1)
+    # AER wants L >= 2; its node pairing does not depend on L, so build it with L = 2 and keep
+    # each group's nodes (a group inside one node becomes a single node: no exchange)
+    topo = _build_topology(name, 2 * nodes, 2)
+    assert topo is not None
+    return tuple(_group_rows([tuple(sorted({r // 2 for r in g.ranks})) for g in topo.groups(t)], 1)
+                 for t in range(topo.period))
+
+
+def sharded_gossip_iteration_time(
+    name: str, n: int, local: int, wl: Workload, hw: Hardware
+) -> Tuple[float, float]:
+    """(mean iteration time, mean inter-node exchange time) of sharded gossip: topology ``name``
+    over the N nodes, each node's model sharded over its L ranks."""
+    nodes = _check_nodes(n, local)
+    fwd, bwd = _fwd_bwd(wl)
+    m, b = wl.model_bytes, min(wl.bucket_bytes, wl.model_bytes)
+    full, one = _intra_shard_time(m, local, hw), _intra_shard_time(b, local, hw)
+    # between two steps, what the exchange overlaps: the parameter all-gather with the forward,
+    # the gradient reduce-scatter with the backward (both one bucket exposed)
+    window = _bucketed(fwd, full, one, hw.overlap) + _bucketed(bwd, full, one, hw.overlap)
+    comm = _step_times(node_topology_rows(name, nodes), m, hw)
+    kernel = wl.kernel_traffic_dec * m / local / hw.mem_bw
+    per_step = [_overlapped(window, c, hw.overlap) + kernel for c in comm]
+    return float(np.mean(per_step)), float(np.mean(comm))
 
 
 def iteration_times(
@@ -371,6 +508,12 @@ def _transformer(gpus: int) -> Workload:
     return Workload(model_bytes=110e6 * 4, compute_s=10e-3 + 6 * 110e6 * tokens / 40e12)
 
 
+def gpu_hardware(inter_gbps: float) -> Hardware:
+    """The GPU cluster of the assumptions above, with ``inter_gbps`` Gb/s per node NIC."""
+    return Hardware(intra_bw=GPU_INTRA_BW, inter_bw=inter_gbps * GBIT, intra_lat=GPU_INTRA_LAT,
+                    inter_lat=GPU_INTER_LAT, mem_bw=GPU_MEM_BW, overlap=1.0)
+
+
 def published_scenarios() -> List[Scenario]:
     """The 24 setups of the papers' range: 2 models x 25/100 Gb/s x L = 8/4 x 16-64 GPUs."""
     out = []
@@ -378,10 +521,8 @@ def published_scenarios() -> List[Scenario]:
         for inter in (25.0, 100.0):
             for local in (8, 4):
                 for gpus in (16, 32, 64):
-                    hw = Hardware(intra_bw=GPU_INTRA_BW, inter_bw=inter * GBIT,
-                                  intra_lat=GPU_INTRA_LAT, inter_lat=GPU_INTER_LAT,
-                                  mem_bw=GPU_MEM_BW, overlap=1.0)
-                    out.append(Scenario(model, gpus, local, inter, make(gpus), hw))
+                    out.append(Scenario(model, gpus, local, inter, make(gpus),
+                                        gpu_hardware(inter)))
     return out
 
 
@@ -398,6 +539,59 @@ def published_table(algorithm: str = "hierarchical") -> List[Dict[str, object]]:
                          compute_ms=sc.workload.compute_s * 1e3, allreduce_ms=t_ar * 1e3,
                          aer_ms=t_aer * 1e3, ratio=ratio,
                          in_range=PUBLISHED_RANGE[0] <= ratio <= PUBLISHED_RANGE[1]))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# hybrid modes at scale (8 to 4096 GPUs)
+# ----------------------------------------------------------------------------------------------
+
+#: The four modes of the hybrid comparison: DDP, HSDP, plain AER, sharded gossip over AER.
+HYBRID_MODES: Tuple[str, ...] = ("allreduce", "hsdp", "alternating-exp-ring",
+                                 "shard-alternating-exp-ring")
+HYBRID_LOCAL = 8
+HYBRID_GPUS: Tuple[int, ...] = tuple(2 ** k for k in range(3, 13))  # 8 .. 4096
+HYBRID_INTER_GBPS: Tuple[float, ...] = (25.0, 100.0)
+
+
+def hybrid_workloads() -> Dict[str, Workload]:
+    """Weak scaling (the global batch grows with the GPUs, as at scale): each GPU keeps the
+    local batch of the published setups, 32 ResNet-50 images (1024 on 32 GPUs) and 4096
+    transformer tokens (262k on 64 GPUs)."""
+    return {"ResNet-50": _resnet50(32), "Transformer-110M": _transformer(64)}
+
+
+def hybrid_iteration_times(
+    n: int, local: int, wl: Workload, hw: Hardware, topology: str = "alternating-exp-ring"
+) -> Dict[str, Optional[float]]:
+    """Iteration time of DDP, HSDP, plain gossip and sharded gossip on ``topology`` (keys as in
+    HYBRID_MODES for AER: 'allreduce', 'hsdp', topology, 'shard-' + topology); None where the
+    topology does not fit."""
+    nodes = _check_nodes(n, local)
+    return {
+        "allreduce": ddp_iteration_time(n, local, wl, hw)[0],
+        "hsdp": hsdp_iteration_time(n, local, wl, hw)[0],
+        topology: (decentralized_iteration_time(topology, n, local, wl, hw)[0]
+                   if topology_valid(topology, n, local) else None),
+        "shard-" + topology: (sharded_gossip_iteration_time(topology, n, local, wl, hw)[0]
+                              if sharded_topology_valid(topology, nodes) else None),
+    }
+
+
+def hybrid_table(gpus: Sequence[int] = HYBRID_GPUS, local: int = HYBRID_LOCAL,
+                 inter_gbps: Sequence[float] = HYBRID_INTER_GBPS) -> List[Dict[str, object]]:
+    """Per workload, NIC speed and GPU count: each hybrid mode's iteration time (s, None where
+    not valid) on the GPU cluster of :func:`gpu_hardware`."""
+    rows = []
+    for model, wl in hybrid_workloads().items():
+        for inter in inter_gbps:
+            hw = gpu_hardware(inter)
+            for n in gpus:
+                times = hybrid_iteration_times(n, local, wl, hw)
+                rows.append(dict(model=model, gpus=n, nodes=n // local, local=local,
+                                 inter_gbps=inter, model_mb=wl.model_bytes / 1e6,
+                                 compute_ms=wl.compute_s * 1e3,
+                                 **{f"{k}_s": times[k] for k in HYBRID_MODES}))
     return rows
 
 

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
-__all__ = ["SHORT", "plot_iteration_times"]
+__all__ = ["SHORT", "plot_iteration_times", "plot_hybrid"]
 
 # Short labels of the methods, for plot legends and table headers.
 SHORT: Dict[str, str] = {
@@ -18,36 +18,79 @@ SHORT: Dict[str, str] = {
     "ring": "ring",
     "one-peer-exp": "1peer-exp",
     "alternating-exp-ring": "AER",
+    "hsdp": "HSDP",
 }
+SHORT.update({f"shard-{k}": f"shard-{v}" for k, v in list(SHORT.items())
+              if k not in ("allreduce", "hsdp")})  # sharded gossip on each topology
+_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D")]
 
 
-def plot_iteration_times(path_png: Path, ns: List[int], series: Dict[str, List[Optional[float]]],
-                         title: str) -> Path:
-    """Predicted iteration time against n per method; a PNG with matplotlib, else an SVG (the
-    model needs no plotting library). Returns the path written."""
+def _draw(ax, ns: List[int], series: Dict[str, List[Optional[float]]]) -> None:
+    """One panel: a line per method, ms against n on a log2 axis (points where valid)."""
+    for i, (name, ys) in enumerate(series.items()):
+        pts = [(n, y * 1e3) for n, y in zip(ns, ys) if y is not None]
+        if pts:
+            ls, mk = _STYLES[i % len(_STYLES)]
+            ax.plot(*zip(*pts), linestyle=ls, marker=mk, ms=4, lw=1.5, alpha=0.85,
+                    label=SHORT.get(name, name))
+    ax.set_xscale("log", base=2)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, or None when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot_iteration_times(path_png: Path, ns: List[int], series: Dict[str, List[Optional[float]]],
+                         title: str) -> Path:
+    """Predicted iteration time against n per method; a PNG with matplotlib, else an SVG (the
+    model needs no plotting library). Returns the path written."""
+    plt = _pyplot()
+    if plt is None:
         return _plot_svg(path_png.with_suffix(".svg"), ns, series, title)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    styles = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D")]
-    for i, (name, ys) in enumerate(series.items()):
-        pts = [(n, y * 1e3) for n, y in zip(ns, ys) if y is not None]
-        if pts:
-            ls, mk = styles[i % len(styles)]
-            ax.plot(*zip(*pts), linestyle=ls, marker=mk, ms=4, lw=1.5, alpha=0.85,
-                    label=SHORT.get(name, name))
-    ax.set_xscale("log", base=2)
+    _draw(ax, ns, series)
     ax.set_xlabel("workers n")
     ax.set_ylabel("predicted iteration time (ms)")
     ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path_png, dpi=120)
+    plt.close(fig)
+    return path_png
+
+
+def plot_hybrid(path_png: Path, ns: List[int],
+                panels: Dict[str, Dict[str, List[Optional[float]]]], title: str) -> Path:
+    """One panel per (workload, NIC speed) key of ``panels``, each with a line per mode, in a
+    grid of two columns; a PNG with matplotlib, else one SVG with the panel named in every
+    legend entry. Returns the path written."""
+    plt = _pyplot()
+    if plt is None:
+        merged = {f"{panel}: {SHORT.get(k, k)}": ys for panel, series in panels.items()
+                  for k, ys in series.items()}
+        return _plot_svg(path_png.with_suffix(".svg"), ns, merged, title)
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, 2, figsize=(11, 3.6 * rows), squeeze=False)
+    for ax, (panel, series) in zip(axes.flat, panels.items()):
+        _draw(ax, ns, series)
+        ax.set_title(panel, fontsize=9)
+        ax.set_xlabel("GPUs n")
+        ax.set_ylabel("predicted iteration time (ms)")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path_png, dpi=110)
     plt.close(fig)
     return path_png
 
