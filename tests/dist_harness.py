@@ -138,3 +138,16 @@ def torchrun(script: str, nproc: int, env: Dict[str, str], timeout: float,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", script,
            *args]
     return subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+def run_example_main(filename: str, argv: Sequence[str]) -> Any:
+    """Load ``examples/<filename>`` as a module and return ``main(argv)`` (inside a worker: the
+    examples keep a process group that is already initialized)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", filename)
+    spec = importlib.util.spec_from_file_location(os.path.splitext(filename)[0], path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(list(argv))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dist_harness import run_workers, single_process_group
+from dist_harness import run_example_main, run_workers, single_process_group
 
 CHUNKS = (1, 2, 4, 7)
 CHECKPOINTS = ("never", "except_last", "always")
@@ -805,16 +805,7 @@ def test_microbatch_split_and_join() -> None:
 
 
 def example_worker(rank: int, world: int) -> Dict[str, Any]:
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
-                        "pipeline_digits.py")
-    spec = importlib.util.spec_from_file_location("pipeline_digits", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(["--epochs", "3"])
+    return run_example_main("pipeline_digits.py", ["--epochs", "3"])
 
 
 def test_example_trains() -> None:

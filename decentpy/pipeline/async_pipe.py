@@ -20,14 +20,27 @@ waiting for a message, so no rank hangs; the stages then read what the failed st
 (the pipe stays usable: the next step starts in step), and every rank raises -- the failing one
 its own exception, the others a :class:`PipelineError` naming the stage. Every wait is bounded by
 the pipe's timeout; a timeout (a stage died or never called the pipe) leaves the pipe unusable.
+
+A stage's partition can run through a data-parallel wrapper (:meth:`AsyncPipe.wrap_partition`,
+e.g. a ``DecentralizedDataParallel`` over the stage's replicas: :mod:`decentpy.hybrid`). Such a
+wrapper steps inside the backward and expects one forward and one backward per iteration, while a
+stage runs ``m`` of each per mini-batch. So the pipe calls the wrapper for the mini-batch's first
+micro-batch only (one iteration per mini-batch: its ``prepare()``, ``Join``'s count) and the bare
+partition for the others and for recomputations, and runs every micro-batch's backward but the
+last one executed under the wrapper's ``no_sync()``: gradients accumulate, and the last backward
+mixes and steps once, bucket by bucket, its exchanges running in the background while the earlier
+stages finish their backward (autograd accumulates a parameter's gradient before it passes the
+input's gradient on, so the bucket holding the stage's first layers steps just before that last
+gradient goes upstream).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import logging
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -92,6 +105,7 @@ class _Step:
         self.answered: Dict[int, bool] = {}      # micro-batch -> GRAD/NOGRAD sent upstream
         self.losses: Dict[int, Tensor] = {}
         self.forwards = 0
+        self.backwards = 0                       # micro-batch backwards run (or skipped) on this stage
 
 
 class AsyncPipe(nn.Module):
@@ -178,6 +192,10 @@ class AsyncPipe(nn.Module):
                               not nccl, self.timeout)
         self._broken: Optional[str] = None
         self._pending: Optional[_Step] = None   # the final stage's step waiting for its user-driven backward
+        # wrap_partition's wrapper, held in a tuple so that it is not a registered submodule: the
+        # partition's parameters and state_dict keys stay where they are (the wrapper reads the
+        # partition's train/eval mode, which pipe.train()/eval() set)
+        self._wrapper: Tuple[nn.Module, ...] = ()
 
     # -- fairscale's container API ----------------------------------------------------------------
     @property
@@ -202,6 +220,48 @@ class AsyncPipe(nn.Module):
     def __iter__(self) -> Iterator[nn.Module]:
         """The layers this rank holds, in order."""
         return iter(list(self.partition) if self.partition is not None else [])
+
+    # -- a data-parallel wrapper around this rank's partition ------------------------------------------
+    def wrap_partition(self, wrap: Callable[[nn.Sequential], nn.Module]) -> Optional[nn.Module]:
+        """Run this rank's partition through ``wrap(partition)`` (e.g. a ``DecentralizedDataParallel``
+        over the stage's replicas) and return the wrapper; None on a rank without a stage (``wrap``
+        is not called there). Call it on every stage rank before training (the wrapper's own
+        construction may be a collective over its group).
+
+        The wrapper must hold the partition itself (not a copy) and behave as decentpy's does: one
+        training iteration per ``forward`` call, and a ``no_sync()`` context read at backward time.
+        Per mini-batch the pipe calls it on the first micro-batch's forward only, and runs every
+        micro-batch's backward but the last under ``no_sync()``, so the wrapper steps once per
+        mini-batch, from the whole mini-batch's gradient (see the module's docstring)."""
+        if self._wrapper:
+            raise RuntimeError("wrap_partition was already called on this AsyncPipe; wrap the partition once")
+        if self.partition is None:
+            return None
+        wrapper = wrap(self.partition)
+        if not isinstance(wrapper, nn.Module):
+            raise TypeError(f"wrap_partition: wrap(partition) must return a torch.nn.Module, got "
+                            f"{type(wrapper).__name__}")
+        held = {id(p) for p in wrapper.parameters()}
+        missing = [n for n, p in self.partition.named_parameters() if id(p) not in held]
+        if missing:
+            raise ValueError(f"wrap_partition: the wrapper does not hold the partition's parameter '{missing[0]}'; "
+                             "wrap the partition passed to wrap (not a copy of it)")
+        self._wrapper = (wrapper,)
+        return wrapper
+
+    @property
+    def partition_wrapper(self) -> Optional[nn.Module]:
+        """The wrapper set by :meth:`wrap_partition` (None without one)."""
+        return self._wrapper[0] if self._wrapper else None
+
+    def _backward_scope(self, step: _Step) -> ContextManager[Any]:
+        """Counts a micro-batch's backward: every one but the mini-batch's last runs under the
+        wrapper's ``no_sync()`` (accumulate only); the last one lets it mix and step."""
+        step.backwards += 1
+        no_sync = getattr(self._wrapper[0], "no_sync", None) if self._wrapper else None
+        if no_sync is None or step.backwards >= step.count:
+            return contextlib.nullcontext()
+        return no_sync()
 
     @property
     def devices(self) -> List[torch.device]:
@@ -338,8 +398,10 @@ class AsyncPipe(nn.Module):
             for i, v in zip(diff, views):
                 xs[i] = v
         part = self.partition
+        # a wrapper counts iterations by its forward calls: it sees the mini-batch's first micro-batch
+        first = self._wrapper[0] if self._wrapper and step.forwards == 0 and torch.is_grad_enabled() else part
         try:
-            out = self._call_partition(part, xs, single, checkpointed)
+            out = self._call_partition(part, xs, single, checkpointed, first)
         except RuntimeError as exc:
             if "_GradTap is a view and is being modified inplace" in str(exc):
                 raise RuntimeError(f"stage {self.stage}: a layer modified its input in place, but the activations "
@@ -350,9 +412,12 @@ class AsyncPipe(nn.Module):
         return out
 
     @staticmethod
-    def _call_partition(part: nn.Module, xs: List[Tensor], single: bool, checkpointed: bool) -> TensorOrTensors:
+    def _call_partition(part: nn.Module, xs: List[Tensor], single: bool, checkpointed: bool,
+                        first: Optional[nn.Module] = None) -> TensorOrTensors:
+        """``first`` (default: ``part``) runs the forward, ``part`` any recomputation."""
+        first = part if first is None else first
         if not checkpointed:
-            out = part(xs[0] if single else tuple(xs))
+            out = first(xs[0] if single else tuple(xs))
         else:
             calls = [0]
 
@@ -360,7 +425,7 @@ class AsyncPipe(nn.Module):
                 calls[0] += 1
                 arg = args[0] if single else tuple(args)
                 if calls[0] == 1:
-                    return part(arg)
+                    return first(arg)
                 with recomputing():  # DeferredBatchNorm counts the first run only
                     return part(arg)
 
@@ -422,10 +487,11 @@ class AsyncPipe(nn.Module):
         """Micro-batch ``mb``'s backward through this stage, from its outputs' gradients (None:
         none came); its inputs' gradients go upstream (through :class:`_GradTap`)."""
         out = step.outputs.pop(mb)
-        if grads is not None:
-            pairs = [(y, g) for y, g in zip(as_tuple(out), grads) if g is not None and y.requires_grad]
-            if pairs:
-                torch.autograd.backward([y for y, _ in pairs], [g.to(y.device) for y, g in pairs])
+        with self._backward_scope(step):
+            if grads is not None:
+                pairs = [(y, g) for y, g in zip(as_tuple(out), grads) if g is not None and y.requires_grad]
+                if pairs:
+                    torch.autograd.backward([y for y, _ in pairs], [g.to(y.device) for y, g in pairs])
         del out
         self._answer_upstream(step, mb)
 
@@ -533,8 +599,9 @@ class AsyncPipe(nn.Module):
             elif self.final_stage:
                 step.outputs.pop(a.mb)
                 loss = step.losses[a.mb]
-                if loss.requires_grad:
-                    loss.backward()
+                with self._backward_scope(step):
+                    if loss.requires_grad:
+                        loss.backward()
                 self._answer_upstream(step, a.mb)
             else:
                 if self._expects_grad(step, a.mb):
