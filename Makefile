@@ -8,6 +8,8 @@
 #                           fairscale (2 and 4 workers; BENCH_ARGS=...)
 #   make bench-pipe         pipeline parallelism: decentpy AsyncPipe vs torch.distributed.pipelining (GPipe, 1F1B)
 #                           vs one process (2 and 4 stages, chunks 1..16; BENCH_ARGS=...)
+#   make bench-hybrid       2 nodes x 2 ranks: decentpy vs torch DDP / ZeRO, pipelines with gossip vs all-reduce:
+#                           step time, optimizer state, peak memory, bytes intra / inter node (BENCH_ARGS=...)
 #   make bench-convergence  fixed-budget accuracy of each topology x optimizer vs DDP on digits
 #   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
@@ -110,7 +112,7 @@ bench: $(BUILD_STAMP)
 	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-train bench-shard bench-pipe bench-convergence runtime-model
+.PHONY: bench-train bench-shard bench-pipe bench-hybrid bench-convergence runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py $(BENCH_ARGS)
@@ -124,6 +126,9 @@ bench-shard: $(BUILD_STAMP)
 bench-pipe: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) bench/bench_pipe.py $(BENCH_ARGS)
+
+bench-hybrid: $(BUILD_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/bench_hybrid.py $(BENCH_ARGS)
 
 bench-convergence: $(BUILD_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_convergence.py $(BENCH_ARGS)
