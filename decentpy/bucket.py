@@ -45,6 +45,35 @@ class BucketPlan:
 
 
 @dataclass
+class BucketShard:
+    """The part of a bucket this rank steps and exchanges with ``intra_node='shard' | 'allreduce'``
+    (:mod:`decentpy.intra_node`): elements ``[lo, hi)`` of the flat blocks, the node's mean gradient
+    of them, their exchange buffer, and an optimizer over the parameters' pieces in that range (1-D
+    views; hyper-parameters follow the bucket's optimizer, which the user and the scheduler see)."""
+
+    lo: int
+    hi: int
+    param: Tensor                     # param_block[lo:hi]
+    grad: Tensor                      # the node's mean gradient of [lo, hi)
+    comm: Tensor                      # receive / in-place reduce buffer of the shard's exchange
+    pieces: List[Tensor]
+    offsets: List[int]                # of the pieces inside the shard
+    optimizer: Optional[Optimizer]    # None: the shard holds alignment padding only
+    segments: Optional[Tensor]
+    fused: bool
+    gather: Optional[object] = None   # the all-gather of the updated shards, in flight
+
+    def follow(self, optimizer: Optimizer) -> None:
+        """Take the bucket optimizer's current hyper-parameters (an LR scheduler steps that one)."""
+        if self.optimizer is None:
+            return
+        for mine, theirs in zip(self.optimizer.param_groups, optimizer.param_groups):
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = v
+
+
+@dataclass
 class Bucket:
     """One bucket: flat storage, optimizer, and the state of its exchange."""
 
@@ -75,6 +104,24 @@ class Bucket:
     fresh_groups: List[Dict[str, Any]] = field(default_factory=list)
     fresh_scheduler: Optional[Dict[str, Any]] = None
     optimizer_loaded: bool = False
+    shard: Optional[BucketShard] = None  # intra_node='shard' | 'allreduce'
+
+    @property
+    def exchange_buffer(self) -> Tensor:
+        """The buffer the exchange receives into (the shard's with intra_node)."""
+        return self.shard.comm if self.shard is not None else self.comm
+
+    @property
+    def exchanged(self) -> Tensor:
+        """The parameters this rank steps and exchanges (the shard's with intra_node)."""
+        return self.shard.param if self.shard is not None else self.param_block
+
+    @property
+    def state_optimizer(self) -> Optimizer:
+        """The optimizer that holds this rank's state (the shard's with intra_node, when it has one)."""
+        if self.shard is not None and self.shard.optimizer is not None:
+            return self.shard.optimizer
+        return self.optimizer
 
     def modified_by_user(self) -> bool:
         """The optimizer or scheduler was loaded or edited since the bucket was built (through
@@ -103,6 +150,9 @@ class Bucket:
         with ``send_scale``, write ``send_scale * p`` into the receive buffer as the next buffer to
         send. The step counter and scheduler move in :meth:`finish_iteration`. The caller has made
         every gradient a view of ``grad_block`` first (:meth:`adopt_missing_grads`)."""
+        if self.shard is not None:
+            self._shard_step(recv, mix_a, mix_b, send_scale, grads, local_step)
+            return
         send = self.comm if send_scale is not None else None
         scale = 1.0 if send_scale is None else send_scale
         if not self.params_are_views:
@@ -119,16 +169,43 @@ class Bucket:
             return
         self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step)
 
+    def _shard_step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send_scale: Optional[float],
+                    grads: GradArgs, local_step: bool) -> None:
+        """:meth:`step` on this rank's shard (the node's mean gradient, the shard's optimizer)."""
+        sh = self.shard
+        assert sh is not None
+        send = sh.comm if send_scale is not None else None
+        scale = 1.0 if send_scale is None else send_scale
+        if not self.params_are_views:
+            self.gather_params()
+        sh.follow(self.optimizer)
+        if sh.optimizer is None:  # alignment padding only: nothing to update
+            self._generic_step(recv, mix_a, mix_b, send, scale, UNSCALED, False, param=sh.param, grad=sh.grad)
+        elif sh.fused:
+            sh.optimizer.bucket_step(sh.pieces, sh.offsets, sh.param, sh.grad,  # type: ignore[attr-defined]
+                                     sh.segments, recv, send, mix_a, mix_b, scale,
+                                     grads if local_step else UNSCALED, not local_step, zero_grad=True)
+            self.stepped = False if local_step else None
+        else:
+            self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step, param=sh.param, grad=sh.grad,
+                               optimizer=sh.optimizer)
+
     def _generic_step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send: Optional[Tensor],
-                      send_scale: float, grads: GradArgs, local_step: bool) -> None:
-        """Optimizers the kernel does not implement: a separate mix, then their own ``step()``."""
-        kernel = self.param_block.dtype in kernels.KERNEL_DTYPES  # float64 mixes with torch ops
+                      send_scale: float, grads: GradArgs, local_step: bool, param: Optional[Tensor] = None,
+                      grad: Optional[Tensor] = None, optimizer: Optional[Optimizer] = None) -> None:
+        """Optimizers the kernel does not implement: a separate mix, then their own ``step()``. On the
+        whole bucket, or on a shard (``param``/``grad``/``optimizer``: the shard's)."""
+        whole = param is None
+        param = self.param_block if param is None else param
+        grad = self.grad_block if grad is None else grad
+        optimizer = self.optimizer if optimizer is None else optimizer
+        kernel = param.dtype in kernels.KERNEL_DTYPES  # float64 mixes with torch ops
         if recv is not None:
             if kernel:
-                kernels.mix(self.param_block, recv, mix_a, mix_b)
+                kernels.mix(param, recv, mix_a, mix_b)
             else:
-                self.param_block.mul_(mix_a).add_(recv, alpha=mix_b)
-        if not self.params_are_views:
+                param.mul_(mix_a).add_(recv, alpha=mix_b)
+        if whole and not self.params_are_views:
             self.scatter_params()
         skip = True
         if local_step:
@@ -137,17 +214,17 @@ class Bucket:
             factor, skip = BucketGradScaling.host_factor(grads)
             if not skip:
                 if factor != 1.0:
-                    self.grad_block.mul_(factor)
-                self.optimizer.step()
-                if not self.params_are_views:
+                    grad.mul_(factor)
+                optimizer.step()
+                if whole and not self.params_are_views:
                     self.gather_params()
             self.stepped = skip
         if send is not None:
             if kernel:
-                kernels.scale_copy(send, self.param_block, send_scale)
+                kernels.scale_copy(send, param, send_scale)
             else:
-                torch.mul(self.param_block, send_scale, out=send)
-        self.grad_block.zero_()
+                torch.mul(param, send_scale, out=send)
+        grad.zero_()
 
     def finish_iteration(self, skipped: Optional[bool]) -> None:
         """After the iteration: count the step and advance the scheduler if the update happened.
@@ -155,7 +232,11 @@ class Bucket:
         if self.stepped is None:
             return
         updated = not (self.stepped if skipped is None else skipped)
-        if self.fused:
+        if self.shard is not None:
+            if self.shard.fused:
+                self.shard.optimizer.finish_bucket_step(updated)  # type: ignore[union-attr]
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the scheduler's check
+        elif self.fused:
             self.optimizer.finish_bucket_step(updated)  # type: ignore[attr-defined]
         if updated and self.scheduler is not None:
             self.scheduler.step()
@@ -332,7 +413,7 @@ class FlatParams:
 
 
 @torch.no_grad()
-def flatten_params(params: List[Tensor], as_views: bool) -> FlatParams:
+def flatten_params(params: List[Tensor], as_views: bool, pad_multiple: int = 1) -> FlatParams:
     """Copy ``params`` into one aligned block; with ``as_views`` they become views of it.
 
     Done for every bucket before any other block is allocated, so that the parameters' former
@@ -341,6 +422,7 @@ def flatten_params(params: List[Tensor], as_views: bool) -> FlatParams:
     """
     elem = params[0].element_size()
     offsets, total = _C.aligned_offsets([p.numel() for p in params], elem, ALIGN_BYTES)
+    total = -(-total // pad_multiple) * pad_multiple  # equal shards (intra_node='shard')
     block, views = _C.make_flat_block([p.detach() for p in params], offsets, total, True)
     if as_views:
         for p, v in zip(params, views):
@@ -349,8 +431,52 @@ def flatten_params(params: List[Tensor], as_views: bool) -> FlatParams:
 
 
 @torch.no_grad()
+def make_shard(bucket: Bucket, lo: int, hi: int, separate_grad: bool) -> BucketShard:
+    """This rank's shard ``[lo, hi)`` of ``bucket``: the pieces of the parameters in it (1-D views of
+    the block) under an optimizer of the bucket optimizer's class and parameter groups, and its
+    gradient (a buffer of its own when ``separate_grad``, else the gradient block) and exchange
+    buffer."""
+    opt = bucket.optimizer
+    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+    per_group: List[List[Tensor]] = [[] for _ in opt.param_groups]
+    pieces: List[Tensor] = []
+    offsets: List[int] = []
+    for p, view, off in zip(bucket.params, bucket.param_views, bucket.offsets):
+        a, e = max(lo, off), min(hi, off + p.numel())
+        if a >= e:
+            continue
+        piece = kernels.flat_alias(view)[a - off:e - off]
+        pieces.append(piece)
+        offsets.append(a - lo)
+        per_group[group_of[id(p)]].append(piece)
+    param = bucket.param_block[lo:hi]
+    grad = bucket.grad_block[lo:hi] if not separate_grad else torch.zeros_like(param)
+    shard_opt: Optional[Optimizer] = None
+    segments: Optional[Tensor] = None
+    if pieces:
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
+                  for g, ps in zip(opt.param_groups, per_group)]
+        try:
+            shard_opt = type(opt)(groups, **opt.defaults)
+        except TypeError as exc:
+            raise TypeError(f"intra_node: the bucket's optimizer {type(opt).__name__} could not be rebuilt over this "
+                            f"rank's shard of the parameters as type(opt)(param_groups, **opt.defaults) ({exc}); use "
+                            "an optimizer whose constructor takes its defaults as keyword arguments") from None
+        # leading alignment padding (the shard starts between two parameters) steps with the first piece
+        segments = _segments_for(shard_opt, pieces, [0] + offsets[1:], hi - lo, param.device)
+        for piece, o in zip(pieces, offsets):  # the generic path steps the pieces from these gradients
+            piece.grad = grad[o:o + piece.numel()]
+    fused = shard_opt is not None and isinstance(shard_opt, FusedOptimizer) and \
+        len(shard_opt.param_groups) <= MAX_GROUPS_PER_BUCKET
+    if fused:
+        shard_opt.prepare_bucket_state(pieces, offsets, hi - lo, param.device)  # type: ignore[union-attr]
+    return BucketShard(lo=lo, hi=hi, param=param, grad=grad, comm=torch.zeros_like(param), pieces=pieces,
+                       offsets=offsets, optimizer=shard_opt, segments=segments, fused=fused)
+
+
+@torch.no_grad()
 def make_bucket(index: int, flat: FlatParams, names: List[str], optimizer: Optimizer,
-                scheduler: Optional[LRScheduler]) -> Bucket:
+                scheduler: Optional[LRScheduler], exchange_buffer: bool = True) -> Bucket:
     """The rest of a bucket around its flat parameters: gradient block, exchange buffer, segments."""
     params, offsets = flat.params, flat.offsets
     total = flat.block.numel()
@@ -367,7 +493,8 @@ def make_bucket(index: int, flat: FlatParams, names: List[str], optimizer: Optim
             p.grad = gv
     fused = isinstance(optimizer, FusedOptimizer) and len(optimizer.param_groups) <= MAX_GROUPS_PER_BUCKET
     segments = _segments_for(optimizer, params, offsets, total, flat.block.device)
-    comm = torch.zeros_like(flat.block)
+    # (with intra_node the shard has its own exchange buffer: no full-size one)
+    comm = torch.zeros_like(flat.block) if exchange_buffer else flat.block.new_empty(0)
     bucket = Bucket(index=index, params=params, names=names, offsets=offsets, param_block=flat.block,
                     grad_block=grad_block, comm=comm, param_views=flat.views, grad_views=grad_views,
                     optimizer=optimizer, scheduler=scheduler, segments=segments, fused=fused,

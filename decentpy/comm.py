@@ -82,6 +82,21 @@ class SubGroup:
             return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
         return self.pg.allreduce([buffer])
 
+    def reduce_scatter(self, out: Tensor, inp: Tensor) -> Any:
+        """``out`` <- this rank's chunk of the sum of every member's ``inp`` (``inp`` holds
+        ``len(global_ranks)`` chunks of ``out``'s size, in group-rank order; in flight)."""
+        if self.registered:
+            return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+        return self.pg._reduce_scatter_base(out, inp)
+
+    def all_gather(self, out: Tensor, inp: Tensor) -> Any:
+        """``out`` <- every member's ``inp``, in group-rank order (``inp`` may be this rank's chunk of
+        ``out`` itself; in flight)."""
+        if self.registered:
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            return gather(out, inp, group=self.pg, async_op=True)
+        return self.pg._allgather_base(out, inp)
+
     def destroy(self) -> None:
         if self.registered:
             dist.destroy_process_group(self.pg)

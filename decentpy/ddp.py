@@ -24,9 +24,10 @@ from .bucket import Bucket, BucketPlan
 from .comm import CommGroup, default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
 from .nccl_comm import COMM_CHOICES, select_communicator
 from .grad_scaling import BucketGradScaling
+from .intra_node import INTRA_NODE_CHOICES, IntraNode
 from .reducer import GossipReducer, OptimFn, SchedulerFn, accumulating
 from .topo import hook_edges
-from .topology import Topology, make_topology
+from .topology import Topology, make_topology, node_topology, shard_topology
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,14 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             :meth:`global_avg`, ``Join``) stays inside it, and wrappers on disjoint groups run side
             by side in one job (e.g. one per pipeline stage or per model replica set). Build it on
             the group's ranks only.
+        intra_node: what the ``local_world_size`` ranks of a node do together. ``'gossip'`` (the
+            default): every rank is a gossip worker. ``'shard'``: the node is one worker; per bucket its
+            gradients are reduce-scattered over the node, each rank mixes and steps its ``1/L`` shard
+            (optimizer state for that shard only) with the ranks holding that shard on the peer nodes,
+            and the node all-gathers the updated shards before the next forward. ``'allreduce'``: the
+            node averages its gradients and every rank steps the whole model (replicated state) and
+            gossips it with its counterparts on the peer nodes. With either, ``topology`` runs over
+            the nodes (names with ``n`` = number of nodes).
     """
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
@@ -91,6 +100,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         timeout: Optional[datetime.timedelta] = None,
         comm: str = "auto",
         process_group: Optional[dist.ProcessGroup] = None,
+        intra_node: str = "gossip",
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -110,6 +120,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             raise ValueError(f"bucket_size_in_mb must be > 0, got {bucket_size_in_mb}")
         if comm not in COMM_CHOICES:
             raise ValueError(f"comm must be one of {', '.join(map(repr, COMM_CHOICES))}, got {comm!r}")
+        if intra_node not in INTRA_NODE_CHOICES:
+            raise ValueError(f"intra_node must be one of {', '.join(map(repr, INTRA_NODE_CHOICES))}, got {intra_node!r}")
 
         self._group = CommGroup(process_group)
         self._process_group = self._group.process_group  # None: the world
@@ -119,8 +131,17 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if lws is None:
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
-        # Pure function of the sizes: raises identically on every rank, before any collective.
-        self._topology = make_topology(topology, self._world_size, self._local_world_size)
+        # Pure functions of the sizes: raise identically on every rank, before any collective.
+        self._intra_node = intra_node
+        self._intra: Optional[IntraNode] = None
+        if intra_node == "gossip":
+            self._topology = make_topology(topology, self._world_size, self._local_world_size)
+            exchange_topology = self._topology
+        else:
+            self._intra = IntraNode(intra_node, self._rank, self._world_size, self._local_world_size,
+                                    timeout if timeout is not None else default_timeout())
+            self._topology = node_topology(topology, self._intra.nodes)  # over the nodes
+            exchange_topology = shard_topology(self._topology, self._local_world_size)
 
         self._model = model
         self._scaler = scaler
@@ -146,25 +167,39 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._check_dense_gradients()
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
             self._reducer = GossipReducer(
-                self._params, self._param_names, optim_fn, lr_scheduler_fn, self._topology, self._grad_scaling,
-                self._bucket_size, self._param_as_bucket_view, self._timeout, group=self._group)
+                self._params, self._param_names, optim_fn, lr_scheduler_fn, exchange_topology, self._grad_scaling,
+                self._bucket_size, self._param_as_bucket_view, self._timeout, group=self._group, intra=self._intra)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
             failure = exc
         raise_if_any_rank_failed(failure, "constructing DecentralizedDataParallel", group=self._process_group)
         wants_edges = self._reducer.has_pre_average_hook()
         self._check_same_model(wants_edges)
-        if wants_edges and not self._group.is_world:  # the same verdict on every rank (checked just above)
+        if wants_edges and self._intra is not None:  # the same verdict on every rank (checked just above)
+            raise ValueError(
+                f"optimizers with decent-dp's pre_average_hook see each exchange of the whole model; with "
+                f"intra_node={intra_node!r} the exchanges carry shards or node means: use intra_node='gossip' or an "
+                "optimizer without pre_average_hook")
+        if wants_edges and not self._group.is_world:
             raise ValueError(
                 "optimizers with decent-dp's pre_average_hook get edges whose .group is a torch process group over "
                 "the edge's ranks, which decentpy creates on the world only; with process_group= use an optimizer "
                 "without pre_average_hook")
         self._broadcast_from_rank0()
-        comm_ = select_communicator(comm, self._topology, self._timeout, device=self._params[0].device,
+        if self._intra is not None:
+            self._intra.connect(self._group)
+        comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
                                     group=self._group)
         # Edges (with process groups) for optimizers that hook into the averaging; collective, so
         # only after the check above proved every rank wants them.
         self._reducer.attach(comm_, hook_edges(self._topology) if wants_edges else None)
         self._comm = comm_
+        self._shard_hooks: List[Any] = []
+        if self._intra is not None and self._intra.shards:
+            # The node's all-gather of the updated shards is in flight after a step: whoever reads the
+            # parameters next (a forward of the model, with or without this wrapper; a state dict) waits.
+            wait = self._reducer.wait_gathers
+            self._shard_hooks = [model.register_forward_pre_hook(lambda *_: wait()),
+                                 model.register_state_dict_pre_hook(lambda *_: wait())]
         if self._rank == 0:
             logger.info("decentpy: %s, %s %d, local world size %d, bucket cap %.1f MiB",
                         self._topology.describe(),
@@ -223,6 +258,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     def topology(self) -> Topology:
         """The topology, over the ranks of :attr:`process_group` (numbered by group rank)."""
         return self._topology
+
+    @property
+    def intra_node(self) -> str:
+        """``'gossip'``, ``'shard'`` or ``'allreduce'`` (see the constructor)."""
+        return self._intra_node
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
@@ -285,6 +325,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             dist.destroy_process_group(g)
         self._reducer.hook_edges = None
         self._comm.close()
+        for h in self._shard_hooks:
+            h.remove()
+        self._shard_hooks = []
+        if self._intra is not None:
+            self._intra.close()
         self._closed = True
 
     def __enter__(self) -> "DecentralizedDataParallel":
@@ -299,8 +344,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                                "(ddp.module still holds it)")
         # The wrapped model's mode decides (as in decent-dp), so `ddp.module.eval()` works too.
         if self._model.training and torch.is_grad_enabled():
-            Join.notify_join_context(self)  # tells joined ranks to shadow this iteration
-            self._reducer.prepare()
+            in_join = Join.notify_join_context(self) is not None  # tells joined ranks to shadow this iteration
+            self._reducer.prepare(count_node=in_join)
         elif torch.is_grad_enabled():
             self._reducer.leave_iteration()
         with torch.autograd.profiler.record_function("DecentralizedDataParallel.forward"):
@@ -466,14 +511,16 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "model": self._model.state_dict(),
             "step": r.step,
             "buckets": plan.buckets if plan is not None else None,
-            "optimizers": [b.optimizer.state_dict() for b in buckets],
+            "optimizers": [b.state_optimizer.state_dict() for b in buckets],
             "schedulers": [b.scheduler.state_dict() if b.scheduler is not None else None for b in buckets],
-            "exchange": [b.comm.clone() if b.comm_valid else None for b in buckets],
+            "exchange": [b.exchange_buffer.clone() if b.comm_valid else None for b in buckets],
             "skip_mix": [b.skip_mix for b in buckets],
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "topology": self._topology.name,
             "world_size": self._world_size,
             "rank": self._rank,
+            "intra_node": self._intra_node,
+            "local_world_size": self._local_world_size,
         }
 
     @torch.no_grad()
@@ -485,6 +532,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if state_dict.get("world_size", self._world_size) != self._world_size:
             raise ValueError(f"checkpoint was saved with world size {state_dict['world_size']}, "
                              f"this run has {self._world_size}")
+        saved_intra = (state_dict.get("intra_node", "gossip"), state_dict.get("local_world_size"))
+        if self._intra is not None or saved_intra[0] != "gossip":
+            if saved_intra != (self._intra_node, self._local_world_size):
+                raise ValueError(f"checkpoint was saved with intra_node={saved_intra[0]!r}, local_world_size="
+                                 f"{saved_intra[1]}; this run has intra_node={self._intra_node!r}, local_world_size="
+                                 f"{self._local_world_size} (each rank's optimizer state is its shard)")
         r = self._reducer
         r.wait_all()
         saved = state_dict["buckets"]
@@ -493,11 +546,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         result = self._model.load_state_dict(state_dict["model"], strict=strict)
         for b, opt_sd, sch_sd, ex, skip in zip(r.buckets, state_dict["optimizers"], state_dict["schedulers"],
                                                state_dict["exchange"], state_dict["skip_mix"]):
-            b.optimizer.load_state_dict(opt_sd)
+            b.state_optimizer.load_state_dict(opt_sd)
             if b.scheduler is not None and sch_sd is not None:
                 b.scheduler.load_state_dict(sch_sd)
             if ex is not None:
-                b.comm.copy_(ex)
+                b.exchange_buffer.copy_(ex)
             b.comm_valid = ex is not None
             b.skip_mix = bool(skip)
             b.gather_params()

@@ -12,7 +12,7 @@ counters and the LR schedulers: the only synchronisation of the iteration.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -60,11 +60,15 @@ class BucketGradScaling:
             raise RuntimeError(f"the GradScaler's scale is on {scale.device} but the gradients are on {device}")
         return scale
 
-    def bucket_args(self, bucket: int, grad_block: Tensor) -> GradArgs:
-        """The kernel's gradient arguments for one bucket (no host synchronisation)."""
+    def bucket_args(self, bucket: int, grad_block: Tensor,
+                    reduce_sq: Optional[Callable[[Tensor], Tensor]] = None) -> GradArgs:
+        """The kernel's gradient arguments for one bucket (no host synchronisation). ``reduce_sq``
+        sums a squared norm over the ranks that hold the rest of the bucket (intra_node='shard')."""
         if not self.active:
             return UNSCALED
         norm = torch.linalg.vector_norm(grad_block, dtype=torch.float32).reshape(1)
+        if reduce_sq is not None:
+            norm = reduce_sq(norm.square()).sqrt()
         self._norms[bucket] = norm
         return GradArgs(norm=norm, scale=self._scale_tensor(grad_block.device), clip=self.clip_norm)
 

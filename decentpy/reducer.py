@@ -25,10 +25,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from .bucket import Bucket, BucketPlan, carry_over_state, check_optimizer, flatten_params, make_bucket
+from .bucket import Bucket, BucketPlan, carry_over_state, check_optimizer, flatten_params, make_bucket, make_shard
 from .comm import CommGroup, first_difference_across_ranks
 from .grad_scaling import BucketGradScaling
 from .host_memory import release_free_host_memory
+from .intra_node import IntraNode
 from .exchange import Communicator, ExchangeSchedule
 from .grad_scaling import UNSCALED
 from .optim import fuse_torch_optimizer
@@ -58,10 +59,11 @@ class GossipReducer:
     def __init__(self, params: List[Tensor], names: List[str], optim_fn: OptimFn,
                  scheduler_fn: Optional[SchedulerFn], topology: Topology, grad_scaling: BucketGradScaling,
                  bucket_cap_bytes: int, param_as_bucket_view: bool, timeout: datetime.timedelta,
-                 group: Optional[CommGroup] = None) -> None:
+                 group: Optional[CommGroup] = None, intra: Optional[IntraNode] = None) -> None:
         """Local only (no collective): builds the buckets and their optimizers; :meth:`attach` then
         gives the reducer its communicator. ``group``: the ranks the topology numbers (the world by
-        default)."""
+        default). ``intra``: the node's gradient reduction and sharding (``intra_node='shard' |
+        'allreduce'``; ``topology`` is then the exchange schedule over all ranks, e.g. the shards')."""
         self.params = params
         self.names = names
         self.optim_fn = optim_fn
@@ -75,6 +77,7 @@ class GossipReducer:
         self.hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], Edge]] = None  # for pre_average_hook
         self.group = group if group is not None else CommGroup()
         self.rank = self.group.rank
+        self.intra = intra
         self.plans = ExchangeSchedule(topology, self.rank)
 
         self.step = 0                       # iterations completed (schedule index of the next mix)
@@ -118,10 +121,14 @@ class GossipReducer:
             h.remove()
         self._hooks = []
 
-    def prepare(self) -> None:
-        """Called by a training-mode forward: the next backward is one iteration."""
+    def prepare(self, count_node: bool = False) -> None:
+        """Called by a training-mode forward: the next backward is one iteration. ``count_node``
+        (inside ``Join``, with intra_node): count the node's ranks that have data this iteration."""
         if self._callback_queued:
             return  # a forward inside backward (e.g. checkpoint recomputation) changes nothing
+        self.wait_gathers()
+        if self.intra is not None and count_node:
+            self.intra.begin_count(True, self.params[0].device)
         if self._layout_final:
             for b in self.buckets:
                 moved = b.moved_param()
@@ -201,6 +208,8 @@ class GossipReducer:
             finally:
                 self._callback_queued = False
                 self._prepared = False
+                if self.intra is not None:
+                    self.intra.end_iteration()
 
     # -- buckets -----------------------------------------------------------------------------
     def _finalise_layout(self, traced: Sequence[int]) -> None:
@@ -263,9 +272,11 @@ class GossipReducer:
         old = self.buckets if carry else []
         self.buckets = []
         had_grads = any(p.grad is not None for p in self.params)  # a rebuild, not construction
+        sharded = self.intra is not None and self.intra.shards
+        pad = self.intra.pad_multiple if self.intra is not None else 1
         # Stage 1, every bucket: parameters into their blocks, then the old storage goes back to
         # the OS before the other blocks are placed (peak: one extra copy of the parameters).
-        flats = [flatten_params([self.params[i] for i in indices], self.param_as_bucket_view)
+        flats = [flatten_params([self.params[i] for i in indices], self.param_as_bucket_view, pad)
                  for indices in plan.buckets]
         on_cpu = any(f.block.device.type == "cpu" for f in flats)
         if on_cpu:
@@ -283,8 +294,13 @@ class GossipReducer:
             sched = self.scheduler_fn(opt) if self.scheduler_fn is not None else None
             if old:
                 carry_over_state(old, opt, sched)
-            bucket = make_bucket(bi, flat, names, opt, sched)
-            if bucket.fused:
+            bucket = make_bucket(bi, flat, names, opt, sched, exchange_buffer=not sharded)
+            if sharded:
+                assert self.intra is not None
+                # the bucket's optimizer never steps: it carries the hyper-parameters the user and the
+                # scheduler see; the shard's optimizer holds this rank's state
+                bucket.shard = make_shard(bucket, *self.intra.shard_range(bucket.numel), separate_grad=True)
+            elif bucket.fused:
                 # Allocated now, next to the bucket's blocks, rather than in the middle of the first
                 # backward: long-lived blocks then sit together and per-step temporaries reuse one
                 # region instead of fragmenting the heap.
@@ -315,6 +331,17 @@ class GossipReducer:
     def wait_all(self) -> None:
         for b in self.buckets:
             self.wait_exchange(b)
+        self.wait_gathers()
+
+    def wait_gathers(self) -> None:
+        """The node's all-gathers of the updated shards (intra_node='shard'): before the parameters
+        are used again."""
+        for b in self.buckets:
+            sh = b.shard
+            if sh is not None and sh.gather is not None:
+                work, sh.gather = sh.gather, None
+                work.wait(self.timeout)  # type: ignore[attr-defined]
+                b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
 
     def _process(self, b: Bucket, local_step: bool = True) -> None:
         """Wait, plan, step (unless ``local_step`` is False: a joined worker), launch the next exchange."""
@@ -329,16 +356,27 @@ class GossipReducer:
             if not b.comm_valid:
                 raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
             self._pre_average_hook(b, received.group)
-            recv = b.comm
+            recv = b.exchange_buffer
             a, c = received.mix_coefficients(self.adaptive_factor)
         if local_step:
             b.adopt_missing_grads()  # every gradient in grad_block before its norm is taken
-        grads = self.grad_scaling.bucket_args(b.index, b.grad_block) if local_step else UNSCALED
+        grad, reduce_sq = b.grad_block, None
+        if self.intra is not None:
+            if not local_step:  # a joined rank: its node steps while any of its ranks has data
+                count = self.intra.count()
+                local_step = count is not None and float(count) > 0  # host read: joined ranks only
+            if local_step:
+                grad = b.shard.grad if b.shard is not None else b.grad_block
+                self.intra.reduce_gradients(b.grad_block, grad)
+                reduce_sq = self.intra.squared_norm if b.shard is not None else None
+        grads = self.grad_scaling.bucket_args(b.index, grad, reduce_sq) if local_step else UNSCALED
         b.step(recv, a, c, nxt.send_scale(), grads, local_step)
         b.comm_valid = False
         b.skip_mix = False
         assert self.comm is not None, "internal error: the reducer has no communicator (attach() first)"
-        b.work = nxt.launch(self.comm, b.index, b.param_block, b.comm)
+        b.work = nxt.launch(self.comm, b.index, b.exchanged, b.exchange_buffer)
+        if b.shard is not None and self.intra is not None:
+            b.shard.gather = self.intra.gather_params(b.param_block, b.shard.param)
 
     def _pre_average_hook(self, b: Bucket, group: Group) -> None:
         """decent-dp's extension point: ``optimizer.pre_average_hook(edge, weight)`` right before the
@@ -358,8 +396,17 @@ class GossipReducer:
                 f"rank {self.rank} joined before its first training iteration; every rank needs at least one "
                 "iteration (which fixes the bucket layout) before it runs out of data")
         self.prepare()
+        if self.intra is not None:
+            self.intra.begin_count(False, self.params[0].device)
+        self.grad_scaling.begin_iteration()
         for b in self.buckets:
             self._process(b, local_step=False)
+        # with intra_node a joined rank may step its shard for its node (zero for everyone else)
+        skipped = self.grad_scaling.end_iteration()
+        for b in self.buckets:
+            b.finish_iteration(skipped.get(b.index))
+        if self.intra is not None:
+            self.intra.end_iteration()
         self.step += 1
         self._prepared = False
 

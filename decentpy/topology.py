@@ -35,6 +35,8 @@ __all__ = [
     "register_topology",
     "available_topologies",
     "make_topology",
+    "node_topology",
+    "shard_topology",
 ]
 
 logger = logging.getLogger(__name__)
@@ -818,6 +820,46 @@ def make_topology(
             f"expected world_size={n}, local_world_size={local}"
         )
     return result
+
+
+def node_topology(topology: Union[str, Topology], nodes: int) -> Topology:
+    """The topology over ``nodes`` nodes for ``intra_node='shard'`` / ``'allreduce'``, where each node
+    acts as one worker: a registered name built with ``n = nodes`` (``alternating-exp-ring``: its
+    node pairing, since inside a node the gradients are averaged exactly anyway: a cross-node group
+    of 2L ranks becomes the two nodes with self weight 1/2, a group inside a node becomes the node
+    alone), or an instance built for ``world_size=nodes, local_world_size=1``."""
+    nodes = _as_int(nodes, "nodes")
+    if isinstance(topology, str) and topology == AlternatingExpRingTopology.name:
+        if nodes < 2 or not _is_power_of_two(nodes):
+            raise TopologyError(
+                f"topology 'alternating-exp-ring' over nodes needs a power-of-two number of nodes >= 2, got "
+                f"{nodes} node(s); valid: 2, 4, 8, ... (on a single node use 'complete')")
+        full = AlternatingExpRingTopology(2 * nodes, 2)
+
+        def node_groups(step: int) -> List[Tuple[Tuple[int, ...], float]]:
+            seen: Dict[Tuple[int, ...], float] = {}
+            for g in full.groups(step):
+                members = tuple(sorted({r // 2 for r in g.ranks}))
+                seen.setdefault(members, 1.0 / len(members))
+            return list(seen.items())
+
+        return CustomTopology.from_groups(node_groups, full.period, nodes, 1, name=AlternatingExpRingTopology.name)
+    return make_topology(topology, nodes, 1)
+
+
+def shard_topology(nodes: Topology, local: int) -> Topology:
+    """``nodes`` lifted to ``nodes.world_size * local`` ranks (node ``g`` = ranks ``g*local ..
+    g*local + local - 1``): whenever nodes ``g`` and ``h`` mix, ranks ``g*local + l`` and ``h*local + l``
+    mix with the same weights, for every ``l`` -- the exchange of shard ``l`` of every node."""
+    local = _as_int(local, "local")
+    if local == 1:
+        return nodes
+
+    def groups(step: int) -> List[Tuple[List[int], float]]:
+        return [([g * local + lr for g in grp.ranks], grp.weight) for grp in nodes.groups(step) for lr in range(local)]
+
+    return CustomTopology.from_groups(groups, nodes.period, nodes.world_size * local, local,
+                                      name=f"{nodes.name} over nodes, {local} shards")
 
 
 register_topology("complete", CompleteTopology)

@@ -9,7 +9,7 @@ of the equations in the README (Optimizers). Nothing here uses decentpy's kernel
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -124,13 +124,15 @@ def simulate(n: int, mixing: Callable[[int], Tensor], opt_name: str, steps: int,
              grad_hook: Callable[[int, int, List[Tensor]], None] | None = None,
              micro_batches: int = 1,
              skip: Callable[[int, int], bool] | None = None,
-             data_ranks: Sequence[int] | None = None) -> List[Dict[str, Tensor]]:
+             data_ranks: Sequence[Any] | None = None) -> List[Dict[str, Tensor]]:
     """Final float64 parameters of every worker after ``steps`` iterations.
 
     ``mixing(k)`` is W(k); ``micro_batches`` > 1 sums the gradients of that many batches per
     iteration (gradient accumulation); ``grad_hook(rank, k, grads)`` may edit gradients;
     ``skip(rank, k)`` true means that worker only mixes at step k (no optimizer step);
-    ``data_ranks[i]`` is the rank whose batches worker i trains on (default: i).
+    ``data_ranks[i]`` is the rank whose batches worker i trains on (default: i), or the ranks (a
+    list, or ``fn(k) -> list`` for iteration k) whose mean gradient it takes: a node of ranks that
+    averages its gradients exactly (intra_node).
     """
     data_ranks = list(range(n)) if data_ranks is None else list(data_ranks)
     make = make_mlp if kind == "mlp" else make_cnn
@@ -141,8 +143,11 @@ def simulate(n: int, mixing: Callable[[int], Tensor], opt_name: str, steps: int,
             for p in m.parameters():
                 p.grad = None
             for mb in range(micro_batches):
-                x, y = batch(data_ranks[i], k * micro_batches + mb, kind)
-                loss_fn(m(x.double()), y.double()).backward()
+                src = data_ranks[i](k) if callable(data_ranks[i]) else data_ranks[i]
+                ranks = list(src) if isinstance(src, (list, tuple)) else [src]
+                for r in ranks:
+                    x, y = batch(r, k * micro_batches + mb, kind)
+                    (loss_fn(m(x.double()), y.double()) / len(ranks)).backward()
             if grad_hook is not None:
                 grad_hook(i, k, [p.grad for p in m.parameters()])
         W = mixing(k).double()

@@ -1,0 +1,274 @@
+"""``intra_node='shard' | 'allreduce'``: nodes of L ranks average gradients exactly, gossip across nodes.
+
+Every scenario is checked against an independent re-computation: the float64 plain-PyTorch
+simulation of node-level decentralized training (``reference.simulate`` with one worker per node
+whose gradient is the mean over the node's ranks' batches, the topology run over the nodes),
+torch's own DDP + AdamW for a single node, or plain gossip (L = 1). One spawn per world size runs
+every scenario; each is then its own test case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from typing import Any, Callable, Dict, List, Optional
+
+import pytest
+import torch
+
+from dist_harness import run_workers, single_process_group
+from reference import assert_close_params, batch, decentpy_optim_fn, grad_factor64, loss_fn, make_mlp, simulate
+
+STEPS = 5
+CLIP = 0.05
+JOIN_STOP = 3  # in the Join scenario rank 1 runs out of data after this many iterations
+
+# name -> (intra_node, local_world_size, topology, optimizer, bucket MiB)
+SCENARIOS_4: Dict[str, tuple] = {
+    "shard-complete-adam": ("shard", 2, "complete", "adam", 0.0002),
+    "shard-ring-sgd": ("shard", 2, "ring", "sgd", 25),
+    "allreduce-ope-adam": ("allreduce", 2, "one-peer-exp", "adam", 0.0002),
+    "shard-L1-ring-accum": ("shard", 1, "ring", "accum_adam", 0.0002),
+    "gossip-L1-ring-accum": ("gossip", 1, "ring", "accum_adam", 0.0002),
+    "shard-G1-adamw": ("shard", 4, "complete", "torch_adamw", 25),
+    "shard-nosync-sgd": ("shard", 2, "complete", "sgd", 25),
+    "shard-join-adam": ("shard", 2, "complete", "adam", 0.0002),
+    "shard-scaler-clip-sgd": ("shard", 2, "complete", "sgd", 25),
+}
+SCENARIOS_8: Dict[str, tuple] = {
+    "shard-complete-sgd": ("shard", 2, "complete", "sgd", 0.0002),
+    "shard-ring-adam": ("shard", 2, "ring", "adam", 25),
+    "shard-ope-adamw": ("shard", 2, "one-peer-exp", "adamw", 0.0002),
+    "shard-aer-accum": ("shard", 2, "alternating-exp-ring", "accum_adam", 25),
+}
+
+
+def _params(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.detach().double().clone() for n, p in model.named_parameters()}
+
+
+def _train(rank: int, name: str, spec: tuple) -> Dict[str, Any]:
+    from decentpy import DecentralizedDataParallel
+
+    intra, local, topo, opt, cap = spec
+    model = make_mlp(seed=0 if rank == 0 else 100 + rank)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if "scaler" in name else None
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology=topo, local_world_size=local,
+                                    intra_node=intra, bucket_size_in_mb=cap, scaler=scaler,
+                                    grad_clip_norm=CLIP if "clip" in name else 0.0)
+    out: Dict[str, Any] = {}
+    steps = JOIN_STOP if ("join" in name and rank == 1) else STEPS
+    with ddp.join() if "join" in name else contextlib.nullcontext():
+        for k in range(steps):
+            if "nosync" in name:
+                with ddp.no_sync():
+                    x, y = batch(rank, 2 * k)
+                    loss_fn(ddp(x), y).backward()
+                x, y = batch(rank, 2 * k + 1)
+            else:
+                x, y = batch(rank, k)
+            loss = loss_fn(ddp(x), y)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+    # read straight after the last backward (the shards' all-gather may be in flight: the state dict waits)
+    out["state_dict"] = {k: v.double().clone() for k, v in model.state_dict().items()}
+    ddp.wait()
+    out["params"] = _params(model)
+    if intra == "shard" and local > 1:
+        out["state_elems"] = sum(t.numel() for o in [b.state_optimizer for b in ddp.buckets]
+                                 for st in o.state.values() for t in st.values()
+                                 if isinstance(t, torch.Tensor) and t.dim() > 0)
+    if name == "shard-complete-adam":
+        ddp.global_avg(will_revert=False)
+        out["avg"] = _params(model)
+    ddp.close()
+    return out
+
+
+def _checkpoint(rank: int) -> Dict[str, Any]:
+    """3 iterations, a checkpoint, 2 more; a fresh wrapper resumes from the checkpoint: same result."""
+    from decentpy import DecentralizedDataParallel
+
+    def wrap(model: torch.nn.Module) -> Any:
+        return DecentralizedDataParallel(model, decentpy_optim_fn("adam"), topology="ring", local_world_size=2,
+                                         intra_node="shard", bucket_size_in_mb=0.0002)
+
+    model = make_mlp(seed=0)
+    ddp = wrap(model)
+    for k in range(STEPS):
+        if k == 3:
+            saved = copy.deepcopy(ddp.training_state_dict())  # (state dicts share the live tensors)
+        x, y = batch(rank, k)
+        loss_fn(ddp(x), y).backward()
+    ddp.wait()
+    straight = _params(model)
+    ddp.close()
+    model2 = make_mlp(seed=7)
+    ddp2 = wrap(model2)
+    ddp2.load_training_state_dict(saved)
+    for k in range(3, STEPS):
+        x, y = batch(rank, k)
+        loss_fn(ddp2(x), y).backward()
+    ddp2.wait()
+    resumed = _params(model2)
+    ddp2.close()
+    return {"straight": straight, "resumed": resumed}
+
+
+def _torch_ddp(rank: int) -> Dict[str, torch.Tensor]:
+    """One node of 4 = torch DDP with torch AdamW (decentpy's 'torch_adamw' groups)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from decentpy.optim import split_decay_groups
+
+    model = make_mlp(seed=0)
+    ddp = DDP(model, process_group=dist.new_group(list(range(4))))
+    opt = torch.optim.AdamW(split_decay_groups(list(model.named_parameters()), 0.1), lr=0.01)
+    for k in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(rank, k)
+        loss_fn(ddp(x), y).backward()
+        opt.step()
+    return _params(model)
+
+
+def run_all(rank: int, world: int, scenarios: Dict[str, tuple]) -> Dict[str, Any]:
+    out = {name: _train(rank, name, spec) for name, spec in scenarios.items()}
+    if world == 4:
+        out["checkpoint"] = _checkpoint(rank)
+        out["torch_ddp"] = _torch_ddp(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results_4() -> List[Dict[str, Any]]:
+    return run_workers(run_all, 4, SCENARIOS_4, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def results_8() -> List[Dict[str, Any]]:
+    return run_workers(run_all, 8, SCENARIOS_8, timeout=500)
+
+
+def _node_reference(world: int, spec: tuple, data: Optional[List[Any]] = None,
+                    grad_hook: Optional[Callable] = None, micro_batches: int = 1) -> List[Dict[str, torch.Tensor]]:
+    """Node-level decentralized training: one worker per node, gradient = mean over its ranks."""
+    from decentpy.topology import node_topology
+
+    _, local, topo, opt, _ = spec
+    nodes = world // local
+    t = node_topology(topo, nodes)
+    data = data if data is not None else [list(range(g * local, (g + 1) * local)) for g in range(nodes)]
+    per_node = simulate(nodes, t.mixing_matrix, opt, STEPS, data_ranks=data, grad_hook=grad_hook,
+                        micro_batches=micro_batches)
+    return [per_node[r // local] for r in range(world)]
+
+
+def _check_node_scenario(results: List[Dict[str, Any]], name: str, spec: tuple, **kw: Any) -> None:
+    world, local = len(results), spec[1]
+    got = [r[name]["params"] for r in results]
+    assert_close_params(got, _node_reference(world, spec, **kw), rtol=2e-5, atol=2e-5, what=name)
+    for r in range(world):  # every rank of a node holds the node's parameters, bit for bit
+        first = got[(r // local) * local]
+        assert all(torch.equal(got[r][k], first[k]) for k in first), f"{name}: rank {r} differs from its node"
+        sd = results[r][name]["state_dict"]
+        assert all(torch.equal(sd[k], got[r][k]) for k in first), f"{name}: rank {r}: state_dict() read stale values"
+
+
+@pytest.mark.parametrize("name", ["shard-complete-adam", "shard-ring-sgd", "allreduce-ope-adam"])
+def test_matches_node_level_reference_g2(results_4, name: str) -> None:
+    _check_node_scenario(results_4, name, SCENARIOS_4[name])
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS_8))
+def test_matches_node_level_reference_g4(results_8, name: str) -> None:
+    _check_node_scenario(results_8, name, SCENARIOS_8[name])
+
+
+def test_one_rank_per_node_is_plain_gossip(results_4) -> None:
+    """L = 1: exactly today's trajectory (bit for bit)."""
+    for r, res in enumerate(results_4):
+        a, b = res["shard-L1-ring-accum"]["params"], res["gossip-L1-ring-accum"]["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {r}"
+
+
+def test_one_node_is_torch_ddp(results_4) -> None:
+    """G = 1: equals torch DDP with torch's AdamW (same groups)."""
+    got = [r["shard-G1-adamw"]["params"] for r in results_4]
+    want = [r["torch_ddp"] for r in results_4]
+    assert_close_params(got, want, rtol=1e-5, atol=1e-6, what="G=1 vs torch DDP")
+
+
+def test_optimizer_state_is_sharded(results_4) -> None:
+    """Each rank of a 2-rank node keeps about half the Adam state (2 moments per element)."""
+    numel = sum(p.numel() for p in make_mlp(0).parameters())
+    for res in results_4:
+        elems = res["shard-complete-adam"]["state_elems"]
+        assert elems <= 2 * numel * (0.5 + 0.05) + 2 * 64, (elems, numel)  # + alignment padding of a bucket
+
+
+def test_global_avg(results_4) -> None:
+    ref = _node_reference(4, SCENARIOS_4["shard-complete-adam"])
+    mean = {k: (ref[0][k] + ref[2][k]) / 2 for k in ref[0]}
+    assert_close_params([r["shard-complete-adam"]["avg"] for r in results_4], [mean] * 4, rtol=2e-5, atol=2e-5,
+                        what="global_avg")
+
+
+def test_no_sync_accumulation(results_4) -> None:
+    _check_node_scenario(results_4, "shard-nosync-sgd", SCENARIOS_4["shard-nosync-sgd"], micro_batches=2)
+
+
+def test_join_uneven_inputs(results_4) -> None:
+    """Rank 1 runs out after 3 iterations: node 0's gradient is then rank 0's alone."""
+    data = [lambda k: [0, 1] if k < JOIN_STOP else [0], [2, 3]]
+    _check_node_scenario(results_4, "shard-join-adam", SCENARIOS_4["shard-join-adam"], data=data)
+
+
+def test_grad_scaler_and_clipping(results_4) -> None:
+    """A GradScaler and clipping of the node's mean gradient (one bucket: the whole model's norm)."""
+    def clip(_: int, __: int, grads: List[torch.Tensor]) -> None:
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
+        factor, skip = grad_factor64(norm, 1.0, CLIP)
+        assert not skip
+        for g in grads:
+            g.mul_(factor)
+
+    _check_node_scenario(results_4, "shard-scaler-clip-sgd", SCENARIOS_4["shard-scaler-clip-sgd"], grad_hook=clip)
+
+
+def test_checkpoint_resume(results_4) -> None:
+    for r, res in enumerate(results_4):
+        a, b = res["checkpoint"]["straight"], res["checkpoint"]["resumed"]
+        assert all(torch.equal(a[k], b[k]) for k in a), f"rank {r}: resumed run differs"
+
+
+def test_bad_arguments_are_refused_before_any_collective() -> None:
+    from decentpy import DecentralizedDataParallel
+    from decentpy.topology import TopologyError, node_topology
+
+    with single_process_group("gloo"):
+        with pytest.raises(ValueError, match="intra_node must be one of 'gossip', 'shard', 'allreduce'"):
+            DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("sgd"), intra_node="zero")
+        with pytest.raises(ValueError, match="local_world_size to divide"):
+            DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("sgd"), intra_node="shard", local_world_size=2)
+    with pytest.raises(TopologyError, match="power-of-two number of nodes"):
+        node_topology("alternating-exp-ring", 3)
+
+
+@pytest.mark.parametrize("name,nodes,local", [("ring", 4, 2), ("one-peer-exp", 4, 3), ("alternating-exp-ring", 4, 2),
+                                              ("complete", 2, 4)])
+def test_shard_exchange_is_the_node_mixing_per_shard(name: str, nodes: int, local: int) -> None:
+    """The exchange schedule over all ranks mixes shard l of node g with shard l of node h exactly as
+    the node topology mixes g and h: W_ranks = kron(W_nodes, I_L), at every step."""
+    from decentpy.topology import node_topology, shard_topology
+
+    nt = node_topology(name, nodes)
+    st = shard_topology(nt, local)
+    assert st.world_size == nodes * local and st.period == nt.period
+    for k in range(nt.period):
+        want = torch.kron(nt.mixing_matrix(k), torch.eye(local, dtype=torch.float64))
+        assert torch.allclose(st.mixing_matrix(k), want, atol=1e-12), (name, k)
+    if name == "alternating-exp-ring":  # node pairs average half-half; the other nodes keep themselves
+        w = nt.mixing_matrix(0)
+        assert sorted(set(w.flatten().tolist())) == [0.0, 0.5, 1.0]
