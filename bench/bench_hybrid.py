@@ -32,7 +32,7 @@ bench/bench_shard.py):
   has one), every rank; per step the max over ranks; the median over the timed steps plus the
   25th/75th percentiles. All set-ups live in the same processes and are timed in interleaved rounds;
 * optimizer state per rank: bytes of the tensors in the rank's optimizer state(s), each storage
-  counted once (decentpy: all of ``ddp._optims``; ZeRO: its local shard's optimizer; DDP: the AdamW;
+  counted once (decentpy: all of ``ddp.state_optimizers``; ZeRO: its local shard's optimizer; DDP: the AdamW;
   pipelines: the stage's), max over ranks (and every rank's in the CSV);
 * peak memory per worker: bench_train's peak RSS (baseline RSS + the RSS high-water mark of the
   set-up built and warmed up alone), max over ranks;
@@ -127,12 +127,14 @@ class Traffic:
         else:
             self.inter += nbytes
 
-    def ring_allreduce(self, ranks: Sequence[int], nbytes: float) -> None:
+    def ring_allreduce(self, ranks: Sequence[int], nbytes: float, phases: int = 2) -> None:
+        """Ring all-reduce (``phases=2``: reduce-scatter then all-gather) of ``nbytes``; ``phases=1``:
+        a reduce-scatter of ``nbytes`` of input or an all-gather of ``nbytes`` of output alone."""
         m = len(ranks)
         if m < 2 or self.rank not in ranks:
             return
         i = list(ranks).index(self.rank)
-        self.send(ranks[(i + 1) % m], 2.0 * (m - 1) / m * nbytes)
+        self.send(ranks[(i + 1) % m], phases * (m - 1) / m * nbytes)
 
     def tree_broadcast(self, ranks: Sequence[int], root: int, nbytes: float) -> None:
         m = len(ranks)
@@ -246,8 +248,28 @@ def install_counters(rank: int) -> Traffic:
         finally:
             tr.leave()
 
+    orig_rs, orig_ag = dcomm.SubGroup.reduce_scatter, dcomm.SubGroup.all_gather
+
+    def reduce_scatter(self: Any, out: Any, inp: Any) -> Any:  # intra_node='shard': gradients
+        tr.ring_allreduce(list(self.global_ranks), _nbytes(inp), phases=1) if not tr.inside else None
+        tr.enter()
+        try:
+            return orig_rs(self, out, inp)
+        finally:
+            tr.leave()
+
+    def all_gather(self: Any, out: Any, inp: Any) -> Any:  # intra_node='shard': updated shards
+        tr.ring_allreduce(list(self.global_ranks), _nbytes(out), phases=1) if not tr.inside else None
+        tr.enter()
+        try:
+            return orig_ag(self, out, inp)
+        finally:
+            tr.leave()
+
     dcomm.SubGroup.send_recv = send_recv  # type: ignore[method-assign]
     dcomm.SubGroup.all_reduce = all_reduce  # type: ignore[method-assign]
+    dcomm.SubGroup.reduce_scatter = reduce_scatter  # type: ignore[method-assign]
+    dcomm.SubGroup.all_gather = all_gather  # type: ignore[method-assign]
     return tr
 
 
@@ -431,7 +453,7 @@ class HybridRunner(Runner):
     def state_bytes(self) -> int:
         if self.ddp is not None:  # every bucket's optimizer, one storage counted once across them
             merged: Dict[Any, Any] = {}
-            for k, opt in enumerate(self.ddp._optims):
+            for k, opt in enumerate(self.ddp.state_optimizers):
                 for i, st in enumerate(opt.state.values()):
                     merged[(k, i)] = st
             return _state_bytes(types.SimpleNamespace(state=merged))

@@ -86,7 +86,8 @@ class SubGroup:
         """``out`` <- this rank's chunk of the sum of every member's ``inp`` (``inp`` holds
         ``len(global_ranks)`` chunks of ``out``'s size, in group-rank order; in flight)."""
         if self.registered:
-            return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            return scatter(out, inp, op=dist.ReduceOp.SUM, group=self.pg, async_op=True)
         return self.pg._reduce_scatter_base(out, inp)
 
     def all_gather(self, out: Tensor, inp: Tensor) -> Any:

@@ -304,6 +304,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         return [b.optimizer for b in self._reducer.buckets]
 
     @property
+    def state_optimizers(self) -> List[torch.optim.Optimizer]:
+        """The optimizers that hold this rank's optimizer state, in bucket order: :attr:`_optims`, or
+        with ``intra_node='shard'`` each bucket's shard optimizer (over 1-D pieces of the parameters;
+        its hyper-parameters follow :attr:`_optims`, which holds no state then)."""
+        return [b.state_optimizer for b in self._reducer.buckets]
+
+    @property
     def _lr_schedulers(self) -> List[Optional[LRScheduler]]:
         """The per-bucket LR schedulers (``None`` entries without ``lr_scheduler_fn``), bucket order."""
         return [b.scheduler for b in self._reducer.buckets]

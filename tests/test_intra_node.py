@@ -75,7 +75,7 @@ def _train(rank: int, name: str, spec: tuple) -> Dict[str, Any]:
     ddp.wait()
     out["params"] = _params(model)
     if intra == "shard" and local > 1:
-        out["state_elems"] = sum(t.numel() for o in [b.state_optimizer for b in ddp.buckets]
+        out["state_elems"] = sum(t.numel() for o in ddp.state_optimizers
                                  for st in o.state.values() for t in st.values()
                                  if isinstance(t, torch.Tensor) and t.dim() > 0)
     if name == "shard-complete-adam":
