@@ -110,24 +110,28 @@ class IntraNode:
         self._count, self._count_work = None, None
 
     # -- per bucket ------------------------------------------------------------------------------
-    def reduce_gradients(self, grad_block: Tensor, shard_grad: Tensor) -> None:
-        """The node's mean gradient into ``shard_grad`` (this rank's shard, or ``grad_block`` itself
-        with 'allreduce'); with 'shard', ``grad_block`` is zeroed for the next iteration. Waits: the
-        step needs it now."""
-        count = self.count()
-        if self.group is not None:
-            if self.shards:
-                work = self.group.reduce_scatter(shard_grad, grad_block)
-            else:
-                work = self.group.all_reduce(grad_block)
+    def start_reduction(self, grad_block: Tensor, shard_grad: Tensor) -> Optional[Any]:
+        """Start summing the node's gradients into ``shard_grad`` (this rank's shard, or ``grad_block``
+        itself with 'allreduce'); :meth:`finish_reduction` makes it the mean."""
+        if self.group is None:
+            if shard_grad is not grad_block:
+                shard_grad.copy_(grad_block)
+            return None
+        if self.shards:
+            return self.group.reduce_scatter(shard_grad, grad_block)
+        return self.group.all_reduce(grad_block)
+
+    def finish_reduction(self, work: Optional[Any], grad_block: Tensor, shard_grad: Tensor) -> None:
+        """Wait for :meth:`start_reduction` and divide by the node's ranks with data; with 'shard',
+        ``grad_block`` is zeroed for the next iteration."""
+        if work is not None:
             _wait(work, self.timeout, "the node's gradient reduction")
-        elif self.shards and shard_grad is not grad_block:
-            shard_grad.copy_(grad_block)
+        count = self.count()
         if count is not None:
             shard_grad.div_(count.clamp(min=1.0))
         elif self.local > 1:
             shard_grad.div_(self.local)
-        if self.shards and shard_grad is not grad_block:
+        if shard_grad is not grad_block:
             grad_block.zero_()
 
     def gather_params(self, param_block: Tensor, shard: Tensor) -> Optional[Any]:

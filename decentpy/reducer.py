@@ -93,6 +93,7 @@ class GossipReducer:
         self._prepared = False
         self._outside_iteration = False    # the last forward was not a training one (eval mode)
         self._next_bucket = 0
+        self._deferred: Optional[Tuple[Bucket, bool, Optional[Any]]] = None  # intra_node: reduction in flight
         self.build_from_plan(BucketPlan.build(params, list(reversed(range(len(params)))), bucket_cap_bytes))
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
 
@@ -139,6 +140,7 @@ class GossipReducer:
                         f"new .data); move or cast the model before wrapping it, or before its first training "
                         f"iteration")
         self._prepared = True
+        self._deferred = None  # (a failed iteration may have left one)
         self._outside_iteration = False
         self._next_bucket = 0
         self._trace = []
@@ -201,6 +203,7 @@ class GossipReducer:
                 while self._next_bucket < len(self.buckets):  # buckets with unused parameters
                     self._process(self.buckets[self._next_bucket])
                     self._next_bucket += 1
+                self._flush()
                 skipped = self.grad_scaling.end_iteration()  # the iteration's one read-back, if any
                 for b in self.buckets:
                     b.finish_iteration(skipped.get(b.index))
@@ -344,10 +347,40 @@ class GossipReducer:
                 b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
 
     def _process(self, b: Bucket, local_step: bool = True) -> None:
-        """Wait, plan, step (unless ``local_step`` is False: a joined worker), launch the next exchange."""
+        """Wait, plan, step (unless ``local_step`` is False: a joined worker), launch the next exchange.
+
+        With intra_node the bucket's gradient reduction over the node starts here, and the bucket
+        finishes (wait, mix, step, exchange) when the next bucket is processed or the iteration ends:
+        the reduction runs while autograd computes the next bucket's gradients."""
         if b.processed:
             return
         b.processed = True
+        if self.intra is None:
+            if local_step:
+                b.adopt_missing_grads()  # every gradient in grad_block before its norm is taken
+            self._finish(b, local_step)
+            return
+        if local_step:
+            b.adopt_missing_grads()
+        else:  # a joined rank: its node steps while any of its ranks has data
+            count = self.intra.count()
+            local_step = count is not None and float(count) > 0  # host read: joined ranks only
+        reduction = self.intra.start_reduction(b.grad_block, self._reduced_grad(b)) if local_step else None
+        previous, self._deferred = self._deferred, (b, local_step, reduction)
+        if previous is not None:
+            self._finish(*previous)
+
+    def _flush(self) -> None:
+        """Finish the bucket whose gradient reduction is still in flight (intra_node)."""
+        if self._deferred is not None:
+            previous, self._deferred = self._deferred, None
+            self._finish(*previous)
+
+    @staticmethod
+    def _reduced_grad(b: Bucket) -> Tensor:
+        return b.shard.grad if b.shard is not None else b.grad_block
+
+    def _finish(self, b: Bucket, local_step: bool, reduction: Optional[Any] = None) -> None:
         self.wait_exchange(b)
         received, nxt = self.plans.at(self.step), self.plans.at(self.step + 1)
         recv: Optional[Tensor] = None
@@ -358,17 +391,11 @@ class GossipReducer:
             self._pre_average_hook(b, received.group)
             recv = b.exchange_buffer
             a, c = received.mix_coefficients(self.adaptive_factor)
-        if local_step:
-            b.adopt_missing_grads()  # every gradient in grad_block before its norm is taken
         grad, reduce_sq = b.grad_block, None
-        if self.intra is not None:
-            if not local_step:  # a joined rank: its node steps while any of its ranks has data
-                count = self.intra.count()
-                local_step = count is not None and float(count) > 0  # host read: joined ranks only
-            if local_step:
-                grad = b.shard.grad if b.shard is not None else b.grad_block
-                self.intra.reduce_gradients(b.grad_block, grad)
-                reduce_sq = self.intra.squared_norm if b.shard is not None else None
+        if self.intra is not None and local_step:
+            grad = self._reduced_grad(b)
+            self.intra.finish_reduction(reduction, b.grad_block, grad)
+            reduce_sq = self.intra.squared_norm if b.shard is not None else None
         grads = self.grad_scaling.bucket_args(b.index, grad, reduce_sq) if local_step else UNSCALED
         b.step(recv, a, c, nxt.send_scale(), grads, local_step)
         b.comm_valid = False
@@ -401,6 +428,7 @@ class GossipReducer:
         self.grad_scaling.begin_iteration()
         for b in self.buckets:
             self._process(b, local_step=False)
+        self._flush()
         # with intra_node a joined rank may step its shard for its node (zero for everyone else)
         skipped = self.grad_scaling.end_iteration()
         for b in self.buckets:
