@@ -121,6 +121,7 @@ def _hybrid_report(out_dir: Path, plot_path: Optional[str]) -> List[Path]:
         for k in HYBRID_MODES:
             series[k].append(r[f"{k}_s"])
     png = Path(plot_path) if plot_path else out_dir / "runtime_hybrid.png"
+    png.parent.mkdir(parents=True, exist_ok=True)  # (the SVG fallback without matplotlib writes there too)
     written = plot_hybrid(png, ns, panels, f"Predicted iteration time, {HYBRID_LOCAL} GPUs per "
                           "node, NVLink intra-node (analytic model, bench/runtime_model.py)")
     return [csv_path, written]

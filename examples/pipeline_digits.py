@@ -14,6 +14,7 @@ through every stage).
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 from typing import Any, Dict, List, Optional
 
@@ -90,8 +91,11 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         acc = (out.argmax(1) == y[test]).float().mean().item()
         log.info("test accuracy %.3f (%d stages, chunks %d, %s)", acc, pipe.num_stages, args.chunks, args.schedule)
         result["accuracy"] = acc
-    # every rank done before the teardown: a rank that destroys its gloo group while a peer still
-    # uses it can abort ("terminate called without an active exception")
+    # Free the pipe now, while the interpreter is fully alive: it holds the process group, and a gloo
+    # group whose last reference goes during interpreter shutdown can abort the process ("terminate
+    # called without an active exception"). Every rank is done before the teardown.
+    del pipe, opt, params
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     return result

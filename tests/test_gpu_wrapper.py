@@ -54,3 +54,31 @@ def test_cpu_model_under_nccl_is_refused() -> None:
         with pytest.raises(ValueError, match=r"backend is nccl but parameter '0.weight' is on cpu; move the model"):
             DecentralizedDataParallel(model, optim_fn_adamw)
         assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+@needs_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("intra_node", ["shard", "allreduce"])
+def test_intra_node_path_on_gpu_matches_cpu_without_host_sync(intra_node: str) -> None:
+    """A node of one rank on the GPU: the shard path (pieces, shard optimizer, reduction buffers) steps
+    as on the CPU, and its backward never waits for the host."""
+    from decentpy import DecentralizedDataParallel
+    from decentpy.optim import optim_fn_adamw
+
+    results = {}
+    with single_process_group("gloo"):
+        for device in ("cpu", "cuda"):
+            model = make_mlp(0).to(device)
+            ddp = DecentralizedDataParallel(model, optim_fn_adamw, topology="complete", local_world_size=1,
+                                            intra_node=intra_node, bucket_size_in_mb=0.0005)
+            counts = []
+            for k in range(3):
+                x, y = (t.to(device) for t in batch(0, k))
+                loss = loss_fn(ddp(x), y)
+                counts.append(syncs_in(loss.backward) if device == "cuda" else 0)
+            ddp.wait()
+            results[device] = [p.detach().cpu() for p in model.parameters()]
+            ddp.close()
+            assert counts[1:] == [0, 0], counts
+    for a, b in zip(results["cpu"], results["cuda"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -35,7 +35,11 @@ SCENARIOS_4: Dict[str, tuple] = {
     "shard-nosync-sgd": ("shard", 2, "complete", "sgd", 25),
     "shard-join-adam": ("shard", 2, "complete", "adam", 0.0002),
     "shard-scaler-clip-sgd": ("shard", 2, "complete", "sgd", 25),
+    "shard-noview-adam": ("shard", 2, "ring", "adam", 0.0002),
+    "shard-rmsprop": ("shard", 2, "complete", "rmsprop", 0.0002),
+    "shard-scaler-inf-sgd": ("shard", 2, "complete", "sgd", 0.0002),
 }
+INF_RANK, INF_STEP = 1, 2  # in 'shard-scaler-inf-sgd' this rank's loss is inf at this iteration
 SCENARIOS_8: Dict[str, tuple] = {
     "shard-complete-sgd": ("shard", 2, "complete", "sgd", 0.0002),
     "shard-ring-adam": ("shard", 2, "ring", "adam", 25),
@@ -56,7 +60,8 @@ def _train(rank: int, name: str, spec: tuple) -> Dict[str, Any]:
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if "scaler" in name else None
     ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology=topo, local_world_size=local,
                                     intra_node=intra, bucket_size_in_mb=cap, scaler=scaler,
-                                    grad_clip_norm=CLIP if "clip" in name else 0.0)
+                                    grad_clip_norm=CLIP if "clip" in name else 0.0,
+                                    param_as_bucket_view="noview" not in name)
     out: Dict[str, Any] = {}
     steps = JOIN_STOP if ("join" in name and rank == 1) else STEPS
     with ddp.join() if "join" in name else contextlib.nullcontext():
@@ -69,6 +74,8 @@ def _train(rank: int, name: str, spec: tuple) -> Dict[str, Any]:
             else:
                 x, y = batch(rank, k)
             loss = loss_fn(ddp(x), y)
+            if "inf" in name and (rank, k) == (INF_RANK, INF_STEP):
+                loss = loss * float("inf")  # the node's mean gradient is not finite: its whole model skips
             (scaler.scale(loss) if scaler is not None else loss).backward()
     # read straight after the last backward (the shards' all-gather may be in flight: the state dict waits)
     out["state_dict"] = {k: v.double().clone() for k, v in model.state_dict().items()}
@@ -235,6 +242,30 @@ def test_grad_scaler_and_clipping(results_4) -> None:
             g.mul_(factor)
 
     _check_node_scenario(results_4, "shard-scaler-clip-sgd", SCENARIOS_4["shard-scaler-clip-sgd"], grad_hook=clip)
+
+
+@pytest.mark.parametrize("name", ["shard-noview-adam", "shard-rmsprop"])
+def test_parameters_outside_the_blocks_and_torch_optimizers(results_4, name: str) -> None:
+    """param_as_bucket_view=False, and an optimizer the kernel does not fuse (torch's RMSprop on the
+    shard's pieces)."""
+    _check_node_scenario(results_4, name, SCENARIOS_4[name])
+
+
+def test_a_non_finite_gradient_skips_the_whole_node(results_4) -> None:
+    """One rank's inf reaches its node's mean gradient: every shard of that node skips the update
+    (and only mixes), the other node steps; the node stays identical."""
+    spec = SCENARIOS_4["shard-scaler-inf-sgd"]
+    node = INF_RANK // spec[1]
+    from decentpy.topology import node_topology
+
+    t = node_topology(spec[2], 2)
+    per_node = simulate(2, t.mixing_matrix, spec[3], STEPS, data_ranks=[[0, 1], [2, 3]],
+                        skip=lambda i, k: (i, k) == (node, INF_STEP))
+    want = [per_node[r // 2] for r in range(4)]
+    got = [r["shard-scaler-inf-sgd"]["params"] for r in results_4]
+    assert_close_params(got, want, rtol=2e-5, atol=2e-5, what="inf in one rank's gradient")
+    for r in range(4):
+        assert all(torch.equal(got[r][k], got[(r // 2) * 2][k]) for k in got[r])
 
 
 def test_checkpoint_resume(results_4) -> None:
