@@ -186,7 +186,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 "without pre_average_hook")
         self._broadcast_from_rank0()
         if self._intra is not None:
-            self._intra.connect(self._group)
+            self._intra.connect(self._group, self._params[0].device)
         comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
                                     group=self._group)
         # Edges (with process groups) for optimizers that hook into the averaging; collective, so

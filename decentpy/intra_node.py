@@ -55,12 +55,14 @@ class IntraNode:
         self.timeout = timeout
         self.group: Optional[SubGroup] = None
         self._all: List[SubGroup] = []
+        self._stream_ordered = False  # CUDA: waits order the current stream, the host never blocks
         self._count_work: Optional[Any] = None
         self._count: Optional[Tensor] = None
 
-    def connect(self, group: CommGroup) -> None:
+    def connect(self, group: CommGroup, device: torch.device) -> None:
         """Create the node groups: every rank creates every node's group, in node order (a collective
-        over ``group``)."""
+        over ``group``). ``device``: where the buckets live."""
+        self._stream_ordered = device.type == "cuda"
         if self.local == 1:
             return
         for g in range(self.nodes):
@@ -102,9 +104,18 @@ class IntraNode:
     def count(self) -> Optional[Tensor]:
         """The node's count of active ranks (a one-element tensor; None when not counting)."""
         if self._count_work is not None:
-            _wait(self._count_work, self.timeout, "the node's count of ranks with data")
+            self.wait(self._count_work, "the node's count of ranks with data")
             self._count_work = None
         return self._count
+
+    def wait(self, work: Any, what: str) -> None:
+        """Wait for a node collective. On the CPU (gloo) the wait is bounded by the timeout; on a GPU
+        it only orders the current stream after it (torch's NCCL watchdog bounds it): a bounded
+        wait there would block the host for every bucket."""
+        if self._stream_ordered:
+            work.wait()
+        else:
+            wait_bounded(work, self.timeout, f"rank {torch.distributed.get_rank()}: {what}")
 
     def end_iteration(self) -> None:
         self._count, self._count_work = None, None
@@ -125,7 +136,7 @@ class IntraNode:
         """Wait for :meth:`start_reduction` and divide by the node's ranks with data; with 'shard',
         ``grad_block`` is zeroed for the next iteration."""
         if work is not None:
-            _wait(work, self.timeout, "the node's gradient reduction")
+            self.wait(work, "the node's gradient reduction")
         count = self.count()
         if count is not None:
             shard_grad.div_(count.clamp(min=1.0))
@@ -145,9 +156,7 @@ class IntraNode:
         rank of the node takes the same clip factor and found-inf decision."""
         if not self.shards or self.group is None:
             return shard_sq
-        _wait(self.group.all_reduce(shard_sq), self.timeout, "the node's gradient norm")
+        self.wait(self.group.all_reduce(shard_sq), "the node's gradient norm")
         return shard_sq
 
 
-def _wait(work: Any, timeout: datetime.timedelta, what: str) -> None:
-    wait_bounded(work, timeout, f"rank {torch.distributed.get_rank()}: {what}")

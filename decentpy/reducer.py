@@ -341,9 +341,9 @@ class GossipReducer:
         are used again."""
         for b in self.buckets:
             sh = b.shard
-            if sh is not None and sh.gather is not None:
+            if sh is not None and sh.gather is not None and self.intra is not None:
                 work, sh.gather = sh.gather, None
-                work.wait(self.timeout)  # type: ignore[attr-defined]
+                self.intra.wait(work, f"the node's all-gather of bucket {b.index}'s updated shards")
                 b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
 
     def _process(self, b: Bucket, local_step: bool = True) -> None:
