@@ -63,7 +63,7 @@ from bench_train import (LR, Config, Runner, _csv_list, _gather_results, _measur
                          _reset_hwm, _rss_bytes, _trim, machine_description, timing_row)
 from bench_shard import _state_bytes  # noqa: E402
 from launcher import spawn_workers  # noqa: E402
-from tables import fmt  # noqa: E402
+from tables import fmt, print_targets  # noqa: E402
 from tables import print_table as print_table_rows  # noqa: E402
 from tables import write_csv as write_rows_csv  # noqa: E402
 
@@ -678,11 +678,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     print_table(rows)
     print("\n" + BYTES)
-    targets = check_targets(rows)
-    if targets:
-        print("\ntargets:")
-        for title, ok, detail in targets:
-            print(f"  {'PASS' if ok else 'FAIL'}: {title}: {detail}")
+    print_targets(check_targets(rows))
     csv_path = Path(args.out) / "bench_hybrid.csv"
     write_csv(csv_path, rows, machine)
     print(f"\nwrote {csv_path} (total {time.perf_counter() - t_start:.0f} s)")

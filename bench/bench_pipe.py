@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import _csv_list, _pct, machine_description  # noqa: E402
 from launcher import spawn_workers  # noqa: E402
-from tables import fmt  # noqa: E402
+from tables import check_choices, fmt, print_targets  # noqa: E402
 from tables import print_table as print_table_rows  # noqa: E402
 from tables import write_csv as write_rows_csv  # noqa: E402
 
@@ -752,12 +752,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     chunks = [int(m) for m in _csv_list(args.chunks)]
     frameworks = _csv_list(args.frameworks)
     schedules = _csv_list(args.schedules)
-    for f in frameworks:
-        if f not in FRAMEWORKS:
-            raise SystemExit(f"unknown framework {f!r}; choose from {', '.join(FRAMEWORKS)}")
-    for s in schedules:
-        if s not in SCHEDULES:
-            raise SystemExit(f"unknown schedule {s!r}; choose from {', '.join(SCHEDULES)}")
+    check_choices(frameworks, FRAMEWORKS, "framework")
+    check_choices(schedules, SCHEDULES, "schedule")
     for s in stages:
         if not 2 <= s <= args.blocks:
             raise SystemExit(f"--stages {s}: need 2 <= stages <= blocks ({args.blocks})")
@@ -829,11 +825,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\nn/a settings:")
         for k, why in na.items():
             print(f"  {k}: {why}")
-    targets = check_targets(rows)
-    print("\ntargets:")
-    for title, ok, detail in targets:
-        tag = "not measured" if ok is None else ("met" if ok else "NOT MET")
-        print(f"  [{tag}] {title}: {detail}")
+    print_targets(check_targets(rows))
     out = Path(args.out)
     csv_path = out / "bench_pipe.csv"
     write_csv(csv_path, rows, plan, machine)

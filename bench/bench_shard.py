@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import (LR, MODEL_DESC, MODELS, Config, Runner, _csv_list, _gather_results,  # noqa: E402
                          _measure_and_time, _prime, _rss_bytes, machine_description, make_model, timing_row)
 from launcher import spawn_workers  # noqa: E402
-from tables import fmt  # noqa: E402
+from tables import fmt, print_targets  # noqa: E402
 from tables import write_csv as write_rows_csv  # noqa: E402
 from tables import print_table as print_table_rows  # noqa: E402
 
@@ -457,12 +457,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_table(rows)
     print("\nmemory: peak RSS per worker measured as bench/bench_train.py does: worker baseline RSS + (VmHWM after "
           "building the configuration alone and its warm-up steps - RSS before its model was built), max over ranks")
-    targets = check_targets(rows, workers, skipped, requested)
-    if targets:
-        print("\ntargets:")
-        for title, ok, detail in targets:
-            tag = "not measured" if ok is None else ("met" if ok else "NOT MET")
-            print(f"  [{tag}] {title}: {detail}")
+    print_targets(check_targets(rows, workers, skipped, requested))
     csv_path = Path(args.out) / "bench_shard.csv"
     write_csv(csv_path, rows, machine)
     print(f"\nwrote {csv_path} (total {time.perf_counter() - t_start:.0f} s)")

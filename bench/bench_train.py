@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from launcher import spawn_workers
-from tables import fmt
+from tables import check_choices, fmt, print_targets
 from tables import write_csv as write_rows_csv
 from tables import print_table as print_table_rows
 
@@ -754,12 +754,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     workers = [int(w) for w in _csv_list(args.workers)]
     models = _csv_list(args.models)
     frameworks = _csv_list(args.frameworks)
-    for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
-    for f in frameworks:
-        if f not in FRAMEWORKS:
-            raise SystemExit(f"unknown framework {f!r}; choose from {', '.join(FRAMEWORKS)}")
+    check_choices(models, MODELS, "model")
+    check_choices(frameworks, FRAMEWORKS, "framework")
     if "decent-dp" in frameworks:
         try:
             import decent_dp.ddp  # noqa: F401
@@ -801,11 +797,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(MEMORY)
     print(f"process-wide ru_maxrss (max over all workers, all configurations of a worker alive together): "
           f"{ru_max / 2**20:.0f} MiB")
-    targets = check_targets(rows)
-    if targets:
-        print("\ntargets:")
-        for name, ok, detail in targets:
-            print(f"  [{'MET' if ok else 'MISSED'}] {name}: {detail}")
+    print_targets(check_targets(rows))
     out = Path(args.out)
     csv_path = out / "bench_train.csv"
     write_csv(csv_path, rows, machine)

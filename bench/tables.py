@@ -36,3 +36,21 @@ def write_csv(path: Path, fields: Sequence[str], rows: Iterable[Dict[str, Any]])
         wr = csv.DictWriter(fh, fieldnames=list(fields))
         wr.writeheader()
         wr.writerows(rows)
+
+
+def print_targets(targets: Sequence[Sequence[Any]]) -> None:
+    """The benchmark's targets, one line each: ``(title, ok, detail)`` with ``ok`` True (met), False
+    (not met) or None (not measured in this run)."""
+    if not targets:
+        return
+    print("\ntargets:")
+    for title, ok, detail in targets:
+        tag = "not measured" if ok is None else ("met" if ok else "NOT MET")
+        print(f"  [{tag}] {title}: {detail}")
+
+
+def check_choices(values: Iterable[str], allowed: Sequence[str], what: str) -> None:
+    """Exit with a message naming the first of ``values`` that is not in ``allowed``."""
+    for v in values:
+        if v not in allowed:
+            raise SystemExit(f"unknown {what} {v!r}; choose from {', '.join(allowed)}")

@@ -63,4 +63,4 @@ def test_bench_hybrid_quick(bench_rows: Tuple[str, Rows]) -> None:
     if ("decentpy-shard", "alternating-exp-ring") not in by:
         assert "decentpy-shard: not available in this build" in out, out
     else:
-        assert "PASS" in out or "FAIL" in out, out
+        assert "[met]" in out or "[NOT MET]" in out, out
