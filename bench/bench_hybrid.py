@@ -62,12 +62,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import (LR, Config, Runner, _csv_list, _gather_results, _measure_and_time, _prime,  # noqa: E402
                          _reset_hwm, _rss_bytes, _trim, machine_description, timing_row)
 from bench_shard import _state_bytes  # noqa: E402
-from launcher import spawn_workers  # noqa: E402
+from launcher import add_run_args, quick_timing, spawn_workers  # noqa: E402
 from tables import fmt, print_targets  # noqa: E402
 from tables import print_table as print_table_rows  # noqa: E402
 from tables import write_csv as write_rows_csv  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 WORLD = 4          # G x L
 LOCAL = 2          # ranks per (simulated) node
@@ -230,46 +229,28 @@ def install_counters(rank: int) -> Traffic:
     wrap_dist("all_reduce", allreduce)
     wrap_dist("broadcast", broadcast)
 
-    orig_sr, orig_ar = dcomm.SubGroup.send_recv, dcomm.SubGroup.all_reduce
+    def wrap_subgroup(name: str, count: Callable[..., None]) -> None:
+        """decentpy's own sub-groups (private gloo groups bypass torch.distributed's functions)."""
+        orig = getattr(dcomm.SubGroup, name)
 
-    def send_recv(self: Any, send: Any, recv: Any, peer: int, tag: int) -> Any:
-        tr.send(int(peer), _nbytes(send)) if not tr.inside else None
-        tr.enter()
-        try:
-            return orig_sr(self, send, recv, peer, tag)
-        finally:
-            tr.leave()
+        def wrapper(self: Any, *args: Any) -> Any:
+            if not tr.inside:
+                count(self, *args)
+            tr.enter()
+            try:
+                return orig(self, *args)
+            finally:
+                tr.leave()
 
-    def all_reduce(self: Any, buffer: Any) -> Any:
-        tr.ring_allreduce(list(self.global_ranks), _nbytes(buffer)) if not tr.inside else None
-        tr.enter()
-        try:
-            return orig_ar(self, buffer)
-        finally:
-            tr.leave()
+        setattr(dcomm.SubGroup, name, wrapper)
 
-    orig_rs, orig_ag = dcomm.SubGroup.reduce_scatter, dcomm.SubGroup.all_gather
-
-    def reduce_scatter(self: Any, out: Any, inp: Any) -> Any:  # intra_node='shard': gradients
-        tr.ring_allreduce(list(self.global_ranks), _nbytes(inp), phases=1) if not tr.inside else None
-        tr.enter()
-        try:
-            return orig_rs(self, out, inp)
-        finally:
-            tr.leave()
-
-    def all_gather(self: Any, out: Any, inp: Any) -> Any:  # intra_node='shard': updated shards
-        tr.ring_allreduce(list(self.global_ranks), _nbytes(out), phases=1) if not tr.inside else None
-        tr.enter()
-        try:
-            return orig_ag(self, out, inp)
-        finally:
-            tr.leave()
-
-    dcomm.SubGroup.send_recv = send_recv  # type: ignore[method-assign]
-    dcomm.SubGroup.all_reduce = all_reduce  # type: ignore[method-assign]
-    dcomm.SubGroup.reduce_scatter = reduce_scatter  # type: ignore[method-assign]
-    dcomm.SubGroup.all_gather = all_gather  # type: ignore[method-assign]
+    wrap_subgroup("send_recv", lambda g, send, recv, peer, tag: tr.send(int(peer), _nbytes(send)))
+    wrap_subgroup("all_reduce", lambda g, buffer: tr.ring_allreduce(list(g.global_ranks), _nbytes(buffer)))
+    # intra_node='shard': the gradients' reduce-scatter and the updated shards' all-gather in a node
+    wrap_subgroup("reduce_scatter",
+                  lambda g, out, inp: tr.ring_allreduce(list(g.global_ranks), _nbytes(inp), phases=1))
+    wrap_subgroup("all_gather",
+                  lambda g, out, inp: tr.ring_allreduce(list(g.global_ranks), _nbytes(out), phases=1))
     return tr
 
 
@@ -620,18 +601,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="mlp", choices=sorted(WIDTH), help="mlp: width 1024; mlp-small: 256")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated, from {','.join(FRAMEWORKS)}")
     p.add_argument("--topologies", default=f"{BASE_TOPO},one-peer-exp", help="decentpy topologies (first: baseline)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps after each set-up is built")
-    p.add_argument("--rounds", type=int, default=6, help="interleaved timing rounds")
-    p.add_argument("--chunk", type=int, default=4, help="timed steps per set-up per round")
-    p.add_argument("--rewarm", type=int, default=1, help="untimed steps before each chunk")
+    add_run_args(p, rounds=6, chunk=4)
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: mlp-small, 2 warm-up steps, 1 round of 3 timed steps, no primer set-ups")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900.0, help="for the worker group, seconds")
-    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = p.parse_args(argv)
     if args.quick:
-        args.model, args.warmup, args.rounds, args.chunk, args.rewarm = "mlp-small", 2, 1, 3, 0
+        args.model = "mlp-small"
+        quick_timing(args, warmup=2)
     return args
 
 

@@ -63,12 +63,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import _csv_list, _pct, machine_description  # noqa: E402
-from launcher import spawn_workers  # noqa: E402
+from launcher import add_run_args, quick_timing, spawn_workers  # noqa: E402
 from tables import check_choices, fmt, print_targets  # noqa: E402
 from tables import print_table as print_table_rows  # noqa: E402
 from tables import write_csv as write_rows_csv  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 FRAMEWORKS = ("decentpy", "torch")
 SCHEDULES = ("gpipe", "1f1b")
@@ -723,22 +722,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=512, help="Linear width D")
     p.add_argument("--blocks", type=int, default=8, help="Linear+ReLU blocks")
     p.add_argument("--batch", type=int, default=256, help="rows per batch")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps after each configuration is built")
-    p.add_argument("--rounds", type=int, default=8, help="interleaved timing rounds")
-    p.add_argument("--chunk", type=int, default=5, help="timed steps per configuration per round")
-    p.add_argument("--rewarm", type=int, default=1, help="untimed steps before each chunk")
+    add_run_args(p, rounds=8, chunk=5, plot=True)
     p.add_argument("--quick", action="store_true", help="smoke mode: 2 stages, chunks 1,2, an 8 x 128 model on a "
                    "batch of 16, 1 warm-up step, 1 round of 3 timed steps")
     p.add_argument("--no-probe", action="store_true", help="skip the run-time probe (a setting that fails at run time "
                    "then aborts its stage count's run instead of showing as n/a)")
     p.add_argument("--no-memory", action="store_true", help="skip the activation-memory pass")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900.0, help="per worker group, seconds")
-    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
-    p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.warmup, args.rounds, args.chunk, args.rewarm = 1, 1, 3, 0
+        quick_timing(args, warmup=1)
         for name, val in (("stages", "2"), ("chunks", "1,2"), ("width", 128), ("batch", 16)):
             if getattr(args, name) == p.get_default(name):
                 setattr(args, name, val)

@@ -49,12 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import (LR, MODEL_DESC, MODELS, Config, Runner, _csv_list, _gather_results,  # noqa: E402
                          _measure_and_time, _prime, _rss_bytes, machine_description, make_model, timing_row)
-from launcher import spawn_workers  # noqa: E402
+from launcher import add_run_args, quick_timing, spawn_workers  # noqa: E402
 from tables import fmt, print_targets  # noqa: E402
 from tables import write_csv as write_rows_csv  # noqa: E402
 from tables import print_table as print_table_rows  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 
 FRAMEWORKS = ("decentpy", "torch-zero", "torch-ddp", "fairscale")
 SETUP = {"decentpy": "OSS+SDP", "torch-zero": "DDP+ZeRO", "torch-ddp": "DDP+AdamW", "fairscale": "OSS+SDP"}
@@ -358,22 +357,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--workers", default="2,4", help="comma-separated worker counts")
     p.add_argument("--model", default="mlp", choices=MODELS, help="bench_train model")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated, from {','.join(FRAMEWORKS)}")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps after each configuration is built")
     # finer interleaving than bench_train's 4 x 8 at the same 32 timed steps: on a small shared
     # machine the load drifts within seconds, and every configuration should see the same drift
-    p.add_argument("--rounds", type=int, default=8, help="interleaved timing rounds")
-    p.add_argument("--chunk", type=int, default=4, help="timed steps per configuration per round")
-    p.add_argument("--rewarm", type=int, default=1, help="untimed steps before each chunk")
+    add_run_args(p, rounds=8, chunk=4)
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: 2 workers, 2 warm-up steps, 1 round of 3 timed steps, no primer configurations")
     p.add_argument("--no-probe", action="store_true",
                    help=f"skip the 2-worker run-time probe of {', '.join(PROBED)} (a failure then aborts the run)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900.0, help="per worker group, seconds")
-    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
     args = p.parse_args(argv)
     if args.quick:
-        args.warmup, args.rounds, args.chunk, args.rewarm = 2, 1, 3, 0
+        quick_timing(args, warmup=2)
         if args.workers == p.get_default("workers"):
             args.workers = "2"
     return args

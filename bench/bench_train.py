@@ -45,12 +45,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from launcher import spawn_workers
+from launcher import add_run_args, quick_timing, spawn_workers
 from tables import check_choices, fmt, print_targets
 from tables import write_csv as write_rows_csv
 from tables import print_table as print_table_rows
 
-ROOT = Path(__file__).resolve().parents[1]
 
 FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "local", "local-fused")
 FLOORS = ("local", "local-fused")
@@ -731,20 +730,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS),
                    help=f"comma-separated, from {','.join(FRAMEWORKS)} (decent-dp is skipped when not installed)")
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="comma-separated")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps after each configuration is built")
-    p.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
-    p.add_argument("--chunk", type=int, default=8, help="timed steps per configuration per round")
-    p.add_argument("--rewarm", type=int, default=1, help="untimed steps before each chunk")
+    add_run_args(p, rounds=4, chunk=8, plot=True)
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: 2 warm-up steps, 1 round of 3 timed steps, no primer "
                    "configurations (memory numbers less exact)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=900.0, help="per worker group, seconds")
-    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
-    p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.warmup, args.rounds, args.chunk, args.rewarm = 2, 1, 3, 0
+        quick_timing(args, warmup=2)
     return args
 
 

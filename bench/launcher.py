@@ -7,6 +7,7 @@ the others would otherwise wait in a collective until the deadline.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -14,6 +15,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Dict
 
 # body(rank, world, plan) -> a JSON-serialisable result (rank 0's is returned)
@@ -96,3 +98,23 @@ def spawn_workers(body: WorkerBody, world: int, plan: Dict[str, Any], timeout_s:
         raise RuntimeError("benchmark worker failed:\n" + "\n".join(
             f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     return payload
+
+
+def add_run_args(parser: argparse.ArgumentParser, *, rounds: int, chunk: int, plot: bool = False) -> None:
+    """The arguments every spawned benchmark shares: the interleaved timing (``warmup`` untimed steps
+    per configuration, then ``rounds`` rounds of ``rewarm`` untimed + ``chunk`` timed steps each),
+    the seed, the worker group's deadline and the output folder (and ``--no-plot`` with ``plot``)."""
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after each configuration is built")
+    parser.add_argument("--rounds", type=int, default=rounds, help="interleaved timing rounds")
+    parser.add_argument("--chunk", type=int, default=chunk, help="timed steps per configuration per round")
+    parser.add_argument("--rewarm", type=int, default=1, help="untimed steps before each chunk")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=900.0, help="per worker group, seconds")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
+    if plot:
+        parser.add_argument("--no-plot", action="store_true")
+
+
+def quick_timing(args: argparse.Namespace, warmup: int) -> None:
+    """``--quick``: ``warmup`` warm-up steps and one round of 3 timed steps, no re-warm."""
+    args.warmup, args.rounds, args.chunk, args.rewarm = warmup, 1, 3, 0
