@@ -164,15 +164,36 @@ def test_checkpoint_resume_continues_identical_trajectory(topo: str, opt: str) -
 
 # --- gradient accumulation, channels_last, bf16, param_as_bucket_view=False -------------------------
 
+class Reordered(torch.nn.Module):
+    """make_mlp's layers (same names) registered last layer first: the gradients arrive in
+    registration order, so the first iteration regroups the buckets (with more than one)."""
+
+    def __init__(self, seq: torch.nn.Sequential) -> None:
+        super().__init__()
+        for i in reversed(range(len(seq))):
+            self.add_module(str(i), seq[i])
+        self.depth = len(seq)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in range(self.depth):
+            x = getattr(self, str(i))(x)
+        return x
+
+
 def accumulation_worker(rank: int, world: int, mode: str) -> dict:
     from decentpy import DecentralizedDataParallel
 
-    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="ring")
+    if mode == "no_sync_rebuild":  # the rebuild happens at the end of a backward after two no_sync ones
+        ddp = DecentralizedDataParallel(Reordered(make_mlp(0)), decentpy_optim_fn("adam"), topology="ring",
+                                        bucket_size_in_mb=0.0002)
+        before = [[id(p) for p in b.params] for b in ddp.buckets]
+    else:
+        ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="ring")
     for k in range(4):
         for mb in range(3):
             x, y = batch(rank, 3 * k + mb)
             if mb < 2:
-                if mode == "no_sync":
+                if mode != "set_accumulate_grad":
                     with ddp.no_sync():
                         loss_fn(ddp(x), y).backward()
                 else:
@@ -181,11 +202,14 @@ def accumulation_worker(rank: int, world: int, mode: str) -> dict:
                     ddp.set_accumulate_grad(False)
             else:
                 loss_fn(ddp(x), y).backward()
+        if mode == "no_sync_rebuild" and k == 0:
+            after = [[id(p) for p in b.params] for b in ddp.buckets]
+            assert len(after) > 1 and after != before, "the first iteration did not regroup the buckets (test bug)"
     ddp.consensus_distance()
     return _params(ddp.module)
 
 
-@pytest.mark.parametrize("mode", ["no_sync", "set_accumulate_grad"])
+@pytest.mark.parametrize("mode", ["no_sync", "set_accumulate_grad", "no_sync_rebuild"])
 def test_gradient_accumulation_matches_summed_gradients(mode: str) -> None:
     from decentpy.topology import make_topology
 

@@ -68,6 +68,13 @@ def make_model(kind: str) -> nn.Module:
         return nn.Linear(IN, OUT)
     if kind == "cnn":  # channels_last convolutions: gradients viewed in the parameters' memory layout
         return make_cnn(0).to(memory_format=torch.channels_last)
+    if kind == "tripwire":  # a frozen LongTensor parameter (fairscale's test model): kept, never stepped
+        model = make_mlp(0)
+        model.register_parameter("tripwire", nn.Parameter(torch.LongTensor([3, 3]), requires_grad=False))
+        return model
+    if kind == "big":  # a 90,000-element weight: above OSS's default split size (2**16)
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(IN, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(), nn.Linear(300, OUT))
     if kind == "odd":  # weights of 66 and 33 elements: split into pieces of unequal length
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(IN, 11), nn.Tanh(), nn.Linear(11, OUT))
@@ -78,6 +85,7 @@ OPTIMS: Dict[str, Tuple[type, dict]] = {
     "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     "adam": (torch.optim.Adam, dict(lr=0.01)),
     "adamw": (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.1)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=0.01, momentum=0.5)),  # not fused: torch's own step on the pieces
 }
 
 
@@ -92,7 +100,7 @@ def param_groups(model: nn.Module, how: str) -> Any:
 
 
 def group_names(model: nn.Module, how: str) -> List[List[Tuple[str, int]]]:
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]  # others: no owner
     if how == "one":
         return [[(n, p.numel()) for n, p in named]]
     return [[(n, p.numel()) for n, p in named if n.endswith("weight")],
@@ -162,6 +170,9 @@ SCENARIOS: Dict[str, dict] = {
     "flip": dict(opt="adam", frozen=["4.bias"], flip=(["0.weight"], ["4.bias"])),
     "unused": dict(opt="adam", model="branchy", find_unused=True),
     "no_sync": dict(opt="sgd", micro=3, accum="no_sync"),
+    # requires_grad changes, then the next forward (which rebuilds the buckets) runs under no_sync
+    "flip_no_sync": dict(opt="adam", frozen=["4.bias"], flip=(["0.weight"], ["4.bias"]), micro=3, accum="no_sync"),
+    "flip_reduce": dict(opt="sgd", frozen=["4.bias"], flip=(["0.weight"], ["4.bias"]), micro=2, accum="reduce"),
     "reduce": dict(opt="adam", micro=2, accum="reduce"),
     "sched_step": dict(opt="sgd", sched="step"),
     "sched_lambda": dict(opt="adamw", sched="lambda"),
@@ -169,6 +180,7 @@ SCENARIOS: Dict[str, dict] = {
     "clip2": dict(opt="sgd", clip=(0.1, 2.0)),
     "clipinf": dict(opt="sgd", clip=(0.02, math.inf)),
     "two_tensors": dict(opt="adam", model="linear"),
+    "int_param": dict(opt="adam", model="tripwire"),
     "small_buckets": dict(opt="adam", sdp=dict(reduce_buffer_size=40)),  # several buckets per owner
     "no_buckets": dict(opt="sgd", sdp=dict(reduce_buffer_size=0)),      # one reduction per parameter
     "two_oss": dict(opt="sgd", groups="two", oss="two"),    # one sharded optimizer per param group
@@ -230,7 +242,8 @@ def run_parity(ctx: Ctx, name: str) -> dict:
     names = group_names(model, how)[:-1] if added_s is not None else group_names(model, how)
     def owners_now() -> Dict[str, int]:
         oss_of = {id(p): o for o in osses for grp in o.param_groups for p in grp["params"]}
-        return {n: oss_of[id(p)].owner_of(p) for n, p in params_by_name.items() if id(p) in oss_of}
+        return {n: oss_of[id(p)].owner_of(p) for n, p in params_by_name.items()
+                if id(p) in oss_of and p.is_floating_point()}
 
     owners = owners_now()
     local_ids = {id(p) for o in osses for p in o.local_params}
@@ -317,6 +330,8 @@ def run_parity(ctx: Ctx, name: str) -> dict:
         out["got"].append(flat(model))
         out["want"].append(flat(ref))
     out["owners_end"] = owners_now()
+    if kind == "tripwire":
+        out["tripwire"] = (model.tripwire.detach().clone(), [o.shards_of(model.tripwire) for o in osses])
     return out
 
 
@@ -485,7 +500,14 @@ SPLIT_MIN = 32  # make_mlp's weights (96 and 128 elements) are split; the other 
 SPLIT_RUNS = {"sgd": ("sgd", {}), "adamw": ("adamw", {}), "amp": ("adam", {"amp": True}), "clip": ("sgd", {"clip": 0.1}),
               "odd": ("adam", {"model": "odd"}),  # pieces of unequal length (66 and 33 elements)
               "fp16": ("adam", {"model": "odd", "fp16": True}),  # broadcast_fp16 and reduce_fp16
-              "torch_ddp": ("adamw", {"wrap": "ddp"})}  # OSS alone (ZeRO-1) beside torch DDP
+              "torch_ddp": ("adamw", {"wrap": "ddp"}),  # OSS alone (ZeRO-1) beside torch DDP
+              # OSS beside torch DDP, the gradients made inside step(closure) (fairscale's benchmark
+              # mode): the closure zeroes (through the OSS, or the module), runs forward and backward
+              "closure_sgd": ("sgd", {"wrap": "ddp", "closure": "oss"}),
+              "closure_rmsprop": ("rmsprop", {"wrap": "ddp", "closure": "module"}),
+              "closure_adamw": ("adamw", {"wrap": "ddp", "closure": "oss"}),
+              # the same at OSS's default split size, on a weight above it
+              "closure_big": ("rmsprop", {"wrap": "ddp", "closure": "module", "model": "big", "split": None})}
 
 
 def _pieces_hold_ddp_grads(oss: Any, model: nn.Module, ref: nn.Module, grank: int,
@@ -525,8 +547,10 @@ def run_split(ctx: Ctx) -> dict:
         cls, kw = OPTIMS[opt_name]
         fp16 = extra.get("fp16", False)
         model, ref = make_model(extra.get("model", "mlp")), make_model(extra.get("model", "mlp"))
-        oss = OSS(model.parameters(), optim=cls, group=ctx.pg, min_split_numel=SPLIT_MIN, broadcast_fp16=fp16, **kw)
+        split = {"min_split_numel": extra.get("split", SPLIT_MIN)} if extra.get("split", SPLIT_MIN) else {}
+        oss = OSS(model.parameters(), optim=cls, group=ctx.pg, broadcast_fp16=fp16, **split, **kw)
         with_ddp = extra.get("wrap") == "ddp"
+        closure = extra.get("closure")
         sdp = (DDP(model, process_group=ctx.pg) if with_ddp else
                ShardedDataParallel(model, oss, process_group=ctx.pg, reduce_buffer_size=64, reduce_fp16=fp16))
         opt = cls(ref.parameters(), **kw)
@@ -535,16 +559,25 @@ def run_split(ctx: Ctx) -> dict:
         if amp:
             scaler_s = ShardedGradScaler(init_scale=2.0 ** 10, growth_interval=2, process_group=ctx.pg, device="cpu")
             scaler_r = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
-        rec: Dict[str, Any] = {"got": [], "want": [], "grads_ok": [], "split": [], "totals": [], "scales": []}
+        rec: Dict[str, Any] = {"got": [], "want": [], "grads_ok": [], "split": [], "totals": [], "scales": [],
+                               "losses": []}
         for k in range(4):
             x, y = batch(g, k)
             if amp and k == AMP_BAD_STEP and g == min(1, ctx.gsize - 1):
                 x = x.clone()
                 x[0, 0] = float("inf")
-            for net in (sdp, ddp):
+            for net in ((ddp,) if closure else (sdp, ddp)):
                 loss = loss_fn(net(x), y)
                 (((scaler_s if net is sdp else scaler_r).scale(loss)) if amp else loss).backward()
-            if not with_ddp:
+            if closure:
+                def make_grads(x: Tensor = x, y: Tensor = y) -> Tensor:
+                    (oss if closure == "oss" else model).zero_grad()
+                    loss = loss_fn(sdp(x), y)
+                    loss.backward()
+                    return loss
+                rec["losses"].append((float(oss.step(make_grads).detach()), float(loss.detach())))  # loss: DDP's, just above
+                opt.step()
+            elif not with_ddp:
                 ok, rec["split"] = _pieces_hold_ddp_grads(oss, model, ref, g, scaler_r.get_scale() if amp else 1.0,
                                                           tol=2e-3 if fp16 else RTOL)
                 rec["grads_ok"].append(ok)
@@ -556,7 +589,7 @@ def run_split(ctx: Ctx) -> dict:
                     sc.step(o)
                     sc.update()
                 rec["scales"].append((float(scaler_s.get_scale()), float(scaler_r.get_scale())))
-            else:
+            elif not closure:
                 oss.step()
                 opt.step()
             if with_ddp:  # the pieces took their slices of DDP's whole gradients in step()
@@ -842,6 +875,12 @@ def _check_add_group(per_rank: List[dict], what: str) -> None:
             f"{what}: the added group's partition {r['owners_added']} is not the rule's {r['expected_added']}"
 
 
+def _check_int_param(per_rank: List[dict], what: str) -> None:
+    for r in per_rank:
+        value, shards = r["tripwire"]
+        assert value.tolist() == [3, 3] and shards == [[]], f"{what}: the LongTensor parameter {value}, shards {shards}"
+
+
 def _check_two_tensors(per_rank: List[dict], what: str) -> None:
     owners = set(per_rank[0]["owners"].values())
     if len(per_rank) == 4:
@@ -851,7 +890,7 @@ def _check_two_tensors(per_rank: List[dict], what: str) -> None:
 _EXTRA_CHECKS: Dict[str, Callable[[List[dict], str], None]] = {
     "sched_step": _check_sched, "sched_lambda": _check_sched, "amp": _check_amp, "clip2": _check_clip,
     "clipinf": _check_clip, "unused": _check_unused, "flip": _check_flip, "two_tensors": _check_two_tensors,
-    "add_group": _check_add_group, "sgd": _check_reductions, "no_buckets": _check_reductions,
+    "add_group": _check_add_group, "int_param": _check_int_param, "sgd": _check_reductions, "no_buckets": _check_reductions,
     "small_buckets": _check_reductions,
 }
 
@@ -1001,6 +1040,10 @@ def test_split_parameters_match_torch_ddp(config: str) -> None:
                 assert all(a == pytest.approx(b, rel=RTOL, abs=ATOL) for a, b in runs[0]["totals"]), \
                     f"{what}: norms {runs[0]['totals']}"
                 assert any(b > 0.1 for _, b in runs[0]["totals"]), f"{what}: clipping never active (test bug)"
+            if name.startswith("closure"):  # step(closure) returns the closure's loss: DDP's
+                for i, run in enumerate(runs):
+                    assert len(run["losses"]) == 4 and all(a == pytest.approx(b, rel=RTOL) for a, b in run["losses"]), \
+                        f"{what}: group rank {i}: losses (OSS, DDP) {run['losses']}"
             if name == "amp":
                 assert all(a == b for a, b in runs[0]["scales"]), f"{what}: scales {runs[0]['scales']}"
                 assert torch.equal(runs[0]["got"][AMP_BAD_STEP], runs[0]["got"][AMP_BAD_STEP - 1])

@@ -132,9 +132,10 @@ class OSS(Optimizer, Joinable):
     def _check_params_local(self) -> None:
         for gi, g in enumerate(self.param_groups):
             for i, p in enumerate(g["params"]):
-                if not p.is_floating_point():
-                    raise ValueError(f"OSS: parameter {i} of param group {gi} has dtype {p.dtype}; only floating-point "
-                                     "parameters can be optimized")
+                if p.is_complex():
+                    raise ValueError(f"OSS: parameter {i} of param group {gi} has dtype {p.dtype}; OSS optimizes "
+                                     "real floating-point parameters (integer and bool ones, which have no "
+                                     "gradient, are kept and skipped)")
 
     def _check_same_params(self) -> None:
         mine = [(gi, i, tuple(p.shape), str(p.dtype))
@@ -147,6 +148,13 @@ class OSS(Optimizer, Joinable):
                              "optimize the same parameters")
 
     def _assign_owners(self, params: Sequence[Tensor]) -> None:
+        """Partition ``params`` on top of what the ranks own. Integer and bool parameters (a frozen
+        ``LongTensor``, say) can have no gradient: as in a torch optimizer they are kept in the
+        groups and never stepped; they get no shard, hence no owner, state or broadcast."""
+        for p in params:
+            if not p.is_floating_point():
+                self._shards[id(p)] = []
+        params = [p for p in params if p.is_floating_point()]
         shards = partition_by_size([p.numel() for p in params], self.world_size, self._loads, self._min_split)
         for p, sh in zip(params, shards):
             self._shards[id(p)] = sh
@@ -190,6 +198,9 @@ class OSS(Optimizer, Joinable):
     def owner_of(self, param: Tensor) -> int:
         """The group rank that owns ``param`` (ValueError for a parameter split into pieces)."""
         sh = self.shards_of(param)
+        if not sh:
+            raise ValueError(f"the parameter of shape {tuple(param.shape)} has dtype {param.dtype}: it has no "
+                             "gradient, so no rank owns it (OSS only steps floating-point parameters)")
         if not sh[0].whole:
             raise ValueError(f"the parameter of shape {tuple(param.shape)} is split over all ranks; see shards_of()")
         return sh[0].owner
@@ -231,7 +242,17 @@ class OSS(Optimizer, Joinable):
         self._check_devices()
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         self._piece_grads_from_params()
-        loss = self.optim.step(closure=closure, **kwargs) if closure is not None else self.optim.step(**kwargs)
+        if closure is None:
+            loss = self.optim.step(**kwargs)
+        else:
+            # The closure may make the gradients (zero_grad, forward, backward): the pieces take
+            # their slices after each call, before the shard optimizer reads them.
+            def closure_then_pieces() -> Any:
+                out = closure()
+                self._piece_grads_from_params()
+                return out
+
+            loss = self.optim.step(closure=closure_then_pieces, **kwargs)
         self._broadcast_params()
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
         return loss

@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..comm import first_difference_across_ranks, group_ranks, raise_if_any_rank_failed
-from ..reducer import accumulating
 from .grad_reducer import ShardedGradReducer
 from .oss import OSS, comm_device
 
@@ -134,13 +133,16 @@ class ShardedDataParallel(nn.Module, Joinable):
     def refresh_trainable(self) -> None:
         """Rebuild the gradient buckets (and the optimizers' broadcast blocks) for the parameters
         that require gradients now."""
+        accumulate = False
         if self._reducer is not None:
             self._reducer.remove_hooks()
+            accumulate = self._reducer.accumulate  # a no_sync() active now stays active
         for o in self._optims:
             o.refresh_trainable()
         layouts = [layout for o in self._optims for layout in o.flat_layouts()]
         self._reducer = ShardedGradReducer(layouts, self._process_group, self._global_ranks, self._cap,
                                            self._reduce_fp16)
+        self._reducer.accumulate = accumulate
         self._mask = self._trainable_mask()
 
     @property
@@ -170,10 +172,16 @@ class ShardedDataParallel(nn.Module, Joinable):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Gradients accumulate locally; the next backward outside (or :meth:`reduce`) reduces them."""
+        """Gradients accumulate locally; the next backward outside (or :meth:`reduce`) reduces them.
+        A forward inside may rebuild the reducer (``requires_grad`` changed): the new one inherits
+        the flag, and the flag is restored on the reducer in use when the context ends."""
         assert self._reducer is not None
-        with accumulating(self._reducer):
+        before = self._reducer.accumulate
+        self._reducer.accumulate = True
+        try:
             yield
+        finally:
+            self._reducer.accumulate = before
 
     def reduce(self) -> None:
         """Reduce the gradients accumulated so far now (after backward passes under :meth:`no_sync`).
