@@ -6,6 +6,9 @@
 #   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...)
 #   make bench-shard        sharded data parallel: decentpy OSS+ShardedDataParallel vs torch ZeRO vs DDP vs
 #                           fairscale (2 and 4 workers; BENCH_ARGS=...)
+#   make bench-fairscale-parity  fairscale's benchmarks/oss.py on CPU (ResNet-18, digits, 2 workers, RMSprop,
+#                           oss_ddp / oss_sharded_ddp, +AMP): loss curves of torch DDP, fairscale, decentpy
+#                           (BENCH_ARGS=...)
 #   make bench-pipe         pipeline parallelism: decentpy AsyncPipe vs torch.distributed.pipelining (GPipe, 1F1B)
 #                           vs one process (2 and 4 stages, chunks 1..16; BENCH_ARGS=...)
 #   make bench-hybrid       2 nodes x 2 ranks: decentpy vs torch DDP / ZeRO, pipelines with gossip vs all-reduce:
@@ -112,7 +115,7 @@ bench: $(BUILD_STAMP)
 	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-train bench-shard bench-pipe bench-hybrid bench-convergence runtime-model
+.PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py $(BENCH_ARGS)
@@ -122,6 +125,12 @@ bench-train: $(BUILD_STAMP)
 bench-shard: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) --no-deps "fairscale==$(FAIRSCALE_VERSION)"
 	OMP_NUM_THREADS=1 $(PY) bench/bench_shard.py $(BENCH_ARGS)
+
+# Does a fairscale script train the same with decentpy? fairscale (--no-deps, as above) is the reference.
+bench-fairscale-parity: $(BUILD_STAMP)
+	$(PIP) install $(PIP_Q) --no-deps "fairscale==$(FAIRSCALE_VERSION)"
+	$(PIP) install $(PIP_Q) matplotlib
+	OMP_NUM_THREADS=1 $(PY) bench/bench_fairscale_parity.py $(BENCH_ARGS)
 
 bench-pipe: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib

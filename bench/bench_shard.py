@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train import (LR, MODEL_DESC, MODELS, Config, Runner, _csv_list, _gather_results,  # noqa: E402
                          _measure_and_time, _prime, _rss_bytes, machine_description, make_model, timing_row)
+from references import FAIRSCALE_VERSION, fairscale_missing  # noqa: E402
 from launcher import add_run_args, quick_timing, spawn_workers  # noqa: E402
 from tables import fmt, print_targets  # noqa: E402
 from tables import write_csv as write_rows_csv  # noqa: E402
@@ -59,7 +60,6 @@ FRAMEWORKS = ("decentpy", "torch-zero", "torch-ddp", "fairscale")
 SETUP = {"decentpy": "OSS+SDP", "torch-zero": "DDP+ZeRO", "torch-ddp": "DDP+AdamW", "fairscale": "OSS+SDP"}
 # run-time probed before the measurement (the torch baselines are not: a failure there is an error)
 PROBED = ("decentpy", "fairscale")
-FAIRSCALE_VERSION = "0.4.13"
 STATE_TOLERANCE = 0.05  # target: state per rank <= unsharded / world * (1 + 5%)
 
 
@@ -383,18 +383,9 @@ def available(frameworks: Sequence[str], args: argparse.Namespace) -> Tuple[List
         except Exception as exc:  # noqa: BLE001
             skipped["decentpy"] = f"unavailable: {type(exc).__name__}: {exc}"
     if "fairscale" in frameworks:
-        try:
-            import fairscale
-            import fairscale.nn.data_parallel  # noqa: F401
-            import fairscale.optim  # noqa: F401
-
-            if fairscale.__version__ != FAIRSCALE_VERSION:
-                print(f"note: fairscale {fairscale.__version__} installed, the benchmark is meant for "
-                      f"{FAIRSCALE_VERSION}")
-        except Exception as exc:  # noqa: BLE001
-            skipped["fairscale"] = (f"unavailable: `import fairscale` failed ({type(exc).__name__}: {exc}); install "
-                                    f"it with `pip install --no-deps fairscale=={FAIRSCALE_VERSION}` (or run "
-                                    "`make bench-shard`)")
+        why = fairscale_missing("bench-shard")
+        if why is not None:
+            skipped["fairscale"] = f"unavailable: {why}"
     to_probe = [f for f in frameworks if f in PROBED and f not in skipped]
     if to_probe and not args.no_probe:
         t0 = time.perf_counter()
