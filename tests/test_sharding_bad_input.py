@@ -147,6 +147,15 @@ def case_grad_requires_grad(rank: int) -> Any:
     loss_fn(sdp(x), y).backward(create_graph=True)
 
 
+def case_grad_requires_grad_at_forward(rank: int) -> Any:
+    """fairscale's test_catch_grad_grad: a .grad that requires grad is refused at forward."""
+    model, _, sdp = _trained_oss(rank)
+    sdp.zero_grad()
+    model[0].weight.grad = torch.zeros_like(model[0].weight).requires_grad_(True)
+    x, _ = batch(rank, 1)
+    sdp(x)
+
+
 def case_param_moved_device(rank: int) -> Any:
     model, oss, sdp = _trained_oss(rank)
     model.cuda()
@@ -181,6 +190,8 @@ CASES: Dict[str, Tuple[Callable[[int], Any], bool, type, List[str], List[str]]] 
     "state_dict_of_fewer_params": (case_state_dict_of_fewer_params, False, ValueError, ["untouched=True"], []),
     "state_dict_of_other_shapes": (case_state_dict_of_other_shapes, False, ValueError, ["untouched=True"], []),
     "grad_requires_grad": (case_grad_requires_grad, False, RuntimeError, ["require"], []),
+    "grad_requires_grad_at_forward": (case_grad_requires_grad_at_forward, False, RuntimeError,
+                                      ["'0.weight'", "requires grad", "zero_grad"], []),
     "param_moved_device": (case_param_moved_device, True, RuntimeError, ["moved"], []),
 }
 

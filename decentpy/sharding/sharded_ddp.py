@@ -155,11 +155,16 @@ class ShardedDataParallel(nn.Module, Joinable):
     # -- forward / backward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         assert self._reducer is not None
-        for p in self.module.parameters():
+        training = self.module.training and torch.is_grad_enabled()
+        for name, p in self.module.named_parameters():
             d = self._devices.get(id(p))
             if d is not None and p.device != d:
                 raise RuntimeError(f"a parameter moved from {d} to {p.device} after ShardedDataParallel was built; "
                                    "move the model before wrapping it")
+            if training and p.grad is not None and p.grad.requires_grad:  # refused now, not mid-backward
+                raise RuntimeError(f"parameter '{name}' has a .grad that requires grad (a create_graph=True backward, "
+                                   "or a gradient set by hand): ShardedDataParallel reduces plain gradients only; "
+                                   "zero_grad() first, or use torch DDP for higher-order gradients")
         if self._auto_refresh_trainable and self._trainable_mask() != self._mask:
             logger.info("ShardedDataParallel: the trainable parameters changed; rebuilding the gradient buckets")
             self.refresh_trainable()
