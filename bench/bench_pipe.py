@@ -32,6 +32,9 @@ Per configuration:
   overhead) as bubble -- beside the theory of an ideal pipeline, ``(S - 1) / (m + S - 1)``; and the
   same with ``T_single`` of the m micro-batches (``bubble (m mb)``), which does not count the cost of
   cutting the batch as bubble;
+* start-up cost: construction of the configuration (the pipe, or torch's stage and schedule) plus
+  its first step (torch infers the stages' shapes there), each after a barrier, per rank; the max
+  over ranks;
 * correctness: the first step's loss and the gradients of every stage, against the single-process
   model's (same batch, same initial weights);
 * activation memory per stage (``decentpy.pipeline.ActivationMeter`` around one step, a separate
@@ -151,6 +154,8 @@ class _Runner:
 
     def __init__(self) -> None:
         self.times: List[float] = []
+        self.build_s = 0.0     # construction, this rank (timed after a barrier when asked)
+        self.startup_s = 0.0   # construction + first step, this rank
         self.first_loss: Optional[float] = None
         self.grad_err: Optional[float] = None
         self.act: Dict[str, int] = {}
@@ -295,16 +300,23 @@ def _first_line(exc: BaseException, limit: int = 300) -> str:
     return text.splitlines()[0][:limit]
 
 
-def _build(cfgs: Sequence[PipeConfig], rank: int, plan: Dict[str, Any]) -> Tuple[List[_Runner], Dict[str, str]]:
+def _build(cfgs: Sequence[PipeConfig], rank: int, plan: Dict[str, Any],
+           timed: bool = False) -> Tuple[List[_Runner], Dict[str, str]]:
     """Build every configuration; those that fail to build on any rank are dropped everywhere with
-    the first error (no messages move while a stage or schedule is built, so this is safe)."""
+    the first error (no messages move while a stage or schedule is built, so this is safe).
+    ``timed``: each construction starts after a barrier and its time is kept (``build_s``)."""
     import torch.distributed as dist
 
     built: List[Optional[_Runner]] = []
     errs: List[Optional[str]] = []
     for cfg in cfgs:
         try:
-            built.append(RUNNERS[cfg.framework](cfg, rank, plan))
+            if timed:
+                dist.barrier()
+            t0 = time.perf_counter()
+            runner = RUNNERS[cfg.framework](cfg, rank, plan)
+            runner.build_s = time.perf_counter() - t0
+            built.append(runner)
             errs.append(None)
         except Exception as exc:  # noqa: BLE001  (reported as n/a)
             built.append(None)
@@ -372,15 +384,21 @@ def _worker_body(rank: int, stages: int, plan: Dict[str, Any]) -> Dict[str, Any]
 
     import decentpy  # noqa: F401  (import cost before any timing)
 
+    try:  # the same for torch's pipelining: its first import is not the first configuration's start-up
+        import torch.distributed.pipelining  # noqa: F401
+    except Exception:  # noqa: BLE001  (the configurations report it as n/a)
+        pass
     x, y = make_batch(plan)
     ref_loss, ref_grads = reference(plan, rank, stages, x, y)
     cfgs = [PipeConfig(**c) for c in plan["configs"]]
     singles = [PipeConfig(SINGLE, "none", stages, m) for m in sorted({1} | {c.chunks for c in cfgs})]
-    runners, failed = _build(singles + cfgs, rank, plan)
-    # warm-up: the first step's loss and gradients are the correctness check
+    runners, failed = _build(singles + cfgs, rank, plan, timed=True)
+    # warm-up: the first step's loss and gradients are the correctness check; with the
+    # construction, the start-up cost
     for r in runners:
         dist.barrier()
-        _, r.first_loss = r.step(x, y)
+        t_first, r.first_loss = r.step(x, y)
+        r.startup_s = r.build_s + t_first
         if r.cfg.framework != SINGLE:
             r.grad_err = grad_error(r.params, ref_grads)
         elif rank == 0:
@@ -409,8 +427,8 @@ def _worker_body(rank: int, stages: int, plan: Dict[str, Any]) -> Dict[str, Any]
         del one
         for r in pipes:
             r.act["peak"] = _measure_act(r, x, y)
-    mine = [dict(key=r.cfg.key, times=r.times, loss=r.first_loss, grad_err=r.grad_err, act=r.act.get("peak"))
-            for r in runners]
+    mine = [dict(key=r.cfg.key, times=r.times, loss=r.first_loss, grad_err=r.grad_err, act=r.act.get("peak"),
+                 startup=r.startup_s) for r in runners]
     every: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, dict(runners=mine, mb_ref=mb_ref))
     if rank != 0:
@@ -420,7 +438,7 @@ def _worker_body(rank: int, stages: int, plan: Dict[str, Any]) -> Dict[str, Any]
         per_rank = [e["runners"][i] for e in every]
         steps = list(zip(*[p["times"] for p in per_rank]))
         results.append(dict(
-            cfg=asdict(r.cfg), step_max=[max(s) for s in steps],
+            cfg=asdict(r.cfg), step_max=[max(s) for s in steps], startup=max(p["startup"] for p in per_rank),
             loss=next((p["loss"] for p in per_rank if p["loss"] is not None), None),
             grad_err=max((p["grad_err"] for p in per_rank if p["grad_err"] is not None), default=None),
             act=None if r.cfg.framework == SINGLE or not plan["memory"] else [p["act"] for p in per_rank],
@@ -504,6 +522,7 @@ def summarize(raw: Dict[int, Dict[str, Any]], cfgs: Dict[int, List[PipeConfig]],
         if c.framework == "decentpy" and r["status"] == "ok":
             t = by_key.get(PipeConfig("torch", c.schedule, c.stages, c.chunks).key)
             r["vs_torch"] = t["step"] / r["step"] if t and t["status"] == "ok" else None
+            r["startup_torch"] = t["startup"] if t and t["status"] == "ok" else None
     return rows
 
 
@@ -513,7 +532,8 @@ def _row(c: PipeConfig, res: Dict[str, Any], t_single: Dict[int, float], ref_los
     step = statistics.median(st)
     row: Dict[str, Any] = dict(cfg=c, status="ok", reason="", step=step, p25=_pct(st, 0.25), p75=_pct(st, 0.75),
                                steps=len(st), loss=res["loss"], loss_single=ref_loss, grad_err=res["grad_err"],
-                               vs_torch=None, t_single=t_single.get(1), t_single_m=t_single.get(c.chunks))
+                               vs_torch=None, t_single=t_single.get(1), t_single_m=t_single.get(c.chunks),
+                               startup=res.get("startup"))
     row["loss_err"] = (abs(res["loss"] - ref_loss) / abs(ref_loss)
                        if res["loss"] is not None and ref_loss else None)
     if c.framework == SINGLE:
@@ -550,8 +570,8 @@ def _mibs(xs: Optional[Sequence[int]]) -> str:
 
 
 def print_table(rows: List[Dict[str, Any]]) -> None:
-    hdr = ["S", "m", "framework", "schedule", "median ms", "p25-p75 ms", "torch/this", "bubble", "bubble (m mb)",
-           "theory",
+    hdr = ["S", "m", "framework", "schedule", "median ms", "p25-p75 ms", "torch/this", "start-up ms", "bubble",
+           "bubble (m mb)", "theory",
            "act MiB/stage", "act/1 mb", "1F1B bound", "loss rel err", "grad rel err", "note"]
     table = []
     for r in rows:
@@ -559,7 +579,7 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
         m = str(c.chunks)
         sch = "-" if c.framework == SINGLE else c.schedule
         if r["status"] != "ok":
-            table.append([str(c.stages), m, c.framework, sch, "n/a", "-", "-", "-", "-",
+            table.append([str(c.stages), m, c.framework, sch, "n/a", "-", "-", "-", "-", "-",
                           fmt((c.stages - 1) / (c.chunks + c.stages - 1), ".3f"), "-", "-", "-", "-", "-",
                           f"n/a ({_short(r['reason'])})"])
             continue
@@ -567,20 +587,40 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
         bound = "-" if not r.get("act_bound") else "/".join(map(str, r["act_bound"]))
         table.append([str(c.stages), m, c.framework if c.framework != SINGLE else "single (1 process)", sch,
                       _ms(r["step"]), f"{r['p25'] * 1e3:.1f}-{r['p75'] * 1e3:.1f}", fmt(r.get("vs_torch"), ".2f", "x"),
-                      fmt(r["bubble"], ".3f"), fmt(r["bubble_m"], ".3f"), fmt(r["bubble_theory"], ".3f"),
+                      _ms(r.get("startup")), fmt(r["bubble"], ".3f"), fmt(r["bubble_m"], ".3f"), fmt(r["bubble_theory"], ".3f"),
                       _mibs(r["act"]), ratio,
                       bound if c.schedule == "1f1b" else "-", fmt(r["loss_err"], ".1e"), fmt(r["grad_err"], ".1e"),
                       ""])
     print_table_rows(hdr, table, group=lambda t: (t[0], t[1]))
     print("median ms = one training step (forward+backward of the batch, every rank starting after a barrier), per "
           "step the max over ranks, median over the timed steps;\ntorch/this = torch's median / decentpy's at the "
-          "same S, m, schedule (>1: decentpy is faster); bubble = 1 - T_single / (S * T_step) (T_single: the single "
+          "same S, m, schedule (>1: decentpy is faster); start-up ms = construction + first step (each after a "
+          "barrier; max over ranks);\nbubble = 1 - T_single / (S * T_step) (T_single: the single "
           "row of the same S, m=1);\nbubble (m mb) = the same with the single process running the m micro-batches one "
           "after the other (the pipeline's unavoidable compute); theory = (S-1)/(m+S-1); act MiB/stage = peak bytes saved for backward per stage "
           "(stage 0/1/...); act/1 mb = that over one micro-batch's worth (a decentpy chunks=1 pipe on one "
           "micro-batch);\n"
           "1F1B bound = micro-batches 1F1B keeps alive per stage, min(S-s, m); loss/grad rel err = first step vs the "
           "single-process model")
+
+
+def print_startup(rows: List[Dict[str, Any]]) -> None:
+    """Start-up cost (construction + first step) of decentpy beside torch's, per stage count and
+    schedule: the range over the chunk counts."""
+    lines = []
+    for s in sorted({r["cfg"].stages for r in rows}):
+        for sch in SCHEDULES:
+            per = {fw: [r["startup"] for r in rows if r["cfg"].stages == s and r["cfg"].schedule == sch
+                        and r["cfg"].framework == fw and r["status"] == "ok" and r.get("startup") is not None]
+                   for fw in FRAMEWORKS}
+            if not any(per.values()):
+                continue
+            text = ", ".join(f"{fw} {min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} ms" if v else f"{fw} n/a"
+                             for fw, v in per.items())
+            lines.append(f"  S={s} {sch}: {text}")
+    if lines:
+        print("\nstart-up (construction + first step, max over ranks; range over the chunk counts):")
+        print("\n".join(lines))
 
 
 def check_targets(rows: List[Dict[str, Any]]) -> List[Tuple[str, Optional[bool], str]]:
@@ -617,7 +657,8 @@ def check_targets(rows: List[Dict[str, Any]]) -> List[Tuple[str, Optional[bool],
 
 
 CSV_FIELDS = ["framework", "schedule", "stages", "chunks", "micro_batch", "batch", "width", "blocks", "status",
-              "reason", "step_time_s", "step_time_p25_s", "step_time_p75_s", "timed_steps", "single_step_time_s",
+              "reason", "step_time_s", "step_time_p25_s", "step_time_p75_s", "timed_steps", "startup_s",
+              "startup_torch_s", "single_step_time_s",
               "single_m_step_time_s", "bubble_measured", "bubble_measured_m", "bubble_theory", "speedup_vs_torch", "loss_first_step", "loss_single",
               "loss_rel_err", "grad_rel_err", "act_peak_bytes_stages", "act_one_mb_bytes_stages", "act_ratio_stages",
               "act_ratio_max", "act_bound_1f1b_stages", "cpu", "cores", "torch"]
@@ -636,7 +677,8 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], plan: Dict[str, Any], mach
             micro_batch=plan["batch"] // c.chunks, batch=plan["batch"], width=plan["width"], blocks=plan["blocks"],
             status=r["status"], reason=r.get("reason", ""),
             step_time_s=g(r.get("step")), step_time_p25_s=g(r.get("p25")), step_time_p75_s=g(r.get("p75")),
-            timed_steps=r.get("steps", ""), single_step_time_s=g(r.get("t_single")) if ok else "",
+            timed_steps=r.get("steps", ""), startup_s=g(r.get("startup")), startup_torch_s=g(r.get("startup_torch")),
+            single_step_time_s=g(r.get("t_single")) if ok else "",
             single_m_step_time_s=g(r.get("t_single_m")) if ok else "",
             bubble_measured=g(r.get("bubble")), bubble_measured_m=g(r.get("bubble_m")),
             bubble_theory=g(r.get("bubble_theory")),
@@ -810,6 +852,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = summarize(raw, all_cfgs, na, plan)
     print()
     print_table(rows)
+    print_startup(rows)
     print("bubble caveat: the measured bubble assumes balanced stages (equal blocks per stage here) and counts "
           "communication and framework overhead as bubble" + ("; with more stage processes than cores it also counts "
                                                                "waiting for a core" if max(stages) > cores else ""))

@@ -107,6 +107,33 @@ class InPlace(nn.Module):
         return x.add_(1.0)
 
 
+class ToTuple(nn.Module):
+    """Tensor -> a 1-tuple of it."""
+
+    def forward(self, x: Tensor) -> Tuple[Tensor]:
+        return (x,)
+
+
+class TupleLinear(nn.Module):
+    """A Linear from a 1-tuple to a 1-tuple; a bare tensor is refused (not unpacked row-wise)."""
+
+    def __init__(self, a: int, b: int, act: bool = False) -> None:
+        super().__init__()
+        self.fc, self.act = nn.Linear(a, b), act
+
+    def forward(self, xs: Tuple[Tensor]) -> Tuple[Tensor]:
+        if not (isinstance(xs, tuple) and len(xs) == 1):
+            raise TypeError(f"TupleLinear expects a 1-tuple, got {type(xs).__name__}")
+        y = self.fc(xs[0])
+        return (torch.tanh(y) if self.act else y,)
+
+
+def tuple_mse(out: Any, target: Tensor) -> Tensor:
+    if not (isinstance(out, tuple) and len(out) == 1):
+        raise TypeError(f"the loss expects the model's 1-tuple, got {type(out).__name__}")
+    return mse(out[0], target)
+
+
 # --- helpers run in the workers -----------------------------------------------------------------------
 
 
@@ -372,10 +399,12 @@ def sc_container(rank: int, world: int) -> Dict[str, Any]:
     built: List[int] = []
 
     def lazy(i: int) -> Callable[[], nn.Module]:
+        from decentpy.pipeline import LazyModule
+
         def make() -> nn.Module:
             built.append(i)
             return nn.Linear(6, 6)
-        return make
+        return LazyModule(make) if i % 2 else make  # fairscale's LazyModule, or any callable
 
     n = 2 * world
     pipe = make_pipe([lazy(i) for i in range(n)], [2] * world)
@@ -404,8 +433,8 @@ def sc_idle_rank(rank: int, world: int) -> Dict[str, float]:
     for driver in DRIVERS:
         pipe = make_pipe(mlp(), balance, chunks=2)
         result = drive(pipe, x, y, driver)
-        if pipe.stage is None:
-            out[driver] = float(len(pipe) != 0 or pipe.partition is not None)
+        if pipe.stage is None:  # fairscale's tests read pipe.pipeline (None on an idle rank)
+            out[driver] = float(len(pipe) != 0 or pipe.partition is not None or pipe.pipeline is not None)
         else:
             pairs = [(p.grad, r.grad) for _, p, r in stage_params(pipe, ref)]
             if pipe.final_stage:
@@ -546,12 +575,150 @@ def sc_transport(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+def sc_structure(rank: int, world: int) -> Dict[str, Any]:
+    """1-tuples across stage boundaries and as the model's output: every stage gets what the layer
+    before it returned (a tuple stays a tuple), the final stage's output and loss_fn see the
+    unpipelined model's structure, in training and in eval; gradients equal the reference."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(11)
+        return nn.Sequential(nn.Linear(6, 6), ToTuple(), TupleLinear(6, 6, act=True), TupleLinear(6, 6),
+                             TupleLinear(6, 3)).double()
+
+    balance = {2: [2, 3], 3: [2, 2, 1], 4: [1, 1, 2, 1]}[world]
+    x, y = data()
+    ref = model()
+    ref_out = ref(x)
+    tuple_mse(ref_out, y).backward()
+    out: Dict[str, Any] = {}
+    for driver in DRIVERS:
+        for chunks in (1, 3):
+            pipe = make_pipe(model(), balance, chunks=chunks)
+            if driver == "forward":
+                res = pipe(x if pipe.stage == 0 else None)
+                if pipe.final_stage:
+                    out[f"{driver}/{chunks}/type"] = (type(res).__name__, len(res))
+                    tuple_mse(res, y).backward()
+                    got: Any = res[0].detach()
+                    want = ref_out[0].detach()
+                else:
+                    pipe.back_helper(res)
+            else:
+                got = pipe.train_step(x, y, tuple_mse, schedule=driver)
+                want = tuple_mse(ref_out, y).detach()
+            pairs = [(p.grad, r.grad) for _, p, r in stage_params(pipe, ref)]
+            if pipe.final_stage:
+                pairs.append((got, want))
+            out[f"{driver}/{chunks}"] = max_err(pairs)
+    pipe = make_pipe(model(), balance, chunks=3)
+    pipe.eval()
+    res = pipe(x if pipe.stage == 0 else None)
+    if pipe.final_stage:
+        out["eval/type"] = (type(res).__name__, len(res))
+        out["eval"] = max_err([(res[0], ref_out[0])])
+    return out
+
+
+def sc_inplace_output(rank: int, world: int) -> Dict[str, Any]:
+    """The final stage's output is a tensor the caller owns: modified in place before the loss
+    (gradients equal the reference doing the same), written into by a collective after the
+    backward (fairscale's tests all_gather into it), without a copy of the activation (one
+    micro-batch: the output is the last layer's own memory)."""
+    last = dist.new_group([world - 1])  # a collective writing into the output, on the final rank alone
+    x, y = data()
+    ref = mlp()
+    ref_out = ref(x)
+    ref_out.mul_(2.0).add_(1.0)
+    mse(ref_out, y).backward()
+    out: Dict[str, Any] = {}
+    for chunks in (1, 3):
+        for ckpt in ("never", "except_last"):
+            pipe = make_pipe(mlp(), BALANCES[world], chunks=chunks, checkpoint=ckpt)
+            produced: List[Tensor] = []
+            if pipe.final_stage:
+                pipe[-1].register_forward_hook(lambda _m, _a, o: produced.append(o))
+            res = pipe(x if pipe.stage == 0 else None)
+            key = f"{chunks}/{ckpt}"
+            if pipe.final_stage:
+                res.mul_(2.0).add_(1.0)
+                mse(res, y).backward()
+                out[f"{key}/shares_memory"] = res.data_ptr() == produced[0].data_ptr()
+                pairs: List[Tuple[Optional[Tensor], Optional[Tensor]]] = [(res.detach().clone(), ref_out.detach())]
+                dist.all_gather([res], torch.full_like(res, 7.0), group=last)
+                out[f"{key}/gathered"] = bool((res == 7.0).all())
+            else:
+                pipe.back_helper(res)
+                pairs = []
+            pairs += [(p.grad, r.grad) for _, p, r in stage_params(pipe, ref)]
+            out[key] = max_err(pairs)
+    return out
+
+
+def sc_grad_of_grad(rank: int, world: int) -> Dict[str, Any]:
+    """Gradients of gradients cannot cross stages: a backward with create_graph=True fails on every
+    rank (the final stage's own RuntimeError, a PipelineError elsewhere), and a training forward is
+    refused while a parameter's gradient requires grad -- before that stage runs a layer (as
+    fairscale refuses it at forward); the pipe goes on after each."""
+    out: Dict[str, Any] = {}
+    layers: List[nn.Module] = []
+    for _ in range(world):
+        layers += [Counter(), nn.Linear(6, 6)]
+    torch.manual_seed(0)
+    pipe = make_pipe(nn.Sequential(*layers).double(), [2] * world, chunks=2)
+    x, _ = data(6)
+    y = torch.zeros(6, 6, dtype=torch.float64)
+
+    def create_graph() -> None:
+        res = pipe(x if pipe.stage == 0 else None)
+        if pipe.final_stage:
+            mse(res, y).backward(create_graph=True)
+        else:
+            pipe.back_helper(res)
+
+    out["backward"] = expect_failure(create_graph)
+    for p in pipe.parameters():
+        p.grad = None
+    out["backward_then"] = expect_failure(lambda: drive(pipe, x, y, "gpipe"))["raised"]
+    where = world - 1
+    for driver in DRIVERS:
+        for p in pipe.parameters():
+            p.grad = None
+        if pipe.stage == where:
+            pipe[1].weight.grad = torch.zeros_like(pipe[1].weight).requires_grad_(True)
+        before = pipe[0].calls
+        res = expect_failure(lambda: drive(pipe, x, y, driver))  # noqa: B023
+        res["layer_calls"] = pipe[0].calls - before
+        for p in pipe.parameters():
+            p.grad = None
+        res["then"] = expect_failure(lambda: drive(pipe, x, y, driver))["raised"]  # noqa: B023
+        out[f"forward/{driver}"] = res
+    return out
+
+
+def sc_mixed_modes(rank: int, world: int) -> Dict[str, Any]:
+    """Stage 0 trains while the other stages run in eval mode: they answer stage 0's gradient
+    waits with NOGRAD, so nobody waits for a timeout; the next step (all training) is in step."""
+    x, y = data()
+    out: Dict[str, Any] = {}
+    for driver in DRIVERS:
+        pipe = make_pipe(mlp(), BALANCES[world], chunks=3)
+        if pipe.stage != 0:
+            pipe.eval()
+        res = expect_failure(lambda: drive(pipe, x, y, driver))  # noqa: B023
+        res["grads"] = [p.grad is not None for p in pipe.parameters()]
+        pipe.train()
+        res["then"] = expect_failure(lambda: drive(pipe, x, y, driver))["raised"]  # noqa: B023
+        out[driver] = res
+    return out
+
+
 SCENARIOS: Dict[str, Callable[[int, int], Any]] = {
     "transport": sc_transport,
     "memory": sc_memory,
     "matrix": sc_matrix, "training": sc_training, "tuples": sc_tuples, "dropout": sc_dropout,
     "calls": sc_calls, "batchnorm": sc_batchnorm, "failures": sc_failures, "container": sc_container,
     "idle_rank": sc_idle_rank, "hybrid": sc_hybrid, "bad_input": sc_bad_input,
+    "structure": sc_structure, "inplace_output": sc_inplace_output, "grad_of_grad": sc_grad_of_grad,
+    "mixed_modes": sc_mixed_modes,
 }
 
 
@@ -730,6 +897,63 @@ def test_bad_input_raises_on_every_rank(world: int) -> None:
         assert per["forward_twice_then"] is None, per  # the pipe goes on with the next step
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_tuple_outputs_keep_their_structure(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "structure")):
+        errs = {k: v for k, v in res.items() if not k.endswith("type")}
+        assert len(errs) == 2 * len(DRIVERS) + (rank == world - 1), (rank, res)
+        for key, err in errs.items():
+            assert err <= 1e-10, (rank, key, err)
+        if rank == world - 1:
+            for key in ("forward/1/type", "forward/3/type", "eval/type"):
+                assert res[key] == ("tuple", 1), (key, res[key])
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_output_modified_in_place(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "inplace_output")):
+        for chunks in (1, 3):
+            for ckpt in ("never", "except_last"):
+                key = f"{chunks}/{ckpt}"
+                assert res[key] <= 1e-10, (rank, key, res[key])
+                if rank == world - 1:
+                    assert res[f"{key}/gathered"], (key, res)
+                    # one micro-batch: the output is the last layer's own memory (no copy); several: their join
+                    assert res[f"{key}/shares_memory"] == (chunks == 1), (key, res)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_gradients_of_gradients_refused(world: int) -> None:
+    res = scenario(world, "grad_of_grad")
+    last = world - 1
+    for rank, per in enumerate(res):
+        got = per["backward"]
+        assert got["raised"] is not None and got["seconds"] < TIMEOUT_S, (rank, got)
+        if rank == last:
+            assert got["raised"] == "RuntimeError" and "create_graph=True" in got["text"], got
+        else:
+            assert got["pipeline_error"] and got["stage"] == last and "create_graph" in got["text"], (rank, got)
+        assert per["backward_then"] is None, (rank, per)
+        for driver in DRIVERS:
+            got = per[f"forward/{driver}"]
+            assert got["seconds"] < TIMEOUT_S and got["then"] is None, (rank, driver, got)
+            if rank == last:
+                assert got["raised"] == "RuntimeError" and "create_graph=True" in got["text"], got
+                assert got["layer_calls"] == 0, got  # refused before this stage ran anything
+            else:
+                assert got["pipeline_error"] and got["stage"] == last, (rank, driver, got)
+
+
+@pytest.mark.parametrize("world", (2, 3))
+def test_stages_in_different_modes_do_not_wait(world: int) -> None:
+    for rank, res in enumerate(scenario(world, "mixed_modes")):
+        for driver, got in res.items():
+            assert got["raised"] is None and got["then"] is None, (rank, driver, got)
+            assert got["seconds"] < TIMEOUT_S, (rank, driver, got)
+            if rank == 0:  # trained, but no gradient came back from the stages in eval mode
+                assert got["grads"] and not any(got["grads"]), (driver, got)
+
+
 # --- bad construction: local checks, no group needed beyond this process -------------------------------
 
 
@@ -739,18 +963,22 @@ def one_rank() -> Any:
         yield
 
 
+# the texts fairscale's tests match (pytest.raises(..., match=...)) come first in decentpy's messages
 @pytest.mark.parametrize("module, balance, kw, error, words", [
-    (nn.Linear(2, 2), [1], {}, TypeError, "nn.Sequential or a list"),
+    (nn.Linear(2, 2), [1], {}, TypeError, "module must be nn.Sequential to be partitioned"),
     ([nn.Linear(2, 2), 3], [2], {}, TypeError, "layer 1"),
-    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1], {}, ValueError, "sums to 1 layers but the module has 2"),
-    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [2, 0], {}, ValueError, "non-positive"),
-    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1, 1], {}, ValueError, "2 partitions but the pipe's group has only 1"),
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1], {}, ValueError,
+     "module and sum of balance have different length (module: 2, sum of balance: 1)"),
+    (nn.Sequential(), [1], {}, ValueError, "module and sum of balance have different length (module: 0, sum of balance: 1)"),
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [2, 0], {}, ValueError, "all balance numbers must be positive integer"),
+    (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1, 1], {}, ValueError,
+     "too few ranks to hold given partitions (ranks: 1, partitions: 2)"),
     (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [], {}, ValueError, "empty"),
     (nn.Sequential(nn.Linear(2, 2), nn.ReLU()), [1.5, 0.5], {}, TypeError, "ints"),
     (nn.Sequential(nn.Linear(2, 2)), [1], {"chunks": 0}, ValueError, "chunks must be a positive int"),
     (nn.Sequential(nn.Linear(2, 2)), [1], {"chunks": 2.0}, ValueError, "chunks must be a positive int"),
     (nn.Sequential(nn.Linear(2, 2)), [1], {"checkpoint": "sometimes"}, ValueError,
-     "'always', 'except_last', 'never'"),
+     "checkpoint is not one of 'always', 'except_last', or 'never'"),
     (nn.Sequential(nn.Linear(2, 2)), [1], {"schedule": "zigzag"}, ValueError, "'gpipe', '1f1b'"),
 ])
 def test_bad_construction(one_rank: Any, module: Any, balance: list, kw: dict, error: type, words: str) -> None:
@@ -766,9 +994,28 @@ def test_same_layer_in_two_stages_refused() -> None:
 
     shared = nn.Linear(2, 2)
     layers = layer_list(nn.Sequential(shared, nn.ReLU(), shared))
-    with pytest.raises(ValueError, match="same module as layer 0"):
+    with pytest.raises(ValueError, match="module with duplicate children is not supported") as info:
         check_no_shared_layers(layers, [2, 1])
+    assert "same module as layer 0" in str(info.value)
     check_no_shared_layers(layers, [3])  # within one stage it is fine (shared parameters, one process)
+
+
+class Surrogate(nn.Module):
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+
+def test_same_parameter_in_two_stages_refused() -> None:
+    """Two modules holding one parameter (tied weights) in two stages would be trained apart."""
+    from decentpy.pipeline.layers import check_no_shared_layers, layer_list
+
+    conv = nn.Conv2d(3, 3, 1)
+    layers = layer_list(nn.Sequential(Surrogate(conv), Surrogate(conv)))
+    with pytest.raises(ValueError, match="module with duplicate parameters on distinct devices is not supported") as info:
+        check_no_shared_layers(layers, [1, 1])
+    assert "'module.weight' of layer 1" in str(info.value), str(info.value)
+    check_no_shared_layers(layers, [2])
 
 
 def test_schedules_order_and_memory() -> None:

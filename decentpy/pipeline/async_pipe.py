@@ -13,8 +13,10 @@ messages (:mod:`.transport`; gloo on CPU, NCCL on GPU) instead of torch RPC:
 * ``pipe.train_step(x, target, loss_fn)`` runs a whole GPipe or 1F1B schedule (:mod:`.schedule`)
   and returns the loss on the final stage.
 
-Every step ends with one small all-reduce over the pipe's group (idle ranks included): it tells
-every rank whether a stage failed (one host read of one int64: the agreement needs its value).
+Every step ends with an agreement over the pipe's group (idle ranks included) that tells every
+rank whether a stage failed (:mod:`.agreement`: on gloo a star through the first stage, whose
+receives are posted when the step starts; on NCCL an all-reduce of one int64 and one host read:
+the agreement needs its value).
 A failure anywhere (forward, backward, loss) sends ``ERROR`` to the neighbours that may be
 waiting for a message, so no rank hangs; the stages then read what the failed step left unread
 (the pipe stays usable: the next step starts in step), and every rank raises -- the failing one
@@ -47,8 +49,10 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from ..comm import PeerTimeoutError, default_timeout, first_difference_across_ranks, group_ranks, wait_bounded
-from .batchnorm import DeferredBatchNorm, recomputing
+from ..comm import PeerTimeoutError, default_timeout, first_difference_across_ranks, group_ranks
+from .agreement import NO_FAILURE, Agreement
+from .batchnorm import DeferredBatchNorm
+from .checkpoint import checkpointing, recomputing
 from .layers import build_stage, check_balance, check_no_shared_layers, layer_list
 from .microbatch import TensorOrTensors, as_tuple, batch_size, check, gather, scatter
 from .schedule import SCHEDULES, Action
@@ -59,7 +63,8 @@ __all__ = ["AsyncPipe", "PipelineError", "CHECKPOINT_MODES"]
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
-_NO_FAILURE = 2 ** 62
+_NO_FAILURE = NO_FAILURE
+_COUNTS = 4  # per rank after its code: sent to prev, sent to next, consumed from prev, consumed from next
 
 
 class PipelineError(RuntimeError):
@@ -82,17 +87,24 @@ class _GradTap(torch.autograd.Function):
     """Identity whose backward hands the gradients to ``hook`` instead of passing them on. Two
     uses: a stage's received inputs (the hook sends their gradients upstream) and the final
     stage's gathered output (the hook runs each micro-batch's backward itself, so that a failure
-    there reaches the other stages)."""
+    there reaches the other stages).
+
+    ``owned``: the outputs are the user's to keep (the final stage's output): tensors of their
+    own to autograd (``detach()``: the same memory, no copy), which may be modified in place like
+    any model output (``y.add_(1)``, a collective writing into ``y``). Otherwise views, which
+    autograd refuses to modify in place: a layer writing into the activations it received would
+    corrupt them for a checkpointed micro-batch's recomputation, which reads them again."""
 
     @staticmethod
-    def forward(ctx: Any, hook: Callable[[Tuple[Optional[Tensor], ...]], None], *xs: Tensor) -> Tuple[Tensor, ...]:
+    def forward(ctx: Any, hook: Callable[[Tuple[Optional[Tensor], ...]], None], owned: bool,
+                *xs: Tensor) -> Tuple[Tensor, ...]:
         ctx.hook = hook
-        return tuple(x.view_as(x) for x in xs)
+        return tuple(x.detach() if owned else x.view_as(x) for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, ...]:
         ctx.hook(grads)
-        return (None,) * (len(grads) + 1)
+        return (None,) * (len(grads) + 2)
 
 
 class _Step:
@@ -106,6 +118,7 @@ class _Step:
         self.losses: Dict[int, Tensor] = {}
         self.forwards = 0
         self.backwards = 0                       # micro-batch backwards run (or skipped) on this stage
+        self.held_grads: Dict[int, List[Optional[Tensor]]] = {}  # input gradients not yet sent upstream
 
 
 class AsyncPipe(nn.Module):
@@ -113,10 +126,11 @@ class AsyncPipe(nn.Module):
     ``AsyncPipe``).
 
     Args:
-        module: an ``nn.Sequential``, or a list of layers (modules, or callables building them:
-            only the owning stage builds its layers).
+        module: an ``nn.Sequential``, or a list of layers (modules, or callables building them
+            such as :class:`~decentpy.pipeline.LazyModule`: only the owning stage builds its layers).
         balance: layers per stage; stage ``i`` runs on group rank ``i``; ranks beyond the stages
-            hold nothing (their ``forward`` returns its input).
+            hold nothing (their ``forward`` returns its input). An empty module with an empty
+            balance is an empty pipe: every rank returns its input (as fairscale's).
         group: the process group of the pipe (default: the world). Give each pipeline its own group
             (e.g. several pipelines side by side, their stages' replicas in data-parallel groups).
         worker_map: accepted for compatibility; not needed (no RPC).
@@ -141,9 +155,8 @@ class AsyncPipe(nn.Module):
         layers = layer_list(module)
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
             raise ValueError(f"chunks must be a positive int (micro-batches per mini-batch), got {chunks!r}")
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)}, "
-                             f"got {checkpoint!r}")
+        if checkpoint not in CHECKPOINT_MODES:  # fairscale's text (its tests match it)
+            raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never' (got {checkpoint!r})")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(repr(s) for s in SCHEDULES)}, got {schedule!r}")
         self.group = group if group is not None else dist.group.WORLD
@@ -168,16 +181,18 @@ class AsyncPipe(nn.Module):
         rank = dist.get_rank(self.group)
         self.num_stages = len(self.balance)
         self.stage: Optional[int] = rank if rank < self.num_stages else None
-        self.final_stage = self.stage == self.num_stages - 1
+        self.final_stage = self.stage is not None and self.stage == self.num_stages - 1
         self.partition: Optional[nn.Sequential] = None
         if self.stage is not None:
             part = build_stage(layers, self.balance, self.stage)
             if deferred_batch_norm:
                 part = DeferredBatchNorm.convert_deferred_batch_norm(part, chunks)
             self.partition = part
-        else:
+        elif self.num_stages:
             logger.warning("AsyncPipe: group rank %d holds no stage (%d stages on %d ranks)", rank, self.num_stages,
                            len(self._ranks))
+        else:
+            logger.info("AsyncPipe: an empty pipe (no layers): every rank's forward returns its input")
         del module, layers
 
         nccl = dist.get_backend(self.group) == dist.Backend.NCCL
@@ -190,7 +205,9 @@ class AsyncPipe(nn.Module):
         if self.stage is not None and not self.final_stage:
             self._next = Link(self._ranks[self.stage + 1], self.stage + 1, self.stage, self.group, self._wire,
                               not nccl, self.timeout)
+        self._agreement = Agreement(self.group, self._ranks, rank, self._wire, not nccl, 1 + _COUNTS, self.timeout)
         self._broken: Optional[str] = None
+        self._here = self._wire  # this stage's device during a step (set by _start)
         self._pending: Optional[_Step] = None   # the final stage's step waiting for its user-driven backward
         # wrap_partition's wrapper, held in a tuple so that it is not a registered submodule: the
         # partition's parameters and state_dict keys stay where they are (the wrapper reads the
@@ -198,6 +215,13 @@ class AsyncPipe(nn.Module):
         self._wrapper: Tuple[nn.Module, ...] = ()
 
     # -- fairscale's container API ----------------------------------------------------------------
+    @property
+    def pipeline(self) -> Optional["AsyncPipe"]:
+        """What runs this rank's stage: None on a rank without one (fairscale's test of an idle
+        rank reads ``pipe.pipeline is None``); the pipe itself otherwise (fairscale's
+        ``AsyncPipeline`` internals are not reproduced)."""
+        return self if self.stage is not None else None
+
     @property
     def partitions(self) -> List[nn.Sequential]:
         """This rank's partitions (one, or none on an idle rank)."""
@@ -279,9 +303,14 @@ class AsyncPipe(nn.Module):
     def forward(self, input: Any = None, *, event: Any = None) -> Any:  # type: ignore[override]
         """Run the mini-batch through the pipeline (every rank calls it; only the first stage's
         ``input`` is used). Returns the gathered output on the final stage (with autograd, as the
-        unpipelined model's), this stage's micro-batch outputs (detached) elsewhere, ``input`` on
-        an idle rank. In training with autograd on, a non-final stage returns after its part of
-        the backward (driven by the final stage's ``loss.backward()``)."""
+        unpipelined model's: a tensor, or a tuple as long as the last layer's, a tensor of the
+        caller's to modify in place if it likes), this stage's micro-batch outputs (detached)
+        elsewhere, ``input`` on an idle rank or an empty pipe. In training with autograd on, a
+        non-final stage returns after its part of the backward (driven by the final stage's
+        ``loss.backward()``)."""
+        if self.num_stages == 0:  # an empty pipe: the identity, as fairscale's (no stage, no messages)
+            check(input)
+            return input
         self._start()
         grad = self.training and torch.is_grad_enabled()
         result: Any = input
@@ -289,6 +318,7 @@ class AsyncPipe(nn.Module):
         try:
             with torch.set_grad_enabled(grad):
                 if self.stage is not None:
+                    self._refuse_grads_of_grads(grad)
                     step = self._forward_all(input, grad)
                     if self.final_stage:
                         result, finish = self._final_output(step, grad)
@@ -296,6 +326,7 @@ class AsyncPipe(nn.Module):
                         result = [_detached(step.outputs[j]) for j in range(step.count)]
                         if grad:
                             self._serve_backward(step)
+                        self._answer_all(step)
         except BaseException as exc:  # noqa: BLE001 - every rank must learn about it before raising
             self._fail(exc)
         if finish:
@@ -318,16 +349,20 @@ class AsyncPipe(nn.Module):
         so a mean-reduced loss gives the gradients of the whole batch's loss. Returns that loss
         (detached) on the final stage, None elsewhere; parameter gradients accumulate in
         ``.grad`` as after ``loss.backward()``. In eval mode or under ``torch.no_grad()`` it only
-        runs the forward (the loss is still returned)."""
+        runs the forward (the loss is still returned). An empty pipe returns None (no stage holds
+        a loss)."""
         name = schedule if schedule is not None else self.schedule
         if name not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(repr(s) for s in SCHEDULES)}, got {name!r}")
+        if self.num_stages == 0:
+            return None
         self._start()
         grad = self.training and torch.is_grad_enabled()
         loss: Optional[Tensor] = None
         try:
             with torch.set_grad_enabled(grad):
                 if self.stage is not None:
+                    self._refuse_grads_of_grads(grad)
                     loss = self._run_schedule(x, target, loss_fn, name, grad)
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
@@ -346,6 +381,22 @@ class AsyncPipe(nn.Module):
                 "AsyncPipe: the final stage ran forward again before the backward of the previous training "
                 "output (in training with autograd on, call backward on a loss of the output, or run the "
                 "forward under torch.no_grad() / in eval mode)"))
+        self._agreement.arm()
+        self._here = self._device()  # once per step, not per message (the layers do not move mid-step)
+
+    def _refuse_grads_of_grads(self, grad: bool) -> None:
+        """Gradients of gradients cannot cross stages (the gradients travel as plain tensors), so a
+        training forward is refused when a parameter's gradient requires grad -- what a backward
+        with ``create_graph=True`` leaves -- before this stage computes or sends anything (as
+        fairscale refuses it at forward). The backward itself refuses it too, where it can see it
+        (the final stage's output)."""
+        if not grad or self.partition is None:
+            return
+        for name, p in self.partition.named_parameters():
+            if p.grad is not None and p.grad.requires_grad:
+                raise RuntimeError(f"AsyncPipe stage {self.stage}: parameter '{name}' has a gradient that requires "
+                                   "grad (left by a backward with create_graph=True); gradients of gradients cannot "
+                                   "cross pipeline stages. Set the parameters' .grad to None before the next step")
 
     def _checkpointed(self, mb: int, count: int, grad: bool) -> bool:
         if not grad:
@@ -362,8 +413,9 @@ class AsyncPipe(nn.Module):
         return scatter(input, self.chunks)
 
     def _receive_input(self, mb: int, step_count: Optional[int]) -> Tuple[TensorOrTensors, int, bool]:
-        """Micro-batch ``mb``'s inputs from the previous stage: (inputs, the step's count, whether
-        they need gradients)."""
+        """Micro-batch ``mb``'s inputs from the previous stage: (inputs -- a tuple when the
+        previous stage's output was one --, the step's count, whether the previous stage waits for
+        their gradients)."""
         assert self._prev is not None
         msg = self._prev.recv(f"the activations of micro-batch {mb}")
         if msg.kind == Kind.ERROR:
@@ -371,18 +423,16 @@ class AsyncPipe(nn.Module):
         if msg.kind != Kind.DATA or msg.mb != mb or (step_count is not None and msg.count != step_count):
             raise RuntimeError(f"stage {self.stage}: expected the activations of micro-batch {mb}, got {msg.kind.name} "
                                f"for micro-batch {msg.mb} (count {msg.count}): the stages disagree on the schedule")
-        device = self._device()
+        device = self._here
         grad = torch.is_grad_enabled()
         xs = []
-        needs = False
         for t, rg in zip(msg.tensors, msg.requires_grad):
             assert t is not None
             t = t.to(device)
             if grad and rg and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
-                needs = True
             xs.append(t)
-        return (xs[0] if len(xs) == 1 else tuple(xs)), msg.count, needs
+        return (tuple(xs) if msg.is_tuple else xs[0]), msg.count, any(msg.requires_grad)
 
     def _run_partition(self, mb: int, step: _Step, inputs: TensorOrTensors, checkpointed: bool) -> TensorOrTensors:
         """The stage's layers on one micro-batch: received inputs behind a :class:`_GradTap` (their
@@ -391,9 +441,8 @@ class AsyncPipe(nn.Module):
         xs = list(as_tuple(inputs))
         single = not isinstance(inputs, tuple)
         diff = [i for i, t in enumerate(xs) if t.requires_grad] if self.stage != 0 else []
-        step.input_rg[mb] = bool(diff)
         if diff:
-            views = _GradTap.apply(lambda grads: self._send_input_grads(step, mb, len(xs), diff, grads),
+            views = _GradTap.apply(lambda grads: self._send_input_grads(step, mb, len(xs), diff, grads), False,
                                     *[xs[i] for i in diff])
             for i, v in zip(diff, views):
                 xs[i] = v
@@ -425,7 +474,8 @@ class AsyncPipe(nn.Module):
                 calls[0] += 1
                 arg = args[0] if single else tuple(args)
                 if calls[0] == 1:
-                    return first(arg)
+                    with checkpointing():
+                        return first(arg)
                 with recomputing():  # DeferredBatchNorm counts the first run only
                     return part(arg)
 
@@ -434,10 +484,25 @@ class AsyncPipe(nn.Module):
 
     def _send_input_grads(self, step: _Step, mb: int, width: int, diff: List[int],
                           grads: Sequence[Optional[Tensor]]) -> None:
-        assert self._prev is not None
+        """The tap's hook: micro-batch ``mb``'s input gradients, sent upstream once its backward
+        returns (:meth:`_send_held_grads`) -- or right away, from inside the backward, when a
+        data-parallel wrapper's hooks run there (the upstream stage's backward then overlaps
+        them). Sending from inside the autograd backward cost measurably more CPU time than
+        after it (1F1B, 2 stages on 2 cores: +10-30% CPU per step), for no earlier start upstream:
+        what remains of the backward after the first layer's input gradient is the accumulation
+        of its parameters' gradients."""
         full: List[Optional[Tensor]] = [None] * width
         for i, g in zip(diff, grads):
             full[i] = g
+        step.held_grads[mb] = full
+        if self._wrapper:
+            self._send_held_grads(step, mb)
+
+    def _send_held_grads(self, step: _Step, mb: int) -> None:
+        full = step.held_grads.pop(mb, None)
+        if full is None:
+            return
+        assert self._prev is not None
         if all(g is None for g in full):
             self._prev.send(Kind.NOGRAD, mb, step.count, [])
         else:
@@ -450,13 +515,24 @@ class AsyncPipe(nn.Module):
             self._prev.send(Kind.NOGRAD, mb, step.count, [])
             step.answered[mb] = True
 
-    def _forward_one(self, step: _Step, mb: int, inputs: TensorOrTensors, grad: bool) -> TensorOrTensors:
+    def _answer_all(self, step: _Step) -> None:
+        """The end of a step on a stage: the previous stage waits for an answer to every
+        micro-batch it sent with gradients on (NOGRAD where no backward ran here: eval mode or
+        no_grad on this rank only)."""
+        for j in range(step.count):
+            self._answer_upstream(step, j)
+
+    def _forward_one(self, step: _Step, mb: int, inputs: TensorOrTensors, grad: bool,
+                     upstream_waits: bool = False) -> TensorOrTensors:
+        """``upstream_waits``: the previous stage waits for this micro-batch's input gradients."""
+        step.input_rg[mb] = upstream_waits
         out = self._run_partition(mb, step, inputs, self._checkpointed(mb, step.count, grad))
         step.outputs[mb] = out
         step.forwards += 1
         if self._next is not None:
             ys = as_tuple(out)
-            self._next.send(Kind.DATA, mb, step.count, [y.detach() for y in ys], [y.requires_grad for y in ys])
+            self._next.send(Kind.DATA, mb, step.count, [y.detach() for y in ys], [y.requires_grad for y in ys],
+                            isinstance(out, tuple))
         if step.forwards == step.count:
             self._commit_batch_norm()
         return out
@@ -475,12 +551,14 @@ class AsyncPipe(nn.Module):
             for j, x in enumerate(mbs):
                 self._forward_one(step, j, x, grad)
             return step
-        x, count, _ = self._receive_input(0, None)
+        x, count, waits = self._receive_input(0, None)
         step = _Step(count)
-        self._forward_one(step, 0, x, grad)
-        for j in range(1, count):
-            x, _, _ = self._receive_input(j, count)
-            self._forward_one(step, j, x, grad)
+        for j in range(count):
+            if j > 0:
+                x, _, waits = self._receive_input(j, count)
+            if j + 1 < count:
+                self._prev.prepost()  # the next micro-batch's receive, before this one's compute
+            self._forward_one(step, j, x, grad, waits)
         return step
 
     def _backward_one(self, step: _Step, mb: int, grads: Optional[Sequence[Optional[Tensor]]]) -> None:
@@ -493,6 +571,11 @@ class AsyncPipe(nn.Module):
                 if pairs:
                     torch.autograd.backward([y for y, _ in pairs], [g.to(y.device) for y, g in pairs])
         del out
+        self._release_upstream(step, mb)
+
+    def _release_upstream(self, step: _Step, mb: int) -> None:
+        """Micro-batch ``mb``'s answer to the previous stage: its input gradients, or NOGRAD."""
+        self._send_held_grads(step, mb)
         self._answer_upstream(step, mb)
 
     def _expects_grad(self, step: _Step, mb: int) -> bool:
@@ -517,6 +600,8 @@ class AsyncPipe(nn.Module):
         while waiting:
             j, grads = self._receive_grad(step, None)
             waiting.discard(j)
+            if waiting:
+                self._next.prepost()  # the next gradient's receive, before this one's backward
             self._backward_one(step, j, grads)
 
     def _final_output(self, step: _Step, grad: bool) -> Tuple[TensorOrTensors, bool]:
@@ -525,20 +610,20 @@ class AsyncPipe(nn.Module):
         step then."""
         outs = [step.outputs[j] for j in range(step.count)]
         joined = list(as_tuple(gather([_detached(o) for o in outs])))
+        structured = tuple if isinstance(outs[0], tuple) else (lambda ts: ts[0])  # as the last layer returned
         diff = [i for i in range(len(joined)) if any(as_tuple(o)[i].requires_grad for o in outs)]
         if not grad or not diff:  # no backward will come: the step ends here
-            for j in range(step.count):
-                self._answer_upstream(step, j)
+            self._answer_all(step)
             step.outputs.clear()
-            return (joined[0] if len(joined) == 1 else tuple(joined)), True
+            return structured(joined), True
         sizes = [as_tuple(o)[0].shape[0] for o in outs]
         leaves = [joined[i].requires_grad_(True) for i in diff]
         width = len(joined)
-        views = _GradTap.apply(lambda grads: self._final_backward(step, sizes, width, diff, grads), *leaves)
-        for i, v in zip(diff, views):
+        owned = _GradTap.apply(lambda grads: self._final_backward(step, sizes, width, diff, grads), True, *leaves)
+        for i, v in zip(diff, owned):
             joined[i] = v
         self._pending = step
-        return (joined[0] if width == 1 else tuple(joined)), False
+        return structured(joined), False
 
     def _final_backward(self, step: _Step, sizes: List[int], width: int, diff: List[int],
                         grads: Sequence[Optional[Tensor]]) -> None:
@@ -549,6 +634,9 @@ class AsyncPipe(nn.Module):
                                "ran, or this backward already ran once)")
         self._pending = None
         try:
+            if torch.is_grad_enabled():  # autograd runs a backward with grad mode = create_graph
+                raise RuntimeError("AsyncPipe: backward with create_graph=True (gradients of gradients) is not "
+                                   "supported: the gradients cross the pipeline stages as plain tensors")
             per_mb: List[List[Optional[Tensor]]] = [[None] * width for _ in sizes]
             for i, g in zip(diff, grads):
                 if g is None:
@@ -563,29 +651,43 @@ class AsyncPipe(nn.Module):
 
     def _run_schedule(self, x: Any, target: Any, loss_fn: Callable[[Any, Any], Tensor], name: str,
                       grad: bool) -> Optional[Tensor]:
-        first: Optional[Tuple[TensorOrTensors, int]] = None
+        """One mini-batch with the ``name`` schedule.
+
+        Receives posted ahead: right after an action's receive, before its
+        compute, the next action's receive is posted when the current action does not send on that
+        link -- a forward sends to the next stage and the next forward receives from the previous
+        one; a backward sends to the previous stage and the next backward receives from the next
+        one. So in a run of forwards (GPipe's first half, 1F1B's warm-up) and a run of backwards
+        the next message moves while this one computes. Not when the two alternate (1F1B's steady
+        state): gloo guards each connection with one lock, which its receiving thread holds while
+        it reads a message; a message arriving while this stage sends the other way on that
+        connection made the send wait for that thread, which with more threads than cores waits
+        for a core (measured: single sends of several milliseconds, 1F1B 20-30% slower)."""
+        first: Optional[Tuple[TensorOrTensors, bool]] = None
         if self.stage == 0:
             mbs: Optional[List[TensorOrTensors]] = self._first_inputs(x)
             count = len(mbs)
         else:
             mbs = None
-            x0, count, _ = self._receive_input(0, None)
-            first = (x0, count)
+            x0, count, waits0 = self._receive_input(0, None)
+            first = (x0, waits0)
         step = _Step(count)
         targets: Optional[List[Any]] = None
         weights: List[float] = []
         actions: List[Action] = SCHEDULES[name](count, self.num_stages, self.stage)
-        if not grad:
-            actions = [a for a in actions if a.forward]
-        for a in actions:
+        for i, a in enumerate(actions):
+            after = actions[i + 1] if i + 1 < len(actions) else None
             if a.forward:
+                waits = False
                 if mbs is not None:
                     inp = mbs[a.mb]
                 elif a.mb == 0 and first is not None:
-                    inp = first[0]
+                    inp, waits = first
                 else:
-                    inp, _, _ = self._receive_input(a.mb, count)
-                out = self._forward_one(step, a.mb, inp, grad)
+                    inp, _, waits = self._receive_input(a.mb, count)
+                if self._prev is not None and after is not None and after.forward:
+                    self._prev.prepost()  # see the docstring: when posting ahead pays
+                out = self._forward_one(step, a.mb, inp, grad, waits)
                 if self.final_stage:
                     if targets is None:
                         targets, weights = self._split_target(target, step, out)
@@ -594,24 +696,28 @@ class AsyncPipe(nn.Module):
                         raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
                                         + (f" of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else ""))
                     step.losses[a.mb] = loss.reshape(()) * weights[a.mb]
-                    if not grad:
-                        step.outputs.pop(a.mb)
+            elif not grad:
+                # no backward here; where the previous stage trains and waits, NOGRAD in the
+                # schedule's order (the order in which it waits for gradients)
+                step.outputs.pop(a.mb)
+                self._answer_upstream(step, a.mb)
             elif self.final_stage:
                 step.outputs.pop(a.mb)
                 loss = step.losses[a.mb]
                 with self._backward_scope(step):
                     if loss.requires_grad:
                         loss.backward()
-                self._answer_upstream(step, a.mb)
+                self._release_upstream(step, a.mb)
             else:
                 if self._expects_grad(step, a.mb):
                     _, grads = self._receive_grad(step, a.mb)
                 else:
                     grads = None
+                assert self._next is not None
+                if after is not None and not after.forward and self._expects_grad(step, after.mb):
+                    self._next.prepost()  # see the docstring: when posting ahead pays
                 self._backward_one(step, a.mb, grads)
-        if not grad:
-            for j in range(count):
-                self._answer_upstream(step, j)
+        self._answer_all(step)
         if self.final_stage:
             return torch.stack([step.losses[j].detach() for j in range(count)]).sum()
         return None
@@ -650,18 +756,24 @@ class AsyncPipe(nn.Module):
         self._pending = None
         self._finish_step((origin, text, exc if not isinstance(exc, _PeerFailed) else None))
 
+    def _counts(self) -> List[int]:
+        """This rank's row of the agreement after its code: messages sent to and consumed from
+        (received, or a receive posted ahead) each neighbour."""
+        prev, nxt = self._prev, self._next
+        return [prev.sent if prev else 0, nxt.sent if nxt else 0, prev.consumed if prev else 0,
+                nxt.consumed if nxt else 0]
+
     def _finish_step(self, failure: Optional[Tuple[int, str, Optional[BaseException]]]) -> None:
-        """The end of every step on every rank of the group: one all-reduce says whether (and where)
-        a stage failed. After a failure the stages exchange how many messages each sent and read
-        what is left unread (so the next step starts in step), then every rank raises."""
+        """The end of every step on every rank of the group: the agreement says whether (and where)
+        a stage failed. After a failure the stages settle their links from every rank's counts
+        (read what is left unread, fill the receives posted ahead; so the next step starts in
+        step), then every rank raises."""
         code = _NO_FAILURE if failure is None else failure[0]
-        status = torch.tensor([code], dtype=torch.int64, device=self._wire)
         try:
-            work = dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
-            wait_bounded(work, self.timeout, f"AsyncPipe stage {self.stage}: the end-of-step agreement")
-            origin = int(status.item())
+            origin, table = self._agreement.agree(code, self._counts())
             if origin != _NO_FAILURE:
-                self._drain()
+                assert table is not None
+                self._settle(table)
             for link in self._links():
                 link.finish()
         except Exception as exc:
@@ -680,17 +792,20 @@ class AsyncPipe(nn.Module):
             raise own
         raise PipelineError(f"AsyncPipe stage {origin} (rank {src}) failed: {text[0]}", origin)
 
-    def _drain(self) -> None:
-        """Read the messages of the failed step that nobody read (a failure only on the failure
-        path: one all-gather of every stage's sent counts)."""
-        mine = torch.tensor([self._prev.sent if self._prev else 0, self._next.sent if self._next else 0],
-                            dtype=torch.int64, device=self._wire)
-        counts = [torch.empty_like(mine) for _ in self._ranks]
-        dist.all_gather(counts, mine, group=self.group)
+    def _settle(self, table: List[List[int]]) -> None:
+        """After a failed step (the failure path only): fill what each neighbour posted ahead
+        and this stage never sent, then read what it sent and this stage did not read. The fills
+        go first: they never wait (the neighbour's receives are posted), the reads may."""
+        # a neighbour's row: [code, sent to its prev, sent to its next, consumed from prev, from next];
+        # the previous stage's link to this one is its "next", the next stage's is its "prev"
         if self._prev is not None:
-            self._prev.drain(int(counts[self._prev.peer_stage][1]))
+            self._prev.fill(table[self._prev.peer_stage][4])
         if self._next is not None:
-            self._next.drain(int(counts[self._next.peer_stage][0]))
+            self._next.fill(table[self._next.peer_stage][3])
+        if self._prev is not None:
+            self._prev.settle(table[self._prev.peer_stage][2])
+        if self._next is not None:
+            self._next.settle(table[self._next.peer_stage][1])
 
 
 def _detached(value: TensorOrTensors) -> TensorOrTensors:

@@ -9,33 +9,16 @@ running statistics as plain BatchNorm on the whole mini-batch. Recomputation for
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .checkpoint import is_recomputing, recomputing
+
 __all__ = ["DeferredBatchNorm", "recomputing", "is_recomputing"]
-
-_state = threading.local()
-
-
-def is_recomputing() -> bool:
-    """Whether a checkpointed forward is being recomputed for its backward (in this thread)."""
-    return getattr(_state, "recomputing", False)
-
-
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
-    before = is_recomputing()
-    _state.recomputing = True
-    try:
-        yield
-    finally:
-        _state.recomputing = before
 
 
 class DeferredBatchNorm(_BatchNorm):

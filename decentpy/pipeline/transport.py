@@ -1,30 +1,37 @@
 """Messages between neighbouring pipeline stages over plain ``torch.distributed`` point-to-point.
 
 Every rank computes the same schedule, so each receive knows its source (the stage before or
-after) and the order of its messages: no tags, no receive-from-any-source (which NCCL lacks).
-A message is a header -- int64 values: its kind, micro-batch, the step's micro-batch count, and
-per tensor whether it is present, its dtype, whether it requires grad and its shape -- and the
-tensors' raw bytes (any dtype, any shape; shapes may change from batch to batch). Sends are
-asynchronous (the buffers stay alive until the step ends); every receive is bounded by the pipe's
-timeout. Two wire formats, chosen by the backend:
+after) and the order of its messages: no receive-from-any-source (which NCCL lacks). A message is
+a header -- int64 values: its kind, micro-batch, the step's micro-batch count, flags (whether the
+tensors form a tuple), and per tensor whether it is present, its dtype, whether it requires grad
+and its shape -- and the tensors' raw bytes (any dtype, any shape; shapes may change from batch to
+batch). Sends are asynchronous (the buffers stay alive until the step ends); every receive is
+bounded by the pipe's timeout. Two wire formats, chosen by the backend:
 
 * **one buffer** (gloo): header and tensors travel as one message, ``[header | tensor 0 | ...]``
   (each part 16-byte aligned; the received tensors are views of the buffer). Gloo accepts a
   message shorter than the receive buffer, so the receiver posts a buffer of the link's
   *capacity*: the largest message sent on it so far, which both sides know without talking. A
-  message larger than that is announced by a header-only ``GROW`` message first. One handshake
-  per message: under CPU contention each handshake costs a scheduling delay, so this is what
-  keeps the pipe as fast as torch's pre-shaped stages.
+  message larger than that is announced by a header-only ``GROW`` message first. Since a receive
+  needs no size, the pipe **posts it ahead** (:meth:`Link.prepost`, one per link) as soon as it
+  knows that the message will come in this step, before computing the current micro-batch: gloo
+  moves a message only once its receive is posted, so a receive posted late costs a round trip
+  (and, with more processes than cores, a scheduling delay) on the pipeline's critical path.
+  Send buffers are pooled by size and reused from step to step.
 * **header, then tensors** (NCCL, whose send and receive sizes must match): a fixed-size header
   (:data:`HEADER_SLOTS`, a continuation when longer), read back to the host to size the receive
-  buffers, then one message per tensor.
+  buffers, then one message per tensor. Nothing is posted ahead: NCCL runs a pair's sends and
+  receives on one stream in order, so a receive posted early would hold back this stage's own
+  sends to that neighbour (and the neighbour waits for them).
 
 Kinds: ``DATA`` (a micro-batch's activations, downstream), ``GRAD`` (the gradients of a stage's
 inputs, upstream), ``NOGRAD`` (no gradient will come for that micro-batch: its backward did not
-reach the stage's inputs) and ``ERROR`` (the sender failed; the payload is the message text, the
-micro-batch field the failing stage): a rank that receives ``ERROR`` stops expecting messages.
-After a failed step, each stage reads what its neighbours sent and it did not read
-(:meth:`Link.drain`, from the counts the stages exchange), so the next step starts in step.
+reach the stage's inputs), ``ERROR`` (the sender failed; the payload is the message text, the
+micro-batch field the failing stage): a rank that receives ``ERROR`` stops expecting messages;
+``FILL`` (nothing: it completes a receive the peer posted ahead for a message that the failed
+step never sent). After a failed step, each stage reads what its neighbours sent and it did not
+read, and fills the receives they posted ahead (:meth:`Link.settle`, from the counts the stages
+exchange), so the next step starts in step.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from __future__ import annotations
 import datetime
 import enum
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,11 +47,13 @@ from torch import Tensor
 
 from ..comm import wait_bounded
 
-__all__ = ["Kind", "Message", "Link", "HEADER_SLOTS"]
+__all__ = ["Kind", "Message", "Link", "HEADER_SLOTS", "PIPE_TAG"]
 
 HEADER_SLOTS = 32
-_FIXED = 5  # kind, micro-batch, count, tensors, total header length
+_FIXED = 6  # kind, micro-batch, count, tensors, total header length, flags
+_TUPLE = 1  # flags: the tensors are a tuple (a 1-tuple stays a tuple)
 _ALIGN = 16  # byte alignment of every part of a one-buffer message (the widest element: complex128)
+PIPE_TAG = 0x5D1E  # the tag of every pipeline message (a user's own point-to-point traffic keeps tag 0)
 
 # dtype codes: positions in this tuple (the same on every rank: part of the wire format)
 DTYPES: Tuple[torch.dtype, ...] = (
@@ -60,6 +69,7 @@ class Kind(enum.IntEnum):
     NOGRAD = 3
     ERROR = 4
     GROW = 5  # one-buffer wire only: the next message is larger than the link's capacity (mb field: its size)
+    FILL = 6  # after a failed step: completes a receive the peer posted ahead
 
 
 @dataclass
@@ -69,6 +79,7 @@ class Message:
     count: int
     tensors: List[Optional[Tensor]]
     requires_grad: List[bool]
+    is_tuple: bool = False
 
     @property
     def text(self) -> str:
@@ -78,7 +89,7 @@ class Message:
 
 
 def encode(kind: Kind, mb: int, count: int, tensors: Sequence[Optional[Tensor]],
-           requires_grad: Sequence[bool]) -> List[int]:
+           requires_grad: Sequence[bool], is_tuple: bool = False) -> List[int]:
     body: List[int] = []
     for t, rg in zip(tensors, requires_grad):
         if t is None:
@@ -88,11 +99,11 @@ def encode(kind: Kind, mb: int, count: int, tensors: Sequence[Optional[Tensor]],
             raise TypeError(f"a tensor of dtype {t.dtype} cannot cross a pipeline stage boundary; supported: "
                             f"{', '.join(str(d) for d in DTYPES)}")
         body += [1, _CODE[t.dtype], int(rg), t.dim(), *t.shape]
-    head = [int(kind), int(mb), int(count), len(tensors), _FIXED + len(body)]
+    head = [int(kind), int(mb), int(count), len(tensors), _FIXED + len(body), _TUPLE if is_tuple else 0]
     return head + body
 
 
-def decode(values: List[int]) -> Tuple[Kind, int, int, List[Optional[Tuple[torch.dtype, bool, List[int]]]]]:
+def decode(values: List[int]) -> Tuple[Kind, int, int, List[Optional[Tuple[torch.dtype, bool, List[int]]]], bool]:
     kind, mb, count, n = Kind(values[0]), values[1], values[2], values[3]
     specs: List[Optional[Tuple[torch.dtype, bool, List[int]]]] = []
     i = _FIXED
@@ -104,7 +115,7 @@ def decode(values: List[int]) -> Tuple[Kind, int, int, List[Optional[Tuple[torch
         dtype, rg, ndim = DTYPES[values[i + 1]], bool(values[i + 2]), values[i + 3]
         specs.append((dtype, rg, values[i + 4:i + 4 + ndim]))
         i += 4 + ndim
-    return kind, mb, count, specs
+    return kind, mb, count, specs, bool(values[5] & _TUPLE)
 
 
 def _bytes(t: Tensor) -> Tensor:
@@ -146,23 +157,31 @@ class Link:
     timeout: datetime.timedelta
     _inflight: List[Tuple[Any, Tensor]] = field(default_factory=list)
     sent: int = 0      # messages sent to the peer this step (every kind but GROW)
-    received: int = 0  # messages received from it this step
+    received: int = 0  # messages received from it this step (every kind but GROW)
     # one-buffer wire: the largest message each direction has carried (the same on both sides)
     send_capacity: int = 8 * HEADER_SLOTS
     recv_capacity: int = 8 * HEADER_SLOTS
+    _posted: Optional[Tuple[Any, Tensor]] = None   # a receive posted ahead (one-buffer wire)
+    _pool: Dict[int, List[Tensor]] = field(default_factory=dict)  # free send buffers by size
+    _lent: List[Tensor] = field(default_factory=list)  # send buffers of this step (back to the pool at finish)
+
+    @property
+    def consumed(self) -> int:
+        """Messages this side's receives take this step: those received and one posted ahead."""
+        return self.received + (1 if self._posted is not None else 0)
 
     # -- sending -----------------------------------------------------------------------------
     def _isend(self, t: Tensor) -> None:
-        work = dist.isend(t, dst=self.peer, group=self.group)
+        work = dist.isend(t, dst=self.peer, group=self.group, tag=PIPE_TAG)
         self._inflight.append((work, t))  # the buffer must outlive the send
 
     def _header(self, values: List[int]) -> Tensor:
         return torch.tensor(values + [0] * max(0, HEADER_SLOTS - len(values)), dtype=torch.int64)
 
     def send(self, kind: Kind, mb: int, count: int, tensors: Sequence[Optional[Tensor]],
-             requires_grad: Optional[Sequence[bool]] = None) -> None:
+             requires_grad: Optional[Sequence[bool]] = None, is_tuple: bool = False) -> None:
         rg = list(requires_grad) if requires_grad is not None else [False] * len(tensors)
-        values = encode(kind, mb, count, tensors, rg)
+        values = encode(kind, mb, count, tensors, rg, is_tuple)
         if self.one_buffer:
             self._send_one_buffer(values, tensors)
         else:
@@ -175,19 +194,26 @@ class Link:
                     self._isend(_bytes(t.to(self.device)))
         self.sent += 1
 
+    def _buffer(self, size: int) -> Tensor:
+        """A send buffer of ``size`` bytes: a free one of that size from earlier steps, or a new one."""
+        free = self._pool.get(size)
+        buf = free.pop() if free else torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._lent.append(buf)
+        return buf
+
     def _send_one_buffer(self, values: List[int], tensors: Sequence[Optional[Tensor]]) -> None:
         specs = [None if t is None else (t.dtype, t.shape) for t in tensors]
         offsets, total = _layout(len(values), specs)
         if total > self.send_capacity:
-            self._isend(self._header([int(Kind.GROW), total, 0, 0, _FIXED]).view(torch.uint8))
+            self._isend(self._header([int(Kind.GROW), total, 0, 0, _FIXED, 0]).view(torch.uint8))
             self.send_capacity = total
-        buf = torch.empty(total, dtype=torch.uint8, device=self.device)
-        head = self._header(values)
-        buf[:8 * head.numel()].copy_(head.view(torch.uint8))
+        buf = self._buffer(total)
+        head = buf[:8 * max(len(values), HEADER_SLOTS)].view(torch.int64)
+        head[:len(values)] = torch.tensor(values, dtype=torch.int64)
         for t, at in zip(tensors, offsets):
             if t is not None and t.numel() > 0:
-                src = _bytes(t)
-                buf[at:at + src.numel()].copy_(src)
+                # straight into the buffer (one copy, also when t is not contiguous)
+                buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t.detach())
         self._isend(buf)
 
     def send_error(self, origin_stage: int, text: str) -> None:
@@ -196,8 +222,23 @@ class Link:
         self.send(Kind.ERROR, origin_stage, 0, [payload])
 
     # -- receiving ---------------------------------------------------------------------------
+    def prepost(self) -> None:
+        """Post the receive of the next message now (one-buffer wire; a no-op when one is posted
+        already, or on the NCCL wire). Only for a message that will come in this step (or, if the
+        step fails, one that :meth:`settle` fills)."""
+        if self.one_buffer:
+            self._post()
+
+    def _post(self) -> None:
+        if self._posted is None:
+            buf = torch.empty(self.recv_capacity, dtype=torch.uint8, device=self.device)
+            self._posted = (dist.irecv(buf, src=self.peer, group=self.group, tag=PIPE_TAG), buf)
+
     def _recv_into(self, t: Tensor, what: str) -> None:
-        work = dist.irecv(t, src=self.peer, group=self.group)
+        work = dist.irecv(t, src=self.peer, group=self.group, tag=PIPE_TAG)
+        self._wait(work, what)
+
+    def _wait(self, work: Any, what: str) -> None:
         wait_bounded(work, self.timeout, f"stage {self.stage}: receiving {what} from stage {self.peer_stage}")
 
     def recv(self, what: str) -> Message:
@@ -209,15 +250,18 @@ class Link:
 
     def _recv_one_buffer(self, what: str) -> Message:
         while True:
-            buf = torch.empty(self.recv_capacity, dtype=torch.uint8, device=self.device)
-            self._recv_into(buf, what)
+            self._post()
+            assert self._posted is not None
+            work, buf = self._posted
+            self._posted = None
+            self._wait(work, what)
             values = buf[:8 * HEADER_SLOTS].view(torch.int64).tolist()
             if values[0] != Kind.GROW:
                 break
             self.recv_capacity = values[1]
         if values[4] > HEADER_SLOTS:
             values = buf[:8 * values[4]].view(torch.int64).tolist()
-        kind, mb, count, specs = decode(values)
+        kind, mb, count, specs, is_tuple = decode(values)
         offsets, _ = _layout(values[4], [None if s is None else (s[0], s[2]) for s in specs])
         tensors: List[Optional[Tensor]] = []
         for spec, at in zip(specs, offsets):
@@ -230,7 +274,7 @@ class Link:
                 n *= d
             tensors.append(buf[at:at + n].view(dtype).view(shape) if n > 0 else
                            torch.empty(shape, dtype=dtype, device=self.device))
-        return Message(kind, mb, count, tensors, [s is not None and s[1] for s in specs])
+        return Message(kind, mb, count, tensors, [s is not None and s[1] for s in specs], is_tuple)
 
     def _recv_parts(self, what: str) -> Message:
         head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
@@ -240,7 +284,7 @@ class Link:
             rest = torch.empty(values[4] - HEADER_SLOTS, dtype=torch.int64, device=self.device)
             self._recv_into(rest, what)
             values += rest.tolist()
-        kind, mb, count, specs = decode(values)
+        kind, mb, count, specs, is_tuple = decode(values)
         tensors: List[Optional[Tensor]] = []
         for spec in specs:
             if spec is None:
@@ -250,21 +294,38 @@ class Link:
             if t.numel() > 0:
                 self._recv_into(t.reshape(-1).view(torch.uint8), what)
             tensors.append(t)
-        return Message(kind, mb, count, tensors, [s is not None and s[1] for s in specs])
+        return Message(kind, mb, count, tensors, [s is not None and s[1] for s in specs], is_tuple)
 
     # -- end of a step -------------------------------------------------------------------------
-    def drain(self, peer_sent: int) -> int:
-        """After a failed step: receive (and drop) what the peer sent that this stage did not read
-        (``peer_sent``: the peer's count), so that the next step starts in step. Returns how many."""
-        left = peer_sent - self.received
+    def fill(self, peer_consumed: int) -> int:
+        """After a failed step, first half of :meth:`settle`: send a ``FILL`` for every receive the
+        peer posted (``peer_consumed``: its count) that this side never sent a message for."""
+        missing = max(peer_consumed - self.sent, 0)
+        for _ in range(missing):
+            self.send(Kind.FILL, 0, 0, [])
+        return missing
+
+    def settle(self, peer_sent: int) -> int:
+        """After a failed step, second half: receive (and drop) what the peer sent (``peer_sent``:
+        its count, fills included) that this side did not read, the receive posted ahead first, so
+        that the next step starts in step. Returns how many."""
+        left = max(peer_sent - self.received, 1 if self._posted is not None else 0)
         for _ in range(left):
             self.recv("an unread message of the failed step")
-        return max(left, 0)
+        return left
 
     def finish(self) -> None:
-        """The end of a step: every send has been (or, after :meth:`drain`, is being) received;
-        wait for them and release their buffers."""
+        """The end of a step: every send has been (or, after :meth:`settle`, is being) received;
+        wait for them and give their buffers back to the pool."""
+        if self._posted is not None:
+            raise RuntimeError(f"stage {self.stage}: a receive from stage {self.peer_stage} was posted ahead for a "
+                               "message that never came (an AsyncPipe bug)")
         for work, _ in self._inflight:
             wait_bounded(work, self.timeout, f"stage {self.stage}: a send to stage {self.peer_stage}")
         self._inflight = []
+        # the pool keeps this step's buffers only (shapes that stopped coming free their memory)
+        self._pool = {}
+        for buf in self._lent:
+            self._pool.setdefault(buf.numel(), []).append(buf)
+        self._lent = []
         self.sent = self.received = 0
