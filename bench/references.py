@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-FAIRSCALE_VERSION = "0.4.13"
+from decentpy.version import FAIRSCALE_VERSION
+
+__all__ = ["FAIRSCALE_VERSION", "fairscale_missing"]
 
 
 def fairscale_missing(make_target: str) -> Optional[str]:
