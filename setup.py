@@ -35,12 +35,14 @@ is written to decentpy/_build_info.py (generated, not in git), which goes into t
 
 Install with: pip install --no-build-isolation -e .      Wheel: make wheel (dist/)
 """
+import dataclasses
 import glob
 import os
 import re
 import shutil
 import subprocess
 import sys
+from typing import List, Optional, Tuple
 
 import torch
 from setuptools import Distribution, find_packages, setup
@@ -53,6 +55,8 @@ except ImportError:  # pragma: no cover
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
+# The one C++ standard of host and device code (nvcc gets the same -std; CMakeLists.txt reads this line).
+CXX_STANDARD = 20
 
 
 def read_version():
@@ -114,34 +118,6 @@ def nvcc_version(nvcc):
     return int(m.group(1)), int(m.group(2))
 
 
-NVCC, CUDA_HOME = find_nvcc()
-CU_SOURCES = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
-WITH_CUDA = bool(NVCC) and bool(CU_SOURCES)
-
-cpp_sources = sorted(
-    os.path.relpath(p, ROOT)
-    for p in glob.glob(os.path.join(CSRC, "**", "*.cpp"), recursive=True)
-    if os.sep + "tests" + os.sep not in os.path.relpath(p, CSRC) and
-    not os.path.relpath(p, CSRC).startswith("tests" + os.sep)
-)
-
-debug = env_flag("DECENTPY_DEBUG")
-# -fvisibility=hidden: only PyInit__C is exported (pybind11's recommendation; its own types are
-# hidden, and bound types of default visibility would warn).
-cxx_flags = ["-O0" if debug else "-O3", "-fopenmp", "-Wno-psabi", "-Wno-maybe-uninitialized", "-fvisibility=hidden"]
-# Python's CFLAGS carry -g: no debug info unless asked (smaller .so, faster builds).
-cxx_flags.append("-g" if debug else "-g0")
-cpu_arch = os.environ.get("DECENTPY_CPU_ARCH", "").strip()
-cpu_arch = {"avx2": "x86-64-v3", "avx512": "x86-64-v4", "default": ""}.get(cpu_arch.lower(), cpu_arch)
-if cpu_arch:
-    cxx_flags.append(f"-march={cpu_arch}")
-define_macros = []
-link_args = ["-fopenmp"]
-if WITH_CUDA:
-    define_macros.append(("DECENTPY_WITH_CUDA", "1"))
-    link_args += [f"-L{cuda_lib_dir(CUDA_HOME)}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
-
-
 def nccl_header_version(header):
     with open(header) as f:
         text = f.read()
@@ -150,7 +126,7 @@ def nccl_header_version(header):
     return (int(major.group(1)), int(minor.group(1))) if major and minor else (0, 0)
 
 
-def find_nccl_include():
+def find_nccl_include(cuda_home):
     """Directory holding nccl.h (>= 2.14), or None. Explicit NCCL_HOME/NCCL_INCLUDE_DIR must have it."""
     if env_flag("DECENTPY_NO_NCCL"):
         return None
@@ -168,7 +144,7 @@ def find_nccl_include():
                          "fix the variable, unset it, or set DECENTPY_NO_NCCL=1")
     site_dirs = [os.path.dirname(os.path.dirname(torch.__file__))] + [p for p in sys.path if p]
     candidates = [os.path.join(p, "nvidia", "nccl", "include") for p in site_dirs]
-    candidates += [os.path.join(CUDA_HOME, "include"), "/usr/include", "/usr/local/include"]
+    candidates += [os.path.join(cuda_home, "include"), "/usr/include", "/usr/local/include"]
     for d in candidates:
         header = os.path.join(d, "nccl.h")
         if os.path.isfile(header):
@@ -179,16 +155,6 @@ def find_nccl_include():
     return None
 
 
-include_dirs = [CSRC]
-NCCL_INCLUDE = find_nccl_include() if WITH_CUDA else None
-WITH_NCCL = NCCL_INCLUDE is not None
-if WITH_NCCL:
-    define_macros.append(("DECENTPY_WITH_NCCL", "1"))
-    # nccl.h includes cuda_runtime.h; system dirs stay implicit (-I/usr/include breaks libstdc++).
-    for d in (NCCL_INCLUDE, os.path.join(CUDA_HOME, "include")):
-        if os.path.realpath(d) not in ("/usr/include", "/usr/local/include") and d not in include_dirs:
-            include_dirs.append(d)
-
 
 # ---- version, wheel requirements and decentpy/_build_info.py -------------------------------------
 # Everything here depends only on the environment (never on the setup.py command), so every PEP 517
@@ -198,29 +164,23 @@ def _local_segment(text):
     return re.sub(r"[^0-9a-z]", "", text.lower())
 
 
-TORCH_VERSION = torch.__version__.split("+")[0]          # "2.13.0" (no local part)
-TORCH_MAJOR_MINOR = ".".join(TORCH_VERSION.split(".")[:2])  # "2.13"
-CUDA_VERSION = "%d.%d" % nvcc_version(NVCC) if WITH_CUDA else None
-CUDA_ARCHS = cuda_archs() if WITH_CUDA else []
-
-
-def local_version():
+def local_version(cfg):
     override = os.environ.get("DECENTPY_LOCAL_VERSION", "").strip()
     if override:
         return "" if override.lower() == "none" else override
-    parts = ["cu" + CUDA_VERSION.replace(".", "") if WITH_CUDA else "cpu",
-             "torch" + TORCH_MAJOR_MINOR.replace(".", "")]
-    parts += ["sm" + _local_segment(a) for a in CUDA_ARCHS]
-    if cpu_arch:
-        parts.append("march" + _local_segment(cpu_arch))
-    if debug:
+    parts = ["cu" + cfg.cuda_version.replace(".", "") if cfg.with_cuda else "cpu",
+             "torch" + cfg.torch_major_minor.replace(".", "")]
+    parts += ["sm" + _local_segment(a) for a in cfg.cuda_archs]
+    if cfg.cpu_arch:
+        parts.append("march" + _local_segment(cfg.cpu_arch))
+    if cfg.debug:
         parts.append("debug")
     return ".".join(p for p in parts if p)
 
 
-def full_version():
+def full_version(cfg):
     base = read_version()
-    local = local_version()
+    local = local_version(cfg)
     version = f"{base}+{local}" if local else base
     try:
         from packaging.version import InvalidVersion, Version
@@ -233,26 +193,20 @@ def full_version():
                          "(check DECENTPY_LOCAL_VERSION / DECENTPY_CUDA_ARCHS)")
 
 
-VERSION = full_version()
-# A wheel carries a compiled extension: it only works with the torch it was built against.
-WHEEL_BUILD = env_flag("DECENTPY_WHEEL") or "bdist_wheel" in sys.argv[1:]
-TORCH_REQUIREMENT = f"torch=={TORCH_MAJOR_MINOR}.*"
-
-
-def write_build_info():
+def write_build_info(cfg):
     info = {
-        "version": VERSION,
+        "version": cfg.version,
         "base_version": read_version(),
-        "local_version": VERSION.partition("+")[2],
-        "cuda_kernels": WITH_CUDA,
-        "cuda_version": CUDA_VERSION,
-        "cuda_archs": CUDA_ARCHS,
-        "ptx_arch": CUDA_ARCHS[-1] if CUDA_ARCHS else None,
+        "local_version": cfg.version.partition("+")[2],
+        "cuda_kernels": cfg.with_cuda,
+        "cuda_version": cfg.cuda_version,
+        "cuda_archs": cfg.cuda_archs,
+        "ptx_arch": cfg.cuda_archs[-1] if cfg.cuda_archs else None,
         "torch_version": torch.__version__,
         "torch_cuda_version": torch.version.cuda,
-        "torch_requirement": TORCH_REQUIREMENT,
-        "cpu_arch": cpu_arch or None,
-        "debug": debug,
+        "torch_requirement": cfg.torch_requirement,
+        "cpu_arch": cfg.cpu_arch or None,
+        "debug": cfg.debug,
     }
     lines = ['"""Build configuration of this decentpy installation.',
              "",
@@ -269,8 +223,6 @@ def write_build_info():
         os.replace(path + ".tmp", path)
 
 
-write_build_info()
-
 
 class DecentpyDistribution(Distribution):
     """In a wheel build, pin torch to the major.minor the extension is compiled against.
@@ -281,10 +233,10 @@ class DecentpyDistribution(Distribution):
 
     def parse_config_files(self, *args, **kwargs):
         super().parse_config_files(*args, **kwargs)
-        if WHEEL_BUILD:
+        if CONFIG.wheel_build:
             reqs = [r for r in (self.install_requires or [])
                     if re.split(r"[\s<>=!~;\[(]", r.strip(), 1)[0].lower() != "torch"]
-            self.install_requires = [TORCH_REQUIREMENT] + reqs
+            self.install_requires = [CONFIG.torch_requirement] + reqs
             self._finalize_requires()
 
 
@@ -303,7 +255,7 @@ class DecentpyBuildExt(BuildExtension):
     """torch's BuildExtension (ninja) plus nvcc-compiled objects for csrc/cuda/*.cu."""
 
     def build_extensions(self):
-        if WITH_CUDA:
+        if CONFIG.with_cuda:
             objects = self._compile_cuda()
             for ext in self.extensions:
                 ext.extra_objects = list(ext.extra_objects or []) + objects
@@ -322,20 +274,20 @@ class DecentpyBuildExt(BuildExtension):
         headers = [p for pat in ("cuda/*.h", "cuda/*.cuh", "kernels/*.h")
                    for p in glob.glob(os.path.join(CSRC, pat))]
         newest_header = max([os.path.getmtime(h) for h in headers] + [0])
-        flags = ["-O3" if not debug else "-O0", "-std=c++17", "-Xcompiler", "-fPIC",
+        flags = ["-O3" if not CONFIG.debug else "-O0", f"-std=c++{CXX_STANDARD}", "-Xcompiler", "-fPIC",
                  "-I" + CSRC, f'-DDECENTPY_CUDA_ARCHS="{arch_list}"'] + gencode
-        if debug:
+        if CONFIG.debug:
             flags += ["-g", "-lineinfo"]
         stamp = os.path.join(out_dir, "flags.txt")
         old_flags = open(stamp).read() if os.path.exists(stamp) else None
         objects = []
-        for src in CU_SOURCES:
+        for src in CONFIG.cu_sources:
             obj = os.path.join(out_dir, os.path.splitext(os.path.basename(src))[0] + ".o")
             objects.append(obj)
             if (os.path.exists(obj) and old_flags == " ".join(flags)
                     and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header)):
                 continue
-            cmd = [NVCC] + flags + ["-c", src, "-o", obj]
+            cmd = [CONFIG.nvcc] + flags + ["-c", src, "-o", obj]
             print("decentpy: " + " ".join(cmd), flush=True)
             subprocess.check_call(cmd)
         with open(stamp, "w") as f:
@@ -343,28 +295,123 @@ class DecentpyBuildExt(BuildExtension):
         return objects
 
 
-print(f"decentpy: CUDA kernels {'ON (' + NVCC + ')' if WITH_CUDA else 'OFF'}"
-      f"{'' if WITH_CUDA or not NVCC else ' (no csrc/cuda/*.cu)'}", file=sys.stderr)
-print(f"decentpy: NCCL communicator {'ON (' + NCCL_INCLUDE + ')' if WITH_NCCL else 'OFF'}", file=sys.stderr)
-print(f"decentpy: version {VERSION}"
-      f"{' (wheel: requires ' + TORCH_REQUIREMENT + ')' if WHEEL_BUILD else ''}", file=sys.stderr)
+@dataclasses.dataclass
+class BuildConfig:
+    """What this build compiles, from the environment only (never from the setup.py command line,
+    except whether it builds a wheel), so every PEP 517 hook computes the same version."""
 
-setup(
-    name="decentpy",
-    version=VERSION,
-    distclass=DecentpyDistribution,
-    packages=find_packages(include=["decentpy", "decentpy.*"]),
-    ext_modules=[
-        CppExtension(
-            name="decentpy._C",
-            sources=cpp_sources,
-            include_dirs=include_dirs,
-            define_macros=define_macros,
-            extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=link_args,
-        )
-    ],
-    cmdclass={"build_ext": DecentpyBuildExt.with_options(use_ninja=True),
-              "bdist_wheel": DecentpyBdistWheel},
-    zip_safe=False,
-)
+    nvcc: Optional[str]
+    cuda_home: Optional[str]
+    cu_sources: List[str]
+    cpp_sources: List[str]
+    debug: bool
+    cpu_arch: str
+    cxx_flags: List[str]
+    define_macros: List[Tuple[str, str]]
+    link_args: List[str]
+    include_dirs: List[str]
+    nccl_include: Optional[str]
+    torch_major_minor: str
+    cuda_version: Optional[str]
+    cuda_archs: List[str]
+    wheel_build: bool
+    version: str = ""
+
+    @property
+    def with_cuda(self) -> bool:
+        return bool(self.nvcc) and bool(self.cu_sources)
+
+    @property
+    def with_nccl(self) -> bool:
+        return self.nccl_include is not None
+
+    @property
+    def torch_requirement(self) -> str:
+        # A wheel carries a compiled extension: it only works with the torch it was built against.
+        return f"torch=={self.torch_major_minor}.*"
+
+
+def configure() -> BuildConfig:
+    nvcc, cuda_home = find_nvcc()
+    cu_sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+    with_cuda = bool(nvcc) and bool(cu_sources)
+    cpp_sources = sorted(
+        os.path.relpath(p, ROOT)
+        for p in glob.glob(os.path.join(CSRC, "**", "*.cpp"), recursive=True)
+        if os.sep + "tests" + os.sep not in os.path.relpath(p, CSRC) and
+        not os.path.relpath(p, CSRC).startswith("tests" + os.sep)
+    )
+    debug = env_flag("DECENTPY_DEBUG")
+    # -fvisibility=hidden: only PyInit__C is exported (pybind11's recommendation; its own types are
+    # hidden, and bound types of default visibility would warn). -std given explicitly: the same
+    # standard as nvcc's, whatever torch's default is.
+    cxx_flags = ["-O0" if debug else "-O3", f"-std=c++{CXX_STANDARD}", "-fopenmp", "-Wno-psabi",
+                 "-Wno-maybe-uninitialized", "-fvisibility=hidden"]
+    # Python's CFLAGS carry -g: no debug info unless asked (smaller .so, faster builds).
+    cxx_flags.append("-g" if debug else "-g0")
+    cpu_arch = os.environ.get("DECENTPY_CPU_ARCH", "").strip()
+    cpu_arch = {"avx2": "x86-64-v3", "avx512": "x86-64-v4", "default": ""}.get(cpu_arch.lower(), cpu_arch)
+    if cpu_arch:
+        cxx_flags.append(f"-march={cpu_arch}")
+    define_macros = []
+    link_args = ["-fopenmp"]
+    if with_cuda:
+        define_macros.append(("DECENTPY_WITH_CUDA", "1"))
+        link_args += [f"-L{cuda_lib_dir(cuda_home)}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+    include_dirs = [CSRC]
+    nccl_include = find_nccl_include(cuda_home) if with_cuda else None
+    if nccl_include is not None:
+        define_macros.append(("DECENTPY_WITH_NCCL", "1"))
+        # nccl.h includes cuda_runtime.h; system dirs stay implicit (-I/usr/include breaks libstdc++).
+        for d in (nccl_include, os.path.join(cuda_home, "include")):
+            if os.path.realpath(d) not in ("/usr/include", "/usr/local/include") and d not in include_dirs:
+                include_dirs.append(d)
+    torch_version = torch.__version__.split("+")[0]  # "2.13.0" (no local part)
+    cfg = BuildConfig(
+        nvcc=nvcc, cuda_home=cuda_home, cu_sources=cu_sources, cpp_sources=cpp_sources, debug=debug,
+        cpu_arch=cpu_arch, cxx_flags=cxx_flags, define_macros=define_macros, link_args=link_args,
+        include_dirs=include_dirs, nccl_include=nccl_include,
+        torch_major_minor=".".join(torch_version.split(".")[:2]),
+        cuda_version="%d.%d" % nvcc_version(nvcc) if with_cuda else None,
+        cuda_archs=cuda_archs() if with_cuda else [],
+        wheel_build=env_flag("DECENTPY_WHEEL") or "bdist_wheel" in sys.argv[1:])
+    cfg.version = full_version(cfg)
+    return cfg
+
+
+CONFIG: BuildConfig  # set by main(): the build classes above read it when setuptools runs them
+
+
+def main() -> None:
+    global CONFIG
+    CONFIG = cfg = configure()
+    write_build_info(cfg)
+    print(f"decentpy: CUDA kernels {'ON (' + cfg.nvcc + ')' if cfg.with_cuda else 'OFF'}"
+          f"{'' if cfg.with_cuda or not cfg.nvcc else ' (no csrc/cuda/*.cu)'}", file=sys.stderr)
+    print(f"decentpy: NCCL communicator {'ON (' + cfg.nccl_include + ')' if cfg.with_nccl else 'OFF'}",
+          file=sys.stderr)
+    print(f"decentpy: version {cfg.version}"
+          f"{' (wheel: requires ' + cfg.torch_requirement + ')' if cfg.wheel_build else ''}", file=sys.stderr)
+    setup(
+        name="decentpy",
+        version=cfg.version,
+        distclass=DecentpyDistribution,
+        packages=find_packages(include=["decentpy", "decentpy.*"]),
+        ext_modules=[
+            CppExtension(
+                name="decentpy._C",
+                sources=cfg.cpp_sources,
+                include_dirs=cfg.include_dirs,
+                define_macros=cfg.define_macros,
+                extra_compile_args={"cxx": cfg.cxx_flags},
+                extra_link_args=cfg.link_args,
+            )
+        ],
+        cmdclass={"build_ext": DecentpyBuildExt.with_options(use_ninja=True),
+                  "bdist_wheel": DecentpyBdistWheel},
+        zip_safe=False,
+    )
+
+
+if __name__ == "__main__":  # setuptools' PEP 517 backend runs this file as __main__; importing it does nothing
+    main()
