@@ -22,9 +22,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .bucket import Bucket, BucketPlan
 from .comm import CommGroup, default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
-from .nccl_comm import COMM_CHOICES, select_communicator
+from .comm import check_comm, or_world, select_communicator
 from .grad_scaling import BucketGradScaling
-from .intra_node import INTRA_NODE_CHOICES, IntraNode
+from .intra_node import IntraNode, check_intra_node
 from .reducer import GossipReducer, OptimFn, SchedulerFn, accumulating
 from .topo import hook_edges
 from .topology import Topology, make_topology, node_topology, shard_topology
@@ -118,10 +118,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             raise ValueError(f"grad_clip_norm must be a finite number >= 0 (0 disables clipping), got {grad_clip_norm}")
         if not (bucket_size_in_mb > 0):
             raise ValueError(f"bucket_size_in_mb must be > 0, got {bucket_size_in_mb}")
-        if comm not in COMM_CHOICES:
-            raise ValueError(f"comm must be one of {', '.join(map(repr, COMM_CHOICES))}, got {comm!r}")
-        if intra_node not in INTRA_NODE_CHOICES:
-            raise ValueError(f"intra_node must be one of {', '.join(map(repr, INTRA_NODE_CHOICES))}, got {intra_node!r}")
+        check_comm(comm)
+        check_intra_node(intra_node)
 
         self._group = CommGroup(process_group)
         self._process_group = self._group.process_group  # None: the world
@@ -403,7 +401,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     @property
     def join_process_group(self) -> Any:
-        return self._process_group if self._process_group is not None else dist.group.WORLD
+        return or_world(self._process_group)
 
     # -- averaging -----------------------------------------------------------------------------
     def _param_tensors(self) -> List[Tensor]:

@@ -19,37 +19,17 @@ Built-in plans, with ``w`` the group's self weight and ``s = (1 - w) / (|R| - 1)
 from __future__ import annotations
 
 import abc
-from typing import Any, Dict, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
 from .topology import Group, Topology
 
+if TYPE_CHECKING:  # annotations only: decentpy.comm imports this module
+    from .comm.protocol import Communicator, Work
+
 __all__ = ["ExchangePlan", "NoExchange", "PairExchange", "GroupAllReduce", "plan_exchange", "ExchangeSchedule",
-           "Communicator", "Work"]
-
-
-class Work(Protocol):
-    """An exchange in flight: ``wait`` before the buffers are read or written again."""
-
-    def wait(self, timeout: Any) -> None: ...
-
-
-class Communicator(Protocol):
-    """The primitives exchanges are built from (``decentpy.comm.TorchCommunicator``,
-    ``decentpy.nccl_comm.NcclCommunicator``). Every rank calls them in the same order."""
-
-    rank: int
-
-    def send_recv(self, bucket: int, peer: int, send: Tensor, recv: Tensor) -> Work:
-        """Send ``send`` to ``peer`` and receive its counterpart into ``recv``."""
-        ...
-
-    def all_reduce(self, bucket: int, ranks: Tuple[int, ...], buffer: Tensor) -> Work:
-        """Sum ``buffer`` in place over ``ranks`` (a group listed by :func:`collective_groups`)."""
-        ...
-
-    def close(self) -> None: ...
+           "communication_needs"]
 
 
 class ExchangePlan(abc.ABC):

@@ -36,13 +36,19 @@ logger = logging.getLogger(__name__)
 INTRA_NODE_CHOICES = ("gossip", "shard", "allreduce")
 
 
+def check_intra_node(mode: str) -> None:
+    """ValueError naming ``mode`` and the valid choices, unless it is one of :data:`INTRA_NODE_CHOICES`."""
+    if mode not in INTRA_NODE_CHOICES:
+        raise ValueError(f"intra_node must be one of {', '.join(map(repr, INTRA_NODE_CHOICES))}, got {mode!r}")
+
+
 class IntraNode:
     """The node of this rank for ``intra_node='shard' | 'allreduce'`` (``L`` ranks, ``L`` >= 1)."""
 
     def __init__(self, mode: str, rank: int, size: int, local: int, timeout: datetime.timedelta) -> None:
         """Local only; :meth:`connect` creates the node groups. ``rank``/``size``: in the wrapper's group."""
-        if mode not in ("shard", "allreduce"):
-            raise ValueError(f"intra_node must be one of {', '.join(map(repr, INTRA_NODE_CHOICES))}, got {mode!r}")
+        check_intra_node(mode)
+        assert mode != "gossip", "intra_node='gossip' needs no IntraNode"
         if local < 1 or size % local:
             raise ValueError(f"intra_node={mode!r} needs local_world_size to divide the number of ranks; got "
                              f"local_world_size={local} for {size} ranks (divisors: "

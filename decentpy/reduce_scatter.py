@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from . import _C
+from .comm import or_world
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +248,7 @@ class ReduceScatterBucketer:
         Raises TypeError/ValueError, before any collective, for a wrong number of inputs or
         inputs that differ in shape, dtype or device.
         """
-        if group is None:
-            group = dist.group.WORLD
+        group = or_world(group)
         if callback_fn is not None and not callable(callback_fn):
             raise TypeError(f"callback_fn must be callable or None, got {type(callback_fn).__name__}")
         if not dist.is_available() or not dist.is_initialized():

@@ -30,7 +30,8 @@ from .comm import CommGroup, first_difference_across_ranks
 from .grad_scaling import BucketGradScaling
 from .host_memory import release_free_host_memory
 from .intra_node import IntraNode
-from .exchange import Communicator, ExchangeSchedule
+from .comm import Communicator
+from .exchange import ExchangeSchedule
 from .grad_scaling import UNSCALED
 from .optim import fuse_torch_optimizer
 from .topo import Edge

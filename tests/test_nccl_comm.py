@@ -25,7 +25,9 @@ import torch.distributed as dist
 from dist_harness import single_process_group
 
 try:  # collect fine without a built extension
-    from decentpy import _C, nccl_comm
+    from decentpy import _C
+    from decentpy.comm import nccl as nccl_comm
+    from decentpy.comm import select as comm_select
     from decentpy.comm import PeerTimeoutError, TorchCommunicator
     from decentpy.exchange import plan_exchange
     from decentpy.topology import Group, make_topology
@@ -84,30 +86,30 @@ def test_constructor_without_gpu_fails_clearly():
 
 def test_resolve_comm_rejects_unknown_choice():
     with pytest.raises(ValueError, match="'auto', 'torch', 'nccl'"):
-        nccl_comm.resolve_comm("mpi")
+        comm_select.resolve_comm("mpi")
 
 
 def test_selection_on_gloo():
     topo = make_topology("complete", 1, 1)
     with single_process_group("gloo"):
-        kind, reason = nccl_comm.resolve_comm("auto")
+        kind, reason = comm_select.resolve_comm("auto")
         assert kind == "torch" and "gloo" in reason
-        c = nccl_comm.select_communicator("auto", topo, TIMEOUT)
+        c = comm_select.select_communicator("auto", topo, TIMEOUT)
         assert isinstance(c, TorchCommunicator) and "gloo" in c.selection_reason
-        c = nccl_comm.select_communicator("torch", topo, TIMEOUT)
+        c = comm_select.select_communicator("torch", topo, TIMEOUT)
         assert isinstance(c, TorchCommunicator)
         with pytest.raises(ValueError):
-            nccl_comm.select_communicator("gloo", topo, TIMEOUT)
+            comm_select.select_communicator("gloo", topo, TIMEOUT)
         if NCCL_REASON is not None:
             with pytest.raises(RuntimeError, match="comm='nccl'") as info:
-                nccl_comm.select_communicator("nccl", topo, TIMEOUT)
+                comm_select.select_communicator("nccl", topo, TIMEOUT)
             assert NCCL_REASON[:30] in str(info.value)
         else:  # explicit 'nccl' works with any backend (the store carries the unique id)
-            c = nccl_comm.select_communicator("nccl", topo, TIMEOUT, device="cuda:0")
+            c = comm_select.select_communicator("nccl", topo, TIMEOUT, device="cuda:0")
             assert isinstance(c, nccl_comm.NcclCommunicator)
             c.close()
             with pytest.raises(RuntimeError, match="cpu"):
-                nccl_comm.select_communicator("nccl", topo, TIMEOUT, device="cpu")
+                comm_select.select_communicator("nccl", topo, TIMEOUT, device="cpu")
 
 
 # ---- one GPU: raw communicator ------------------------------------------------------------------
@@ -322,7 +324,7 @@ def test_watchdog_aborts_past_the_deadline():
 def test_python_communicator_world_of_one():
     topo = make_topology("complete", 1, 1)
     with single_process_group("nccl"):
-        c = nccl_comm.select_communicator("auto", topo, TIMEOUT)
+        c = comm_select.select_communicator("auto", topo, TIMEOUT)
         assert isinstance(c, nccl_comm.NcclCommunicator), c.selection_reason
         assert plan_exchange(Group((0,), 1.0), 0).launch(c, 0, torch.ones(4, device="cuda"),
                                                          torch.ones(4, device="cuda")) is None
@@ -336,7 +338,7 @@ def test_python_communicator_world_of_one():
         with pytest.raises(PeerTimeoutError, match="bye"):
             c.check()
         c.close()
-        assert isinstance(nccl_comm.select_communicator("torch", topo, TIMEOUT), TorchCommunicator)
+        assert isinstance(comm_select.select_communicator("torch", topo, TIMEOUT), TorchCommunicator)
 
 
 @needs_nccl

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from ..comm import PeerTimeoutError, default_timeout, first_difference_across_ranks, group_ranks
+from ..comm import PeerTimeoutError, default_timeout, first_difference_across_ranks, group_ranks, or_world
 from .agreement import NO_FAILURE, Agreement
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import checkpointing, recomputing
@@ -159,7 +159,7 @@ class AsyncPipe(nn.Module):
             raise ValueError(f"checkpoint is not one of 'always', 'except_last', or 'never' (got {checkpoint!r})")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(repr(s) for s in SCHEDULES)}, got {schedule!r}")
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = or_world(group)
         self._ranks = group_ranks(self.group)
         self.balance = check_balance(len(layers), balance, len(self._ranks))
         check_no_shared_layers(layers, self.balance)

@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ..comm import or_world
 from .oss import OSS, comm_device
 
 __all__ = ["ShardedGradScaler"]
@@ -35,7 +36,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                          growth_interval=growth_interval, enabled=enabled)
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.process_group = or_world(process_group)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Unscale this rank's gradients, then agree on overflow with the whole group (a collective:

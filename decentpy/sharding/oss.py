@@ -28,7 +28,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from ..bucket import flatten_params
-from ..comm import first_difference_across_ranks, group_ranks, raise_if_any_rank_failed
+from ..comm import first_difference_across_ranks, group_ranks, or_world, raise_if_any_rank_failed
 from ..kernels import flat_alias
 from ..optim import fuse_torch_optimizer
 from .partition import MIN_SPLIT_NUMEL, Shard, owner_runs, partition_by_size
@@ -92,7 +92,7 @@ class OSS(Optimizer, Joinable):
         self._constructed = False
         Optimizer.__init__(self, params, defaults)  # validates: empty list, non-tensors, duplicates
         Joinable.__init__(self)
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = or_world(group)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._global_ranks = group_ranks(self.group)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..comm import first_difference_across_ranks, group_ranks, raise_if_any_rank_failed
+from ..comm import first_difference_across_ranks, group_ranks, or_world, raise_if_any_rank_failed
 from .grad_reducer import ShardedGradReducer
 from .oss import OSS, comm_device
 
@@ -53,7 +53,7 @@ class ShardedDataParallel(nn.Module, Joinable):
             raise RuntimeError("ShardedDataParallel needs torch.distributed: call init_process_group(...) first")
         self.module = module
         self._optims = list(sharded_optimizer) if isinstance(sharded_optimizer, (list, tuple)) else [sharded_optimizer]
-        self._process_group = process_group if process_group is not None else dist.group.WORLD
+        self._process_group = or_world(process_group)
         self._global_ranks = group_ranks(self._process_group)
         self._enable_broadcast_buffers = bool(broadcast_buffers)
         self._auto_refresh_trainable = bool(auto_refresh_trainable)

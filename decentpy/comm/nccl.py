@@ -1,6 +1,6 @@
 """Exchanges over decentpy's own NCCL communicator (``decentpy._C.NcclCommunicator``).
 
-The :class:`decentpy.exchange.Communicator` primitives, as :class:`decentpy.comm.TorchCommunicator`
+The :class:`decentpy.comm.Communicator` primitives, as :class:`decentpy.comm.TorchCommunicator`
 has them: ``send_recv`` is a grouped ``ncclSend``/``ncclRecv`` on one world communicator;
 ``all_reduce`` is in place on a sub-communicator made once, at construction, with ``ncclCommSplit``
 (collective: every rank splits for every group, in the same order). Each returns an exchange
@@ -16,7 +16,7 @@ which releases the GPU streams, and every later ``wait``/``launch`` raises
 ``DECENTPY_NCCL_BLOCKING_WAIT=1`` (or ``blocking_wait=True``) ``wait`` blocks the host instead,
 raising as soon as the timeout passes.
 
-:func:`select_communicator` implements ``comm='auto' | 'torch' | 'nccl'``.
+:func:`decentpy.comm.select_communicator` implements ``comm='auto' | 'torch' | 'nccl'``.
 """
 
 from __future__ import annotations
@@ -32,14 +32,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _C
-from .comm import CommGroup, PeerTimeoutError, TorchCommunicator
-from .exchange import communication_needs
-from .topology import Topology
+from .. import _C
+from ..exchange import communication_needs
+from ..topology import Topology
+from .groups import CommGroup
+from .waits import PeerTimeoutError
+
+__all__ = ["NcclCommunicator", "NcclExchange", "nccl_compiled", "nccl_available", "nccl_unavailable_reason",
+           "nccl_library_candidates", "DeviceLike"]
 
 logger = logging.getLogger(__name__)
 
-COMM_CHOICES = ("auto", "torch", "nccl")
 _UID_PREFIX = "decentpy/nccl_unique_id"
 # Communicators built so far per group (global ranks): the members of a group build the same ones in the
 # same order, so they agree on the store key without talking.
@@ -112,82 +115,6 @@ def nccl_unavailable_reason(device: DeviceLike = None) -> Optional[str]:
 def nccl_available(device: DeviceLike = None) -> bool:
     """Whether decentpy's NCCL communicator can be used (see :func:`nccl_unavailable_reason`)."""
     return nccl_unavailable_reason(device) is None
-
-
-def resolve_comm(comm: str, device: DeviceLike = None, group: Optional[CommGroup] = None) -> Tuple[str, str]:
-    """This rank's choice for ``comm`` ('auto' | 'torch' | 'nccl'): ``(kind, reason)`` with kind
-    'nccl' or 'torch'. Raises ``ValueError`` for another value and ``RuntimeError`` (with the
-    reason) when 'nccl' is asked for but unavailable. Local: see :func:`select_communicator` for
-    the decision every rank agrees on."""
-    if comm not in COMM_CHOICES:
-        raise ValueError(f"comm must be one of {', '.join(repr(c) for c in COMM_CHOICES)}, got {comm!r}")
-    if comm == "torch":
-        return "torch", "comm='torch' (torch.distributed)"
-    why = nccl_unavailable_reason(device)
-    if comm == "nccl":
-        if why is not None:
-            raise RuntimeError(f"comm='nccl': decentpy's NCCL communicator is not available: {why}")
-        return "nccl", "comm='nccl'"
-    pg = group.process_group if group is not None else None
-    backend = dist.get_backend(pg) if dist.is_initialized() else None
-    if backend != dist.Backend.NCCL:
-        return "torch", (f"comm='auto': the process group's backend is {backend!r}, not 'nccl'")
-    if why is not None:
-        return "torch", f"comm='auto': decentpy's NCCL communicator is not available: {why}"
-    return "nccl", "comm='auto': the process group's backend is 'nccl' and decentpy has NCCL support"
-
-
-def _agree(local_ok: bool, reason: str, group: CommGroup) -> List[Tuple[bool, str]]:
-    """Every rank's (ok, reason): the choice must be the same everywhere, or the exchanges hang."""
-    everyone: List[Optional[Tuple[bool, str]]] = [None] * group.size
-    dist.all_gather_object(everyone, (local_ok, reason), group=group.process_group)
-    return [e if e is not None else (False, "no answer") for e in everyone]
-
-
-def select_communicator(comm: str, topology: Topology, timeout: datetime.timedelta,
-                        device: DeviceLike = None, group: Optional[CommGroup] = None):
-    """The communicator for ``comm='auto' | 'torch' | 'nccl'`` (collective over ``group``, default:
-    the world; the topology numbers the ranks of that group).
-
-    * 'torch': :class:`~decentpy.comm.TorchCommunicator` (any backend).
-    * 'nccl': :class:`NcclCommunicator`; ``RuntimeError`` naming the reason (and the rank) when it
-      is unavailable on any rank.
-    * 'auto': NCCL when the default group's backend is NCCL, the extension has NCCL support, torch
-      has CUDA and ``device`` (the tensors' device, when given) is a CUDA device -- on every rank;
-      otherwise torch.distributed.
-
-    The returned communicator's ``selection_reason`` says why it was chosen.
-    """
-    if comm not in COMM_CHOICES:
-        raise ValueError(f"comm must be one of {', '.join(repr(c) for c in COMM_CHOICES)}, got {comm!r}")
-    if comm == "torch":
-        chosen = TorchCommunicator(topology, timeout, group=group)
-        chosen.selection_reason = "comm='torch' (torch.distributed)"  # type: ignore[attr-defined]
-        return chosen
-    group = group if group is not None else CommGroup()
-    try:
-        kind, reason = resolve_comm(comm, device, group)
-    except RuntimeError as exc:
-        kind, reason = "error", str(exc)
-    if comm == "nccl" or dist.get_backend(group.process_group) == dist.Backend.NCCL:
-        # Same choice on every rank (a build or library difference must not split the job).
-        everyone = _agree(kind == "nccl", reason, group)
-        bad = [(r, why) for r, (ok, why) in enumerate(everyone) if not ok]
-        if bad and kind == "nccl":
-            r, why = bad[0]
-            if comm == "nccl":
-                raise RuntimeError(f"comm='nccl': decentpy's NCCL communicator is not available on rank {r}: {why}")
-            kind, reason = "torch", f"comm='auto': NCCL is not available on rank {r}: {why}"
-        elif bad and comm == "nccl":
-            raise RuntimeError(reason)
-    if kind == "nccl":
-        chosen = NcclCommunicator(topology, timeout, device=device, group=group)
-    else:
-        chosen = TorchCommunicator(topology, timeout, group=group)
-    chosen.selection_reason = reason  # type: ignore[attr-defined]
-    logger.info("rank %d: decentpy exchanges over %s (%s)", dist.get_rank(),
-                "decentpy's NCCL communicator" if kind == "nccl" else "torch.distributed", reason)
-    return chosen
 
 
 def _timeout_ms(timeout: Union[datetime.timedelta, float, int]) -> int:

@@ -1,0 +1,29 @@
+"""Everything decentpy does to talk to other ranks, each once:
+
+* :mod:`.protocol` -- the :class:`Communicator` interface exchanges are built from, and :class:`Work`;
+* :mod:`.torch_comm` -- :class:`TorchCommunicator` over ``torch.distributed``;
+* :mod:`.nccl` -- :class:`NcclCommunicator` over decentpy's own NCCL communicator, and whether it
+  can run here;
+* :mod:`.select` -- ``comm='auto' | 'torch' | 'nccl'``: :func:`select_communicator`, the one call
+  that builds (or rebuilds, for a new set of members) a wrapper's communicator;
+* :mod:`.groups` -- process-group defaults (:func:`or_world`), group ranks, :class:`CommGroup` and
+  its private sub-groups;
+* :mod:`.agreement` -- cross-rank agreement: every rank learns of a difference or a failure before
+  a collective that would hang on it;
+* :mod:`.waits` -- bounded waits and :class:`PeerTimeoutError`.
+"""
+
+from .agreement import everyone, first_difference_across_ranks, raise_if_any_rank_failed
+from .groups import CommGroup, SubGroup, group_ranks, or_world
+from .nccl import (NcclCommunicator, NcclExchange, nccl_available, nccl_compiled, nccl_library_candidates,
+                   nccl_unavailable_reason)
+from .protocol import Communicator, Work
+from .select import COMM_CHOICES, check_comm, resolve_comm, select_communicator
+from .torch_comm import Exchange, TorchCommunicator
+from .waits import PeerTimeoutError, default_timeout, wait_bounded
+
+__all__ = ["Communicator", "Work", "TorchCommunicator", "Exchange", "NcclCommunicator", "NcclExchange",
+           "nccl_available", "nccl_compiled", "nccl_library_candidates", "nccl_unavailable_reason", "COMM_CHOICES",
+           "check_comm", "resolve_comm", "select_communicator", "CommGroup", "SubGroup", "group_ranks", "or_world",
+           "everyone", "first_difference_across_ranks", "raise_if_any_rank_failed", "PeerTimeoutError",
+           "default_timeout", "wait_bounded"]

@@ -1,0 +1,116 @@
+"""The exchange primitives over ``torch.distributed`` (the :class:`~decentpy.comm.Communicator`
+interface): a point-to-point exchange on one shared process group, and an in-place all-reduce on a
+sub-group created once, collectively, at construction. Which exchange a step uses is decided by
+:mod:`decentpy.exchange`. Every wait is bounded, and a timeout names the bucket and the peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import _C
+from ..exchange import communication_needs
+from ..topology import Topology
+from .groups import CommGroup, SubGroup
+from .waits import wait_bounded
+
+__all__ = ["Exchange", "TorchCommunicator"]
+
+logger = logging.getLogger(__name__)
+
+
+class Exchange:
+    """An in-flight exchange of one bucket: wait on it before reading or writing its buffers."""
+
+    def __init__(self, works: List[dist.Work], bucket: int, ranks: Tuple[int, ...], rank: int) -> None:
+        self._works = works
+        self.bucket = bucket
+        self.ranks = ranks
+        self.rank = rank
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        peers = [r for r in self.ranks if r != self.rank]
+        for work in self._works:
+            wait_bounded(work, timeout, f"rank {self.rank}: exchange of bucket {self.bucket} with peer(s) {peers}")
+        self._works = []
+
+
+class TorchCommunicator:
+    """Exchange primitives over ``torch.distributed`` (gloo on CPU, NCCL, MPI).
+
+    Ranks given to :meth:`send_recv` and :meth:`all_reduce` are ranks of ``group`` (the world by
+    default), as the topology numbers them.
+    """
+
+    def __init__(self, topology: Topology, timeout: datetime.timedelta, group: Optional[CommGroup] = None) -> None:
+        self.group = group if group is not None else CommGroup()
+        self.rank = self.group.rank
+        self.world_size = self.group.size
+        self.timeout = timeout
+        self._subgroups: Dict[Tuple[int, ...], Optional[SubGroup]] = {}
+        # Sub-group creation is collective over the group: every rank creates every group, in the
+        # same (schedule) order. decentpy's traffic never uses the group itself, so it cannot
+        # interleave with the user's collectives (torch DDP beside it, Join's all-reduces).
+        p2p, collective = communication_needs(topology)
+        pg_timeout = max(timeout, datetime.timedelta(seconds=1))
+        self._p2p_group: Optional[SubGroup] = None
+        if p2p:
+            self._p2p_group = self.group.new_subgroup(list(range(self.world_size)), pg_timeout)
+        for ranks in collective:
+            self._subgroups[ranks] = self.group.new_subgroup(ranks, pg_timeout)
+        logger.debug("rank %d: %d sub-groups", self.rank, len(self._subgroups))
+
+    def close(self) -> None:
+        """Destroy the sub-groups this communicator created (the default group stays)."""
+        groups = [g for g in self._subgroups.values() if g is not None]
+        if self._p2p_group is not None:
+            groups.append(self._p2p_group)
+        self._subgroups, self._p2p_group = {}, None
+        for g in groups:
+            g.destroy()
+
+    def send_recv(self, bucket: int, peer: int, send: Tensor, recv: Tensor) -> Exchange:
+        """``send`` goes to ``peer``; the peer's counterpart lands in ``recv``."""
+        assert self._p2p_group is not None, "internal error: the topology has no pair exchange"
+        to = self.group.to_global(peer)
+        with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
+            works = self._p2p_group.send_recv(send, recv, to, bucket)
+        me = dist.get_rank()
+        return Exchange(works, bucket, tuple(sorted((me, to))), me)
+
+    def all_reduce(self, bucket: int, ranks: Tuple[int, ...], buffer: Tensor) -> Exchange:
+        """``buffer`` summed in place over ``ranks``."""
+        sub = self._subgroups[ranks]
+        assert sub is not None, f"internal error: rank {self.rank} is not in group {ranks}"
+        with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
+            work = sub.all_reduce(buffer)
+        return Exchange([work], bucket, sub.global_ranks, dist.get_rank())
+
+
+@contextlib.contextmanager
+def _untraced_work(label: str) -> Iterator[None]:
+    """Launch collectives whose ``Work`` carries no profiler RecordFunction.
+
+    A c10d ``Work`` created while the torch profiler is active starts an asynchronous
+    RecordFunction and ends it when the work finishes or is waited on. decentpy waits on an exchange
+    one iteration later, possibly after the profiler stopped and freed its event storage; ending
+    the RecordFunction then writes into freed memory (a crash at exit: ``free(): invalid next
+    size`` or SIGSEGV). So the works are created with RecordFunction disabled on this thread
+    (thread-local, restored at once), and the launch itself is recorded synchronously as
+    ``label`` so profiles still show it.
+    """
+    traced = torch.autograd._profiler_enabled()
+    with torch.autograd.profiler.record_function(label) if traced else contextlib.nullcontext():
+        before = _C.record_function_enabled()
+        _C.set_record_function_enabled(False)
+        try:
+            yield
+        finally:
+            _C.set_record_function_enabled(before)
