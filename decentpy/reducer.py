@@ -33,8 +33,8 @@ from .intra_node import IntraNode
 from .exchange import Communicator, ExchangeSchedule
 from .grad_scaling import UNSCALED
 from .optim import fuse_torch_optimizer
-from .topo import Edge
 from .topology import Group, Topology
+from .topology_edges import Edge
 
 logger = logging.getLogger(__name__)
 

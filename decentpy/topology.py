@@ -17,8 +17,9 @@ import difflib
 import logging
 import math
 import operator
+import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -35,6 +36,8 @@ __all__ = [
     "register_topology",
     "available_topologies",
     "make_topology",
+    "topology_factories",
+    "unregister_topology",
     "node_topology",
     "shard_topology",
 ]
@@ -734,6 +737,8 @@ def _groups_from_matrix(matrix: Any, n: int, name: str, step: int) -> List[Group
 TopologyFactory = Callable[[int, int], Topology]
 
 _REGISTRY: Dict[str, TopologyFactory] = {}
+# What topology_factories() hands out: a live view nobody can write through (one owner).
+_REGISTRY_VIEW: Mapping[str, TopologyFactory] = types.MappingProxyType(_REGISTRY)
 
 
 def register_topology(
@@ -774,9 +779,31 @@ def register_topology(
     return factory
 
 
+def unregister_topology(name: str) -> TopologyFactory:
+    """Remove ``name`` from the registry and return its factory (KeyError naming the registered)."""
+    try:
+        factory = _REGISTRY.pop(name)
+    except KeyError:
+        raise KeyError(
+            f"no topology named {name!r} is registered (registered: "
+            f"{_fmt_list(available_topologies())})"
+        ) from None
+    logger.debug("unregistered topology %r", name)
+    return factory
+
+
 def available_topologies() -> List[str]:
     """Registered topology names, sorted."""
     return sorted(_REGISTRY)
+
+
+def topology_factories() -> Mapping[str, TopologyFactory]:
+    """The registry itself, read-only and live: name -> ``factory(world_size, local_world_size)``.
+
+    For code that needs more than the names (decent-dp's ``TopologyReg.registry`` is built on
+    it); changes go through :func:`register_topology` and :func:`unregister_topology`.
+    """
+    return _REGISTRY_VIEW
 
 
 def make_topology(

@@ -599,3 +599,38 @@ def test_register_topology_bad_factory_result():
             topo.make_topology(name, 2, 1)
     finally:
         topo._REGISTRY.pop(name, None)
+
+
+def test_registry_is_one_read_only_mapping():
+    factories = topo.topology_factories()
+    assert sorted(factories) == topo.available_topologies()
+    assert factories["ring"] is topo.RingTopology
+    with pytest.raises(TypeError):
+        factories["x"] = topo.RingTopology  # type: ignore[index]
+    name = "test-unregister"
+    topo.register_topology(name, topo.CompleteTopology)
+    assert name in factories  # a live view
+    assert topo.unregister_topology(name) is topo.CompleteTopology
+    assert name not in factories
+    with pytest.raises(KeyError, match="test-unregister.*registered: .*ring"):
+        topo.unregister_topology(name)
+
+
+def test_topology_has_one_owner():
+    """Inside the package nothing imports decentpy.topo (decent-dp's module path) but __init__,
+    and no private name of the topology modules is imported elsewhere."""
+    import ast
+
+    pkg = pathlib.Path(topo.__file__).resolve().parent
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            mod = node.module or ""
+            names = [a.name for a in node.names]
+            if rel != "__init__.py":
+                assert mod not in ("topo", "decentpy.topo") and not (mod in ("", "decentpy") and "topo" in names), (
+                    f"{rel} imports decentpy.topo")
+            if mod.split(".")[-1] in ("topology", "topology_edges"):
+                assert not [n for n in names if n.startswith("_")], f"{rel} imports private names from {mod}"
