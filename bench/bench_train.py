@@ -159,11 +159,24 @@ class Config:
         return f"{self.model}/{self.workers}/{self.framework}/{self.topology}"
 
 
-def topology_valid(topo: str, n: int) -> bool:
+def _decent_dp_accepts(topo: str, n: int, local: int) -> bool:
+    """decent-dp 0.2.3's rules: even rings, powers of two (of nodes for alternating-exp-ring)."""
+    if topo == "ring":
+        return n % 2 == 0
+    size = n // local if topo == "alternating-exp-ring" else n
+    return topo == "complete" or size & (size - 1) == 0
+
+
+def topology_valid(topo: str, n: int, framework: str = "decentpy") -> bool:
+    """Whether ``framework`` runs ``topo`` on n workers: decentpy takes any n its topology module
+    accepts, decent-dp fewer (_decent_dp_accepts)."""
     from decentpy import make_topology
 
+    local = AER_LOCAL if topo == "alternating-exp-ring" else n
+    if framework == "decent-dp" and n > 1 and not _decent_dp_accepts(topo, n, local):
+        return False
     try:
-        make_topology(topo, n, AER_LOCAL if topo == "alternating-exp-ring" else n)
+        make_topology(topo, n, local)
         return True
     except ValueError:
         return False
@@ -176,7 +189,7 @@ def build_configs(workers: Sequence[int], models: Sequence[str], frameworks: Seq
         for model in models:
             for fw in frameworks:
                 if fw in ("decentpy", "decent-dp"):
-                    out += [Config(fw, t, n, model) for t in topologies if topology_valid(t, n)]
+                    out += [Config(fw, t, n, model) for t in topologies if topology_valid(t, n, fw)]
                 elif fw == "torch-ddp":
                     out.append(Config(fw, "allreduce", n, model))
                 elif fw == "local":

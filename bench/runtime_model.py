@@ -91,10 +91,11 @@ except an exposed piece e, the shape of DDP's backward above):
 
 Consensus: ``gap`` = 1 - |lambda_2| of the period-averaged mixing matrix, from
 ``decentpy.topology`` for n <= ``EXACT_GAP_MAX_N`` and from closed forms beyond (checked equal
-in the tests): complete 1, ring (1 - cos(2 pi / n)) / 2, one-peer-exp 1 / log2(n),
-alternating-exp-ring 1 / (2 log2 N) (on node-constant vectors the averaged matrix is
-3/4 I + 1/(4r) sum_t P_t over the hypercube matchings P_t, eigenvalues 1 - j/(2r); within-node
-disagreement is removed exactly every step). Iterations to cut the consensus distance 10x:
+in the tests): complete 1, ring (1 - cos(2 pi / n)) / 2 (n even), one-peer-exp 1 / log2(n)
+(n = 2^r), alternating-exp-ring 1 / (2 log2 N) (N = 2^r; on node-constant vectors the averaged
+matrix is 3/4 I + 1/(4r) sum_t P_t over the hypercube matchings P_t, eigenvalues 1 - j/(2r);
+within-node disagreement is removed exactly every step). Sizes without a closed form (odd rings,
+other n or N) are computed by ``decentpy.topology`` at any n. Iterations to cut the consensus distance 10x:
 ``ln(10) / -ln(1 - gap)`` (~ ln(10) / gap for small gaps; 1 when gap == 1).
 
 Topology schedules and their validity come from ``decentpy.topology`` (importing it loads the
@@ -376,7 +377,7 @@ def hsdp_iteration_time(n: int, local: int, wl: Workload, hw: Hardware) -> Tuple
 
 def sharded_topology_valid(name: str, nodes: int) -> bool:
     """Whether topology ``name`` can run over ``nodes`` nodes in sharded gossip (decentpy's rules
-    on the nodes: AER needs a power of two >= 2 nodes, whatever L)."""
+    on the nodes: AER needs >= 2 nodes, whatever L)."""
     if name == "alternating-exp-ring":
         return topology_valid(name, 2 * nodes, 2)
     return topology_valid(name, nodes, 1)
@@ -435,10 +436,23 @@ def iteration_times(
 # ----------------------------------------------------------------------------------------------
 
 
+def _has_closed_form(name: str, n: int, local: int) -> bool:
+    """Whether closed_form_gap knows the sizes: even rings, powers of two (of nodes for AER)."""
+    size = n // local if name == "alternating-exp-ring" else n
+    if n == 1 or name == "complete":
+        return True
+    if name == "ring":
+        return n % 2 == 0
+    return size & (size - 1) == 0
+
+
 def closed_form_gap(name: str, n: int, local: int) -> float:
-    """Spectral gap of the period-averaged mixing matrix, closed form."""
+    """Spectral gap of the period-averaged mixing matrix, closed form (see _has_closed_form)."""
     if not topology_valid(name, n, local):
         raise ValueError(f"topology {name!r} is not valid for n={n}, L={local}")
+    if not _has_closed_form(name, n, local):
+        raise ValueError(f"no closed form for {name!r} at n={n}, L={local} (only even rings and "
+                         f"powers of two); spectral_gap() computes it")
     if n == 1 or name == "complete":
         return 1.0
     if name == "ring":
@@ -452,8 +466,10 @@ def closed_form_gap(name: str, n: int, local: int) -> float:
 
 @lru_cache(maxsize=512)
 def spectral_gap(name: str, n: int, local: int) -> float:
-    """From decentpy's topology module for n <= EXACT_GAP_MAX_N, closed form beyond."""
-    if n <= EXACT_GAP_MAX_N and name != "complete" and topology_valid(name, n, local):
+    """From decentpy's topology module for n <= EXACT_GAP_MAX_N or without a closed form, closed
+    form beyond."""
+    exact = n <= EXACT_GAP_MAX_N or not _has_closed_form(name, n, local)
+    if exact and name != "complete" and topology_valid(name, n, local):
         # a fresh build: the cached one would keep its n x n mixing matrices alive
         return float(make_topology(name, n, local).spectral_gap())
     return closed_form_gap(name, n, local)

@@ -31,6 +31,7 @@ from .topology import (  # noqa: E402
     available_topologies,
     make_topology,
     register_topology,
+    spectral_gap,
 )
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "available_topologies",
     "make_topology",
     "register_topology",
+    "spectral_gap",
     "optim",
     "topo",
     "utils",

@@ -26,8 +26,8 @@ from .comm import check_comm, or_world, select_communicator
 from .grad_scaling import BucketGradScaling
 from .intra_node import IntraNode, check_intra_node
 from .reducer import GossipReducer, OptimFn, SchedulerFn, accumulating
-from .topo import hook_edges
 from .topology import Topology, make_topology, node_topology, shard_topology
+from .topology_edges import hook_edges
 
 logger = logging.getLogger(__name__)
 

@@ -34,8 +34,8 @@ from .comm import Communicator
 from .exchange import ExchangeSchedule
 from .grad_scaling import UNSCALED
 from .optim import fuse_torch_optimizer
-from .topo import Edge
 from .topology import Group, Topology
+from .topology_edges import Edge
 
 logger = logging.getLogger(__name__)
 

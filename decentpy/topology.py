@@ -9,6 +9,12 @@ This module is pure Python (torch is used only to build matrices). It creates no
 the communication layer builds one sub-group per entry of :meth:`Topology.unique_groups`, in that
 order, on every rank. Schedules are pure functions of ``(world_size, local_world_size)`` so all
 ranks compute identical ones without talking to each other.
+
+The built-ins take any world size where a generalisation exists (odd rings, exponential graphs
+and AER node counts that are not powers of two), since membership may change between runs; the
+rest fail with :class:`TopologyError` naming the sizes that work. This module owns the one
+registry of names (:func:`register_topology`, :func:`make_topology`, :func:`topology_factories`);
+decent-dp's edge view of it is :mod:`decentpy.topology_edges`.
 """
 
 from __future__ import annotations
@@ -17,8 +23,9 @@ import difflib
 import logging
 import math
 import operator
+import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -35,6 +42,9 @@ __all__ = [
     "register_topology",
     "available_topologies",
     "make_topology",
+    "topology_factories",
+    "unregister_topology",
+    "spectral_gap",
     "node_topology",
     "shard_topology",
 ]
@@ -69,22 +79,41 @@ def _as_int(value: Any, what: str) -> int:
         raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
-def _is_power_of_two(x: int) -> bool:
-    return x >= 1 and (x & (x - 1)) == 0
+def _exp_rounds(n: int) -> int:
+    """``ceil(log2 n)``: the rounds of distances ``1, 2, 4, ... < n`` (0 for n = 1)."""
+    return (n - 1).bit_length()
 
 
-def _log2(x: int) -> int:
-    return x.bit_length() - 1
+def _distance_matching(n: int, distance: int) -> List[Tuple[int, int]]:
+    """A largest set of disjoint pairs ``{j, (j + distance) mod n}``, sorted by their lower member.
+
+    The pairs at one distance form ``gcd(n, distance)`` cycles ``c, c + d, c + 2d, ...`` of
+    ``n / gcd`` members each; consecutive members pair up along a cycle, and the last member of an
+    odd cycle sits the round out. For ``n = 2^r`` and ``d = 2^t`` the cycles are even and this is
+    the hypercube pairing ``j <-> j XOR 2^t``.
+    """
+    cycles = math.gcd(n, distance)
+    length = n // cycles
+    pairs = []
+    for c in range(cycles):
+        members = [(c + i * distance) % n for i in range(length)]
+        pairs += [tuple(sorted(members[i:i + 2])) for i in range(0, length - 1, 2)]
+    return sorted(pairs)  # type: ignore[arg-type]
 
 
-def _nearest_powers_of_two(x: int) -> List[int]:
-    """The power(s) of two closest to ``x`` from below and above (for error messages)."""
-    if x < 1:
-        return [1]
-    lower = 1 << _log2(x)
-    if lower == x:
-        return [x]
-    return [lower, lower << 1]
+def _exp_matchings(n: int) -> List[List[Tuple[int, int]]]:
+    """Round ``t`` of ``ceil(log2 n)``: the pairs at distance ``2^t`` (see _distance_matching).
+
+    The union of the rounds is connected, so mixing along them reaches consensus (checked for
+    every n <= 300 and a few larger ones in tests/test_topology.py).
+    """
+    return [_distance_matching(n, 1 << t) for t in range(_exp_rounds(n))]
+
+
+def _singletons(n: int, pairs: Sequence[Tuple[int, ...]]) -> List[Group]:
+    """1-rank groups for the members of ``range(n)`` that no pair of the step covers."""
+    covered = {r for p in pairs for r in p}
+    return [Group((r,), 1.0) for r in range(n) if r not in covered]
 
 
 def _divisors(n: int) -> List[int]:
@@ -277,6 +306,7 @@ class Topology:
             self._owner.append(owner)  # type: ignore[arg-type]
         self._matrices: Dict[int, torch.Tensor] = {}
         self._gap: Optional[float] = None
+        self._period_gap: Optional[float] = None
         if logger.isEnabledFor(logging.DEBUG):  # describe() computes an eigendecomposition
             logger.debug("built topology %s", self.describe())
 
@@ -363,6 +393,13 @@ class Topology:
             acc += self.mixing_matrix(t)
         return acc / self.period
 
+    def period_mixing_matrix(self) -> torch.Tensor:
+        """``W(period-1) @ ... @ W(0)``: what one whole period does to the workers (float64)."""
+        acc = torch.eye(self._world_size, dtype=torch.float64)
+        for t in range(self.period):
+            acc = self.mixing_matrix(t) @ acc
+        return acc
+
     def spectral_gap(self) -> float:
         """``1 - |lambda_2|`` of the period-averaged mixing matrix; 1.0 when ``n == 1``.
 
@@ -371,23 +408,28 @@ class Topology:
         Larger means faster consensus; 0 means the averaged graph is disconnected.
         """
         if self._gap is None:
-            n = self._world_size
-            if n == 1:
-                self._gap = 1.0
-            else:
-                w_avg = self.average_mixing_matrix()
-                w_avg = 0.5 * (w_avg + w_avg.T)
-                eig = torch.linalg.eigvalsh(w_avg - 1.0 / n)
-                lam2 = float(eig.abs().max())
-                self._gap = min(1.0, max(0.0, 1.0 - lam2))
+            w_avg = self.average_mixing_matrix()
+            self._gap = _gap_of(0.5 * (w_avg + w_avg.T), symmetric=True)
         return self._gap
 
+    def period_spectral_gap(self) -> float:
+        """``1 - |lambda_2|`` of :meth:`period_mixing_matrix`; 1.0 when ``n == 1``.
+
+        Asymptotically, the disagreement ``x - mean(x)`` shrinks by ``1 - gap`` per period of
+        the actual (deterministic) schedule; 1.0 when one period gives the exact average
+        (``complete``, ``one-peer-exp`` at n = 2^r). The product of symmetric matrices is not
+        symmetric, so its eigenvalues may be complex; their moduli are used.
+        """
+        if self._period_gap is None:
+            self._period_gap = _gap_of(self.period_mixing_matrix(), symmetric=False)
+        return self._period_gap
+
     def describe(self) -> str:
-        """One line: name, n, L, nodes, period and spectral gap."""
+        """One line: name, n, L, nodes, period and the two spectral gaps."""
         return (
             f"{self.name}: n={self._world_size} L={self._local_world_size} "
             f"nodes={self.num_nodes} period={self.period} "
-            f"spectral_gap={self.spectral_gap():.4f}"
+            f"spectral_gap={self.spectral_gap():.4f} period_gap={self.period_spectral_gap():.4f}"
         )
 
     def __repr__(self) -> str:
@@ -401,6 +443,20 @@ class Topology:
     def _single_rank_schedule(self) -> List[List[Group]]:
         """World size 1: one step, rank 0 keeps itself (no communication)."""
         return [[Group((0,), 1.0)]]
+
+
+def _gap_of(w_mat: torch.Tensor, symmetric: bool) -> float:
+    """``1 - max |eig(W - 11^T / n)|`` of a doubly stochastic ``W``, clamped to [0, 1].
+
+    ``W`` maps the consensus direction to itself and its complement to itself, so removing
+    ``11^T / n`` leaves exactly the eigenvalues other than the consensus one.
+    """
+    n = w_mat.shape[0]
+    if n == 1:
+        return 1.0
+    centred = w_mat - 1.0 / n
+    eig = torch.linalg.eigvalsh(centred) if symmetric else torch.linalg.eigvals(centred)
+    return min(1.0, max(0.0, 1.0 - float(eig.abs().max())))
 
 
 def _sorted_groups(groups: List[Group]) -> List[Group]:
@@ -424,7 +480,13 @@ class CompleteTopology(Topology):
 
 
 class RingTopology(Topology):
-    """Period 2: pairs ``{2k, 2k+1}``, then ``{2k+1, (2k+2) mod n}``; ``w = 1/2``. Needs even n."""
+    """Pairs of ring neighbours, ``w = 1/2``: every ring edge is averaged once per period.
+
+    Even n (period 2): ``{2k, 2k+1}``, then ``{2k+1, (2k+2) mod n}``. An odd ring has no perfect
+    matching (its edges need three colours), so odd n >= 3 has period 3: step ``s`` pairs
+    ``{s+2k, s+2k+1} mod n`` for ``k < (n-1)/2`` and rank ``s-1 mod n`` keeps itself; steps 0 and 1
+    are the even rule's, step 2 adds the edge ``{n-1, 0}``.
+    """
 
     name = "ring"
 
@@ -432,21 +494,21 @@ class RingTopology(Topology):
         n = self.world_size
         if n == 1:
             return self._single_rank_schedule()
-        if n % 2 != 0:
-            raise TopologyError(
-                f"topology 'ring' needs an even world size (it alternates the pairings "
-                f"{{2k, 2k+1}} and {{2k+1, (2k+2) mod n}}), got world_size={n}; nearest valid "
-                f"world sizes: {n - 1} or {n + 1}"
-            )
-        step0 = [Group((2 * k, 2 * k + 1), 0.5) for k in range(n // 2)]
-        step1 = [Group((2 * k + 1, (2 * k + 2) % n), 0.5) for k in range(n // 2)]
-        return [_sorted_groups(step0), _sorted_groups(step1)]
+        schedule: List[List[Group]] = []
+        for s in range(2 if n % 2 == 0 else 3):
+            pairs = [((s + 2 * k) % n, (s + 2 * k + 1) % n) for k in range(n // 2)]
+            groups = [Group(p, 0.5) for p in pairs] + _singletons(n, pairs)
+            schedule.append(_sorted_groups(groups))
+        return schedule
 
 
 class OnePeerExpTopology(Topology):
-    """Hypercube: ``n = 2^r``, period ``r``; in round t rank j pairs with ``j XOR 2^t``.
+    """One peer per step at distance ``2^t``, ``w = 1/2``; period ``ceil(log2 n)``.
 
-    One period multiplies to the exact average, in ``log2(n)`` pairwise exchanges.
+    Round t pairs ``j`` with ``j + 2^t mod n`` (largest set of such disjoint pairs; a rank left
+    without a partner keeps itself). For ``n = 2^r`` this is the hypercube ``j <-> j XOR 2^t``
+    and one period multiplies to the exact average; for other n the rounds still connect every
+    rank, so the gossip reaches consensus (at the rate :meth:`Topology.spectral_gap` reports).
     """
 
     name = "one-peer-exp"
@@ -455,28 +517,21 @@ class OnePeerExpTopology(Topology):
         n = self.world_size
         if n == 1:
             return self._single_rank_schedule()
-        if not _is_power_of_two(n):
-            raise TopologyError(
-                f"topology 'one-peer-exp' needs the world size to be a power of two "
-                f"(n = 2^r, peers j XOR 2^t), got world_size={n}; nearest valid world sizes: "
-                f"{' or '.join(str(p) for p in _nearest_powers_of_two(n))}"
-            )
-        schedule: List[List[Group]] = []
-        for t in range(_log2(n)):
-            bit = 1 << t
-            schedule.append([Group((j, j ^ bit), 0.5) for j in range(n) if not j & bit])
-        return schedule
+        return [_sorted_groups([Group(p, 0.5) for p in pairs] + _singletons(n, pairs))
+                for pairs in _exp_matchings(n)]
 
 
 class AlternatingExpRingTopology(Topology):
-    """Alternating exponential ring (AER) for ``N = 2^r`` nodes of ``L >= 2`` workers.
+    """Alternating exponential ring (AER) for ``N >= 2`` nodes of ``L >= 2`` workers.
 
-    Period ``2r``. In round t, nodes are paired ``(j, j + 2^t mod N)`` greedily. Each round has
-    two steps: in the first, the node pairs with an even running pair counter average across
-    the pair (one group of the ``2L`` ranks, ``w = 1/(2L)``) while the others average inside
-    their node (``w = 1/L``); in the second step the halves swap. Every node thus talks across
-    nodes once in every round (every other step on average) and inside its node otherwise,
-    keeping the slow inter-node link busy only half the time per node.
+    Period ``2 ceil(log2 N)``. Round t pairs nodes ``(j, j + 2^t mod N)`` as one-peer-exp pairs
+    ranks. Each round has two steps: in the first, the node pairs with an even running pair
+    counter average across the pair (one group of the ``2L`` ranks, ``w = 1/(2L)``) while the
+    others average inside their node (``w = 1/L``); in the second step the halves swap. Every
+    paired node thus talks across nodes once in every round (every other step on average) and
+    inside its node otherwise, keeping the slow inter-node link busy only half the time per node.
+    When N is not a power of two a node left without a partner in a round averages inside its
+    node for both of the round's steps.
     """
 
     name = "alternating-exp-ring"
@@ -487,21 +542,23 @@ class AlternatingExpRingTopology(Topology):
         if n == 1:
             return self._single_rank_schedule()
         if local < 2:
+            locals_ok = [d for d in _divisors(n) if 2 <= d <= n // 2]
+            fits = (f"local world sizes that work for world_size={n}: {_fmt_list(locals_ok)}"
+                    if locals_ok else f"no local world size works for world_size={n} (valid world "
+                    f"sizes are n = k * L with k >= 2 nodes of L >= 2 workers: 4, 6, 8, 9, 10, ...)")
             raise TopologyError(
                 f"topology 'alternating-exp-ring' needs at least 2 workers per node "
-                f"(local_world_size >= 2), got world_size={n}, local_world_size={local}; use "
-                f"'one-peer-exp' or 'ring' when each node has one worker, or set "
+                f"(local_world_size >= 2), got world_size={n}, local_world_size={local}; {fits}; "
+                f"use 'one-peer-exp' or 'ring' when each node has one worker, or set "
                 f"LOCAL_WORLD_SIZE to the number of workers per node"
             )
         nodes = n // local
-        if nodes < 2 or not _is_power_of_two(nodes):
-            valid = [local * (1 << k) for k in range(1, max(4, _log2(max(nodes, 1)) + 3))]
-            hint = " (on a single node use 'complete')" if nodes == 1 else ""
+        if nodes < 2:
             raise TopologyError(
-                f"topology 'alternating-exp-ring' needs the number of nodes N = world_size / "
-                f"local_world_size to be a power of two >= 2, got world_size={n}, "
-                f"local_world_size={local} (N={nodes}){hint}; valid world sizes for "
-                f"local_world_size={local}: {_fmt_list(valid)}, ... (2L, 4L, 8L, ...)"
+                f"topology 'alternating-exp-ring' needs at least 2 nodes N = world_size / "
+                f"local_world_size, got world_size={n}, local_world_size={local} (N={nodes}; on "
+                f"a single node use 'complete'); valid world sizes for local_world_size={local}: "
+                f"{_fmt_list([local * k for k in range(2, 5)])}, ... (any multiple kL, k >= 2)"
             )
 
         def node_ranks(j: int) -> Tuple[int, ...]:
@@ -509,27 +566,19 @@ class AlternatingExpRingTopology(Topology):
 
         schedule: List[List[Group]] = []
         counter = 0  # running pair counter over the whole schedule
-        for t in range(_log2(nodes)):
-            used = [False] * nodes
-            pairs: List[Tuple[int, int, int]] = []  # (node a, node b, counter)
-            for j in range(nodes):
-                if used[j]:
-                    continue
-                k = (j + (1 << t)) % nodes
-                if used[k] or k == j:  # cannot happen for N = 2^r; guard the invariant
-                    raise AssertionError(f"AER pairing failed at round {t}, node {j}")
-                used[j] = used[k] = True
-                pairs.append((j, k, counter))
-                counter += 1
+        for pairs in _exp_matchings(nodes):
+            paired = {j for pair in pairs for j in pair}
+            alone = [Group(node_ranks(j), 1.0 / local) for j in range(nodes) if j not in paired]
             for phase in (0, 1):
-                step: List[Group] = []
-                for a, b, c in pairs:
+                step: List[Group] = list(alone)
+                for c, (a, b) in enumerate(pairs, start=counter):
                     if c % 2 == phase:
                         step.append(Group(node_ranks(a) + node_ranks(b), 1.0 / (2 * local)))
                     else:
                         step.append(Group(node_ranks(a), 1.0 / local))
                         step.append(Group(node_ranks(b), 1.0 / local))
                 schedule.append(_sorted_groups(step))
+            counter += len(pairs)
         return schedule
 
 
@@ -734,6 +783,8 @@ def _groups_from_matrix(matrix: Any, n: int, name: str, step: int) -> List[Group
 TopologyFactory = Callable[[int, int], Topology]
 
 _REGISTRY: Dict[str, TopologyFactory] = {}
+# What topology_factories() hands out: a live view nobody can write through (one owner).
+_REGISTRY_VIEW: Mapping[str, TopologyFactory] = types.MappingProxyType(_REGISTRY)
 
 
 def register_topology(
@@ -774,9 +825,31 @@ def register_topology(
     return factory
 
 
+def unregister_topology(name: str) -> TopologyFactory:
+    """Remove ``name`` from the registry and return its factory (KeyError naming the registered)."""
+    try:
+        factory = _REGISTRY.pop(name)
+    except KeyError:
+        raise KeyError(
+            f"no topology named {name!r} is registered (registered: "
+            f"{_fmt_list(available_topologies())})"
+        ) from None
+    logger.debug("unregistered topology %r", name)
+    return factory
+
+
 def available_topologies() -> List[str]:
     """Registered topology names, sorted."""
     return sorted(_REGISTRY)
+
+
+def topology_factories() -> Mapping[str, TopologyFactory]:
+    """The registry itself, read-only and live: name -> ``factory(world_size, local_world_size)``.
+
+    For code that needs more than the names (decent-dp's ``TopologyReg.registry`` is built on
+    it); changes go through :func:`register_topology` and :func:`unregister_topology`.
+    """
+    return _REGISTRY_VIEW
 
 
 def make_topology(
@@ -822,6 +895,43 @@ def make_topology(
     return result
 
 
+_GAP_KINDS = ("average", "period")
+
+
+def spectral_gap(
+    topology: Union[str, Topology],
+    world_size: Optional[int] = None,
+    local_world_size: Optional[int] = None,
+    kind: str = "average",
+) -> float:
+    """``1 - |lambda_2|`` of a topology's mixing: how fast its gossip reaches consensus.
+
+    ``topology`` is a registered name (then ``world_size`` is required; ``local_world_size``
+    defaults to 1) or an instance (sizes optional, checked when given).
+
+    ``kind='average'`` (the default, the README's figures) uses the period-averaged matrix
+    ``mean_t W(t)``: it is symmetric, so the gap is real and well defined, it is a per-step rate
+    that compares topologies of different periods, and it is what custom topologies have always
+    reported. ``kind='period'`` uses the product of one period, ``W(p-1) ... W(0)``: asymptotically
+    the factor ``1 - gap`` by which the actual schedule shrinks the disagreement per period (1.0
+    when a period is an exact average). With self weights in (0, 1) (every built-in: w = 1/|R|)
+    both are > 0 exactly when the union of a period's groups connects every rank.
+    """
+    if kind not in _GAP_KINDS:
+        raise ValueError(f"kind must be one of {_fmt_list(_GAP_KINDS)}, got {kind!r}")
+    if isinstance(topology, Topology):
+        topo = make_topology(topology, topology.world_size if world_size is None else world_size,
+                             topology.local_world_size if local_world_size is None else local_world_size)
+    elif world_size is None:
+        raise TypeError(
+            f"spectral_gap({topology!r}) needs world_size= to build the topology "
+            f"(a name is a schedule for any world size)"
+        )
+    else:
+        topo = make_topology(topology, world_size, 1 if local_world_size is None else local_world_size)
+    return topo.spectral_gap() if kind == "average" else topo.period_spectral_gap()
+
+
 def node_topology(topology: Union[str, Topology], nodes: int) -> Topology:
     """The topology over ``nodes`` nodes for ``intra_node='shard'`` / ``'allreduce'``, where each node
     acts as one worker: a registered name built with ``n = nodes`` (``alternating-exp-ring``: its
@@ -830,10 +940,10 @@ def node_topology(topology: Union[str, Topology], nodes: int) -> Topology:
     alone), or an instance built for ``world_size=nodes, local_world_size=1``."""
     nodes = _as_int(nodes, "nodes")
     if isinstance(topology, str) and topology == AlternatingExpRingTopology.name:
-        if nodes < 2 or not _is_power_of_two(nodes):
+        if nodes < 2:
             raise TopologyError(
-                f"topology 'alternating-exp-ring' over nodes needs a power-of-two number of nodes >= 2, got "
-                f"{nodes} node(s); valid: 2, 4, 8, ... (on a single node use 'complete')")
+                f"topology 'alternating-exp-ring' over nodes needs at least 2 nodes, got {nodes} node(s); "
+                f"valid: 2, 3, 4, ... nodes (on a single node use 'complete')")
         full = AlternatingExpRingTopology(2 * nodes, 2)
 
         def node_groups(step: int) -> List[Tuple[Tuple[int, ...], float]]:

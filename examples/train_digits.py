@@ -114,7 +114,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         type=int,
         default=2,
         help="workers per node as seen by the topology (torchrun --standalone would say all of them; "
-        "alternating-exp-ring needs >= 2 per node and a power-of-two number of nodes)",
+        "alternating-exp-ring needs >= 2 per node and >= 2 nodes)",
     )
     p.add_argument("--backend", default=None,
                    help="process-group backend (default: nccl when GPUs are visible, else gloo)")

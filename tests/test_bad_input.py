@@ -21,8 +21,6 @@ def construct_worker(rank: int, world: int, case: str) -> str:
     optim_fn = decentpy_optim_fn("adam")
     if case == "unknown_topology":
         kwargs["topology"] = "torus"
-    elif case == "ring_odd":
-        kwargs["topology"] = "ring"
     elif case == "aer_one_node":
         kwargs.update(topology="alternating-exp-ring", local_world_size=world)
     elif case == "lws_not_dividing":
@@ -57,7 +55,6 @@ def construct_worker(rank: int, world: int, case: str) -> str:
 
 CASES = {
     "unknown_topology": (4, ["torus", "complete", "ring", "one-peer-exp", "alternating-exp-ring"]),
-    "ring_odd": (3, ["ring", "even", "3"]),
     "aer_one_node": (4, ["alternating-exp-ring", "local_world_size"]),
     "lws_not_dividing": (3, ["local_world_size", "2", "3"]),
     "model_differs": (2, ["rank 1", "differs"]),

@@ -1,4 +1,5 @@
-"""Every topology x every fused optimizer, on 4 and 8 gloo workers, against the float64 reference.
+"""Every topology x every fused optimizer, on 4 and 8 gloo workers, against the float64 reference;
+and the topologies at worker counts that are not powers of two (3 and 6 workers).
 
 One process group per world size runs every combination (spawning is the slow part); each
 combination is then checked as its own test case against ``reference.simulate``.
@@ -20,13 +21,18 @@ TOPOLOGIES = ["complete", "ring", "one-peer-exp", "alternating-exp-ring"]
 LOCAL_WORLD_SIZE = 2  # alternating-exp-ring needs >= 2 workers per node
 # Combinations run on 8 workers: where the schedule differs from 4 (longer periods, 4 nodes).
 COMBOS_8 = [(t, o) for t in TOPOLOGIES for o in ("sgd", "accum_adam")] + [("one-peer-exp", "adamw")]
+# Any n: an odd ring (period 3, one rank alone per step), one-peer-exp with ranks left alone in
+# some rounds, and alternating-exp-ring over 3 nodes of 2 (one node inside itself per round).
+COMBOS_ANY_N = {(3, 1): [("ring", "adam"), ("one-peer-exp", "sgd"), ("complete", "accum_adamw")],
+                (6, 2): [("alternating-exp-ring", "accum_adam"), ("one-peer-exp", "adamw")]}
 
 
 def _combos_4() -> List[Tuple[str, str]]:
     return [(t, o) for t in TOPOLOGIES for o in FUSED] + [("ring", "rmsprop"), ("alternating-exp-ring", "rmsprop")]
 
 
-def train_all(rank: int, world: int, combos: List[Tuple[str, str]]) -> Dict[str, Dict[str, torch.Tensor]]:
+def train_all(rank: int, world: int, combos: List[Tuple[str, str]],
+              local: int = LOCAL_WORLD_SIZE) -> Dict[str, Dict[str, torch.Tensor]]:
     from decentpy import DecentralizedDataParallel
 
     out = {}
@@ -35,7 +41,7 @@ def train_all(rank: int, world: int, combos: List[Tuple[str, str]]) -> Dict[str,
         # Alternate one bucket and one bucket per tensor (several exchanges in flight).
         cap = 25 if ci % 2 == 0 else 0.0002
         ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology=topo,
-                                        local_world_size=LOCAL_WORLD_SIZE, bucket_size_in_mb=cap)
+                                        local_world_size=local, bucket_size_in_mb=cap)
         for k in range(STEPS):
             x, y = batch(rank, k)
             loss_fn(ddp(x), y).backward()
@@ -54,10 +60,16 @@ def results_8() -> List[Dict[str, Dict[str, torch.Tensor]]]:
     return run_workers(train_all, 8, COMBOS_8, timeout=400)
 
 
-def _reference(n: int, topo: str, opt: str) -> List[Dict[str, torch.Tensor]]:
+@pytest.fixture(scope="module", params=sorted(COMBOS_ANY_N), ids=lambda nl: f"n{nl[0]}-L{nl[1]}")
+def results_any_n(request: pytest.FixtureRequest) -> Tuple[int, int, List[Dict[str, Dict[str, torch.Tensor]]]]:
+    n, local = request.param
+    return n, local, run_workers(train_all, n, COMBOS_ANY_N[(n, local)], local, timeout=400)
+
+
+def _reference(n: int, topo: str, opt: str, local: int = LOCAL_WORLD_SIZE) -> List[Dict[str, torch.Tensor]]:
     from decentpy.topology import make_topology
 
-    t = make_topology(topo, n, LOCAL_WORLD_SIZE)
+    t = make_topology(topo, n, local)
     return simulate(n, t.mixing_matrix, opt, STEPS)
 
 
@@ -71,6 +83,14 @@ def test_matches_reference_4_workers(results_4, topo: str, opt: str) -> None:
 def test_matches_reference_8_workers(results_8, topo: str, opt: str) -> None:
     got = [r[f"{topo}/{opt}"] for r in results_8]
     assert_close_params(got, _reference(8, topo, opt), rtol=2e-5, atol=2e-5, what=f"{topo}/{opt} n=8")
+
+
+def test_matches_reference_any_world_size(results_any_n) -> None:
+    n, local, results = results_any_n
+    for topo, opt in COMBOS_ANY_N[(n, local)]:
+        got = [r[f"{topo}/{opt}"] for r in results]
+        assert_close_params(got, _reference(n, topo, opt, local), rtol=2e-5, atol=2e-5,
+                            what=f"{topo}/{opt} n={n} L={local}")
 
 
 def test_workers_differ_after_training(results_4) -> None:

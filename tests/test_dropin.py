@@ -284,6 +284,41 @@ def test_builtin_names_match_decent_dp_definitions() -> None:
     assert {"complete", "ring", "one-peer-exp", "alternating-exp-ring"} <= set(TopologyReg.registry)
 
 
+def test_topology_registry_reads_and_iterates_like_decent_dps_dict(fresh_name) -> None:
+    """decent-dp's ``TopologyReg.registry`` is a dict (name -> class) scripts read and iterate; here
+    it is a view of decentpy's one registry that reads the same way."""
+    from collections.abc import Mapping
+
+    import decentpy
+    import decentpy.topo as topo_mod
+    from decentpy.topo import Edge, Topology, TopologyReg
+
+    reg = TopologyReg.registry
+    assert isinstance(reg, Mapping)
+    native = fresh_name()  # registered through decentpy's own API: listed too
+    decentpy.register_topology(native, lambda n, L: decentpy.CustomTopology.from_groups(
+        lambda s: [(tuple(range(n)), 1 / n)], 1, n, L, name=native))
+    snapshot = dict(reg)
+    assert list(snapshot) == list(reg.keys()) == decentpy.available_topologies() and len(reg) == len(snapshot)
+    for name, cls in reg.items():
+        assert isinstance(cls, type) and issubclass(cls, Topology), name
+        assert reg[name] is cls and reg.get(name) is cls and name in reg
+    assert "no-such-topology" not in reg and reg.get("no-such-topology") is None
+    with pytest.raises(KeyError):
+        reg["no-such-topology"]
+    assert [(e.ranks, e.weight) for e in reg[native](1, world_size=3).edges[0]] == [([0, 1, 2], 1 / 3)]
+    assert isinstance(reg[native](1, world_size=3).edges[0][0], Edge)
+    builtins = {"complete": "CompleteTopology", "ring": "RingTopology", "one-peer-exp": "OnePeerExpTopology",
+                "alternating-exp-ring": "AlternatingExpRingTopology"}
+    for name, cls_name in builtins.items():  # decent-dp's class names, the same objects as the module's
+        assert reg[name].__name__ == cls_name and reg[name] is getattr(topo_mod, cls_name)
+    if HAVE_DECENT_DP:
+        from decent_dp.topo import TopologyReg as Reference
+
+        for name, cls in Reference.registry.items():
+            assert reg[name].__name__ == cls.__name__
+
+
 def test_topology_needs_a_world_size() -> None:
     import torch.distributed as dist
 

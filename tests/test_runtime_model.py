@@ -176,6 +176,15 @@ def test_gap_beyond_exact_range_uses_closed_form():
     assert rm.spectral_gap("ring", 1024, 8) == pytest.approx((1 - math.cos(2 * math.pi / 1024)) / 2)
 
 
+def test_gap_without_closed_form_is_computed():
+    # odd rings and non-powers of two are valid topologies now; no closed form, the module's value
+    for name, n, local in (("ring", 7, 1), ("one-peer-exp", 6, 1), ("alternating-exp-ring", 6, 2)):
+        exact = topology.make_topology(name, n, local).spectral_gap()
+        assert rm.spectral_gap(name, n, local) == pytest.approx(exact, abs=1e-12)
+        with pytest.raises(ValueError, match="no closed form"):
+            rm.closed_form_gap(name, n, local)
+
+
 def test_iterations_to_10x():
     assert rm.iterations_to_10x(1.0) == 1.0
     assert rm.iterations_to_10x(0.0) == math.inf
@@ -424,16 +433,19 @@ def test_hybrid_modes_with_infinite_bandwidth_are_compute_plus_sharded_step():
 
 
 def test_sharded_topology_validity():
-    # the topology runs over the nodes: AER needs a power of two >= 2 nodes, whatever L
+    # the topology runs over the nodes: AER needs >= 2 nodes, whatever L; any node count otherwise
+    # (6 nodes of AER, 3 of one-peer-exp or ring used to be refused: the topologies take any n now)
     assert rm.sharded_topology_valid("alternating-exp-ring", 2)
     assert rm.sharded_topology_valid("alternating-exp-ring", 512)
     assert not rm.sharded_topology_valid("alternating-exp-ring", 1)
-    assert not rm.sharded_topology_valid("alternating-exp-ring", 6)
-    assert not rm.sharded_topology_valid("one-peer-exp", 3)
-    assert not rm.sharded_topology_valid("ring", 3)
+    assert rm.sharded_topology_valid("alternating-exp-ring", 6)
+    assert rm.sharded_topology_valid("one-peer-exp", 3)
+    assert rm.sharded_topology_valid("ring", 3)
     assert rm.sharded_topology_valid("complete", 3)
+    t, comm = rm.sharded_gossip_iteration_time("ring", 24, 8, WL, HW)  # 3 nodes
+    assert t > comm > 0.0
     with pytest.raises(ValueError):
-        rm.sharded_gossip_iteration_time("ring", 24, 8, WL, HW)
+        rm.sharded_gossip_iteration_time("alternating-exp-ring", 8, 8, WL, HW)  # one node
     with pytest.raises(ValueError):
         rm.hsdp_iteration_time(12, 8, WL, HW)
 
@@ -470,7 +482,8 @@ def test_load_and_predict_sharded_rows(tmp_path):
         "ddp,,4,mlp,0.05,12000000,0.02,12000000,2\n"
         "ddp-zero,,4,mlp,0.05,12000000,0.02,12000000,2\n"  # not modelled: skipped
         "hsdp,,4,mlp,0.05,12000000,0.02,12000000,2\n"
-        "decentpy-shard,ring,6,mlp,0.05,6000000,0.02,12000000,2\n"  # ring over 3 nodes: skipped
+        "decentpy-shard,ring,6,mlp,0.05,6000000,0.02,12000000,2\n"  # ring over 3 nodes (refused before)
+        "decentpy-shard,alternating-exp-ring,2,mlp,0.05,6000000,0.02,12000000,2\n"  # AER over 1 node: skipped
     )
     ms = fit.load_measurements(path)
     assert [(m.framework, m.kind, m.topology, m.local) for m in ms] == [
@@ -479,6 +492,7 @@ def test_load_and_predict_sharded_rows(tmp_path):
         ("decentpy", "gossip", "alternating-exp-ring", 2),
         ("ddp", "allreduce", "allreduce", 2),
         ("hsdp", "hsdp", "hsdp", 2),
+        ("decentpy-shard", "shard", "ring", 2),
     ]
     assert all(m.model_bytes == 12e6 for m in ms)  # the full model, not the shard
     hw = rm.Hardware(intra_bw=2 * GB, inter_bw=2 * GB, intra_lat=80e-6, inter_lat=80e-6,

@@ -335,24 +335,145 @@ def test_group_of_and_steps():
 
 
 # ------------------------------------------------------------------------------------------
+# any number of workers
+# ------------------------------------------------------------------------------------------
+
+
+def _consensus_periods(t, periods: int = 400) -> float:
+    """Mix random vectors for ``periods`` periods; return the remaining disagreement (relative)."""
+    n = t.world_size
+    x = torch.randn(n, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    mean = x.mean(dim=0)
+    start = float((x - mean).norm())
+    for _ in range(periods):
+        for step in range(t.period):
+            x = t.mixing_matrix(step) @ x
+    torch.testing.assert_close(x.mean(dim=0), mean, rtol=0, atol=1e-12)  # the mean never moves
+    return float((x - mean).norm()) / max(start, 1e-300)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("n", range(1, 10))
+def test_every_builtin_any_world_size_reaches_consensus_or_names_valid_sizes(name, n):
+    for L in (1, 2, 3):
+        if n % L:
+            continue
+        try:
+            t = topo.make_topology(name, n, L)
+        except TopologyError as e:
+            msg = str(e)
+            assert name == "alternating-exp-ring", (name, n, L, msg)  # the others take any n
+            assert "valid" in msg or "work" in msg, msg
+            assert f"world_size={n}" in msg and f"local_world_size={L}" in msg, msg
+            continue
+        topo.validate_schedule(t.schedule, n, name)
+        for step in range(t.period):
+            W = t.mixing_matrix(step)
+            torch.testing.assert_close(W, W.T, rtol=0, atol=0)
+            ones = torch.ones(n, dtype=torch.float64)
+            torch.testing.assert_close(W.sum(dim=0), ones, rtol=0, atol=1e-12)
+            torch.testing.assert_close(W.sum(dim=1), ones, rtol=0, atol=1e-12)
+            assert bool((W >= 0).all())
+        assert t.spectral_gap() > 0.0 and t.period_spectral_gap() > 0.0, t.describe()
+        assert _consensus_periods(t) < 1e-9, t.describe()
+
+
+@pytest.mark.parametrize("n", list(range(2, 301)) + [1000, 1023, 1025])
+def test_one_peer_exp_rounds_connect_every_rank(n):
+    """The union of one period's pairs is connected for every n (so the gap is > 0)."""
+    t = topo.make_topology("one-peer-exp", n, 1)
+    assert t.period == math.ceil(math.log2(n))
+    parent = list(range(n))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for step in range(t.period):
+        for g in t.groups(step):
+            assert len(g.ranks) <= 2 and (len(g.ranks) == 1 or 2**step % n in {(g.ranks[1] - g.ranks[0]) % n,
+                                                                               (g.ranks[0] - g.ranks[1]) % n})
+            for r in g.ranks:
+                parent[find(r)] = find(g.ranks[0])
+    assert len({find(r) for r in range(n)}) == 1
+
+
+@pytest.mark.parametrize("nodes", range(2, 18))
+def test_aer_any_node_count_keeps_its_shape(nodes):
+    """Cross-node groups are two whole nodes (w = 1/2L), the rest whole nodes (w = 1/L); each node
+    is across at most once per round, and a node pair is across in exactly one step of its round."""
+    L = 2
+    t = topo.make_topology("alternating-exp-ring", nodes * L, L)
+    assert t.period == 2 * math.ceil(math.log2(nodes))
+    for rnd in range(t.period // 2):
+        across: Dict[Tuple[int, ...], int] = {}
+        for step in (2 * rnd, 2 * rnd + 1):
+            for g in t.groups(step):
+                node_set = tuple(sorted({r // L for r in g.ranks}))
+                assert g.ranks == tuple(r for j in node_set for r in range(j * L, j * L + L))
+                assert len(node_set) in (1, 2) and g.weight == 1.0 / len(g.ranks)
+                if len(node_set) == 2:
+                    assert (node_set[1] - node_set[0]) % nodes in {2**rnd % nodes, -(2**rnd) % nodes}
+                    across[node_set] = across.get(node_set, 0) + 1
+        assert all(c == 1 for c in across.values())
+        assert len({j for pair in across for j in pair}) == 2 * len(across)  # each node in <= 1 pair
+    assert t.spectral_gap() > 0.0
+
+
+def test_spectral_gap_function_average_and_period():
+    assert topo.spectral_gap("ring", 8) == topo.make_topology("ring", 8, 1).spectral_gap()
+    assert topo.spectral_gap("one-peer-exp", 8, kind="period") == pytest.approx(1.0)  # one period: exact average
+    assert topo.spectral_gap("one-peer-exp", 8) == pytest.approx(1 / 3)
+    t = topo.make_topology("alternating-exp-ring", 6, 2)
+    assert topo.spectral_gap(t) == t.spectral_gap()
+    assert topo.spectral_gap(t, kind="period") == t.period_spectral_gap()
+    # the period gap is that of the product of the period's matrices, in order
+    P = t.mixing_matrix(3) @ t.mixing_matrix(2) @ t.mixing_matrix(1) @ t.mixing_matrix(0)
+    torch.testing.assert_close(t.period_mixing_matrix(), P)
+    ev = np.abs(np.linalg.eigvals(P.numpy() - 1 / 6))
+    assert t.period_spectral_gap() == pytest.approx(1 - ev.max(), abs=1e-12)
+    assert topo.spectral_gap("complete", 1, kind="period") == 1.0
+    with pytest.raises(ValueError, match="kind must be one of average, period, got 'mean'"):
+        topo.spectral_gap("ring", 4, kind="mean")
+    with pytest.raises(TypeError, match="world_size"):
+        topo.spectral_gap("ring")
+    with pytest.raises(TopologyError, match="world_size=8"):
+        topo.spectral_gap(t, 8, 2)
+    assert "period_gap=" in t.describe()
+
+
+# ------------------------------------------------------------------------------------------
 # bad sizes
 # ------------------------------------------------------------------------------------------
 
 
-def test_odd_ring_error():
-    with pytest.raises(TopologyError) as e:
-        topo.make_topology("ring", 7, 1)
-    msg = str(e.value)
-    assert "even" in msg and "7" in msg and "6" in msg and "8" in msg
+def test_odd_ring_has_period_three():
+    # was test_odd_ring_error: an odd ring is now built (its edges need three matchings)
+    t = topo.make_topology("ring", 7, 1)
+    assert t.period == 3
+    assert as_set(t.groups(0)) == {((0, 1), 0.5), ((2, 3), 0.5), ((4, 5), 0.5), ((6,), 1.0)}
+    assert as_set(t.groups(1)) == {((0,), 1.0), ((1, 2), 0.5), ((3, 4), 0.5), ((5, 6), 0.5)}
+    assert as_set(t.groups(2)) == {((0, 6), 0.5), ((1,), 1.0), ((2, 3), 0.5), ((4, 5), 0.5)}
+    ring_edges = {tuple(sorted((j, (j + 1) % 7))) for j in range(7)}
+    assert {g.ranks for g in t.unique_groups()} == ring_edges
+    assert 0.0 < t.spectral_gap() < 1.0
 
 
-def test_one_peer_exp_non_power_of_two_error():
-    with pytest.raises(TopologyError) as e:
-        topo.make_topology("one-peer-exp", 12, 1)
-    msg = str(e.value)
-    assert "power of two" in msg and "12" in msg and "8" in msg and "16" in msg
-    with pytest.raises(TopologyError, match="power of two"):
-        topo.OnePeerExpTopology(6)
+def test_one_peer_exp_any_world_size():
+    # was test_one_peer_exp_non_power_of_two_error: peers at distance 2^t mod n, period ceil(log2 n)
+    t = topo.make_topology("one-peer-exp", 6, 1)
+    assert t.period == 3
+    assert as_set(t.groups(0)) == {((0, 1), 0.5), ((2, 3), 0.5), ((4, 5), 0.5)}
+    assert as_set(t.groups(1)) == {((0, 2), 0.5), ((1, 3), 0.5), ((4,), 1.0), ((5,), 1.0)}
+    assert as_set(t.groups(2)) == {((0, 4), 0.5), ((1, 5), 0.5), ((2,), 1.0), ((3,), 1.0)}
+    t = topo.make_topology("one-peer-exp", 12, 1)
+    assert t.period == 4
+    for step in range(4):
+        for g in t.groups(step):
+            assert len(g.ranks) == 1 or (g.ranks[1] - g.ranks[0]) % 12 in (2**step, 12 - 2**step)
+    assert 0.0 < t.spectral_gap() < 1.0 and 0.0 < t.period_spectral_gap() < 1.0
 
 
 def test_aer_local_one_error():
@@ -363,13 +484,24 @@ def test_aer_local_one_error():
     assert "LOCAL_WORLD_SIZE" in msg
 
 
-def test_aer_non_power_of_two_nodes_error():
-    with pytest.raises(TopologyError) as e:
-        topo.make_topology("alternating-exp-ring", 6, 2)
-    msg = str(e.value)
-    assert "power of two" in msg and "N=3" in msg and "4, 8, 16" in msg
-    with pytest.raises(TopologyError, match="complete"):  # single node
+def test_aer_any_node_count_and_single_node_error():
+    # was test_aer_non_power_of_two_nodes_error: N = 3 nodes is now built (round t pairs nodes at
+    # distance 2^t mod N; a node without a partner averages inside itself for the round)
+    t = topo.make_topology("alternating-exp-ring", 6, 2)
+    assert (t.num_nodes, t.period) == (3, 4)
+    q, h = 0.25, 0.5
+    expected = [
+        {((0, 1, 2, 3), q), ((4, 5), h)},  # round 0: nodes 0-1 (pair 0) across, node 2 alone
+        {((0, 1), h), ((2, 3), h), ((4, 5), h)},
+        {((0, 1), h), ((2, 3), h), ((4, 5), h)},  # round 1: nodes 0-2 (pair 1) across next
+        {((0, 1, 4, 5), q), ((2, 3), h)},
+    ]
+    for step, exp in enumerate(expected):
+        assert as_set(t.groups(step)) == exp, step
+    with pytest.raises(TopologyError) as e:  # single node: still refused
         topo.AlternatingExpRingTopology(4, 4)
+    msg = str(e.value)
+    assert "complete" in msg and "N=1" in msg and "8, 12, 16" in msg
 
 
 @pytest.mark.parametrize("name", BUILTINS)
@@ -599,3 +731,38 @@ def test_register_topology_bad_factory_result():
             topo.make_topology(name, 2, 1)
     finally:
         topo._REGISTRY.pop(name, None)
+
+
+def test_registry_is_one_read_only_mapping():
+    factories = topo.topology_factories()
+    assert sorted(factories) == topo.available_topologies()
+    assert factories["ring"] is topo.RingTopology
+    with pytest.raises(TypeError):
+        factories["x"] = topo.RingTopology  # type: ignore[index]
+    name = "test-unregister"
+    topo.register_topology(name, topo.CompleteTopology)
+    assert name in factories  # a live view
+    assert topo.unregister_topology(name) is topo.CompleteTopology
+    assert name not in factories
+    with pytest.raises(KeyError, match="test-unregister.*registered: .*ring"):
+        topo.unregister_topology(name)
+
+
+def test_topology_has_one_owner():
+    """Inside the package nothing imports decentpy.topo (decent-dp's module path) but __init__,
+    and no private name of the topology modules is imported elsewhere."""
+    import ast
+
+    pkg = pathlib.Path(topo.__file__).resolve().parent
+    for path in sorted(pkg.rglob("*.py")):
+        rel = path.relative_to(pkg).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            mod = node.module or ""
+            names = [a.name for a in node.names]
+            if rel != "__init__.py":
+                assert mod not in ("topo", "decentpy.topo") and not (mod in ("", "decentpy") and "topo" in names), (
+                    f"{rel} imports decentpy.topo")
+            if mod.split(".")[-1] in ("topology", "topology_edges"):
+                assert not [n for n in names if n.startswith("_")], f"{rel} imports private names from {mod}"
