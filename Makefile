@@ -69,7 +69,7 @@ $(DEPS_STAMP): | $(PY)
 	$(PIP) install $(PIP_Q) --no-deps "decent-dp==$(DECENT_DP_VERSION)" loguru
 	@touch $@
 
-# scipy is for the bench only (the runtime model's calibration, bench/runtime_fit.py), which the
+# scipy is for the bench only (the runtime model's calibration, tools/runtime_model/fit.py), which the
 # tests import. Its own stamp: a venv made before it gets scipy without rebuilding the extension.
 $(BENCH_DEPS_STAMP): $(DEPS_STAMP)
 	$(PIP) install $(PIP_Q) scipy
@@ -111,40 +111,42 @@ else
 	cd $(CMAKE_BUILD_DIR) && ctest --output-on-failure
 endif
 
+# The benchmarks and tools run as modules from the repository root (python -m bench.bench_train, python -m
+# tools.runtime_model): they import bench.common and tools by their package names.
 bench: $(BUILD_STAMP)
-	$(PY) bench/bench_kernels.py $(BENCH_ARGS)
+	$(PY) -m bench.bench_kernels $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
 .PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
-	OMP_NUM_THREADS=1 $(PY) bench/bench_train.py $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_train $(BENCH_ARGS)
 
 # fairscale is the reference of the sharding benchmark only; --no-deps: it depends on an unpinned
 # torch, which would replace the CPU torch of $(VENV) with CUDA wheels.
 bench-shard: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) --no-deps "fairscale==$(FAIRSCALE_VERSION)"
-	OMP_NUM_THREADS=1 $(PY) bench/bench_shard.py $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_shard $(BENCH_ARGS)
 
 # Does a fairscale script train the same with decentpy? fairscale (--no-deps, as above) is the reference.
 bench-fairscale-parity: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) --no-deps "fairscale==$(FAIRSCALE_VERSION)"
 	$(PIP) install $(PIP_Q) matplotlib
-	OMP_NUM_THREADS=1 $(PY) bench/bench_fairscale_parity.py $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_fairscale_parity $(BENCH_ARGS)
 
 bench-pipe: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
-	OMP_NUM_THREADS=1 $(PY) bench/bench_pipe.py $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_pipe $(BENCH_ARGS)
 
 bench-hybrid: $(BUILD_STAMP)
-	OMP_NUM_THREADS=1 $(PY) bench/bench_hybrid.py $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_hybrid $(BENCH_ARGS)
 
 bench-convergence: $(BUILD_STAMP)
-	OMP_NUM_THREADS=1 $(PY) bench/bench_convergence.py $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_convergence $(BENCH_ARGS)
 
 runtime-model: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
-	$(PY) bench/runtime_model.py $(BENCH_ARGS)
+	$(PY) -m tools.runtime_model $(BENCH_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache bench/out $(BUILD_STAMP)

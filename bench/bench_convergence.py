@@ -11,28 +11,23 @@ stepped standalone), same schedule, seed, shards and batches.
 
 Prints a table and writes ``bench/out/bench_convergence.csv``.
 
-    python bench/bench_convergence.py                     # ~1-2 minutes on 2 cores
-    python bench/bench_convergence.py --epochs 20 --seeds 0,1,2
+    python -m bench.bench_convergence                     # ~1-2 minutes on 2 cores
+    python -m bench.bench_convergence --epochs 20 --seeds 0,1,2
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-
-import train_digits as td  # noqa: E402  (the example's data, model and helpers)
-from launcher import spawn_workers  # noqa: E402
-from tables import print_table  # noqa: E402
+import examples.train_digits as td  # the example's data, model and helpers
+from bench.common.launch import OUT_DIR, bench_parser, spawn_workers
+from bench.common.tables import print_table, write_csv
 
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 OPTIMIZERS = ("sgd", "adamw", "accum-adam")
@@ -130,8 +125,7 @@ def run(world: int, plan: Dict[str, Any], timeout_s: float) -> List[Dict[str, An
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=16, help="per worker")
@@ -141,7 +135,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--topologies", default=",".join(TOPOLOGIES))
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    p.add_argument("--out", default=str(OUT_DIR))
     return p.parse_args(argv)
 
 
@@ -202,13 +196,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print_table(hdr, table, group=lambda t: t[0])
     print("test acc: the averaged model (global_avg) for the decentralized runs; DDP's replicas are identical. "
           "consensus: RMS distance of the workers to their average just before global_avg.")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "bench_convergence.csv"
-    with open(path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(out_rows[0]))
-        wr.writeheader()
-        wr.writerows(out_rows)
+    path = Path(args.out) / "bench_convergence.csv"
+    write_csv(path, list(out_rows[0]), out_rows)
     print(f"\nwrote {path} (total {wall:.0f} s)")
     return 0
 

@@ -64,9 +64,9 @@ Writes ``bench/out/bench_fairscale_parity.csv`` (one row per mode, framework and
 message otherwise).
 
     make bench-fairscale-parity                                   # installs fairscale --no-deps first
-    python bench/bench_fairscale_parity.py                        # everything: 14 runs of 30-60 s on 2 cores
-    python bench/bench_fairscale_parity.py --modes oss_ddp --frameworks torch,fairscale,decentpy
-    python bench/bench_fairscale_parity.py --quick --frameworks torch,decentpy    # smoke test (seconds)
+    python -m bench.bench_fairscale_parity                        # everything: 14 runs of 30-60 s on 2 cores
+    python -m bench.bench_fairscale_parity --modes oss_ddp --frameworks torch,fairscale,decentpy
+    python -m bench.bench_fairscale_parity --quick --frameworks torch,decentpy    # smoke test (seconds)
 """
 
 from __future__ import annotations
@@ -83,13 +83,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_train import _csv_list, machine_description  # noqa: E402
-from references import fairscale_missing  # noqa: E402
-from launcher import spawn_workers  # noqa: E402
-from tables import check_choices, print_table, print_targets  # noqa: E402
-from tables import write_csv as write_rows_csv  # noqa: E402
+from bench.common.launch import OUT_DIR, bench_parser, spawn_workers
+from bench.common.machine import report_machine
+from bench.common.plots import pyplot, save_figure
+from bench.common.references import fairscale_missing
+from bench.common.tables import check_choices, csv_list, print_table, print_targets
+from bench.common.tables import write_csv as write_rows_csv
 
 log = logging.getLogger("bench_fairscale_parity")
 
@@ -591,13 +590,8 @@ def print_summary(verdicts: List[Dict[str, Any]]) -> None:
 def plot(path: Path, runs: Dict[str, Dict[str, Any]], modes: Sequence[str], frameworks: Sequence[str],
          machine: Dict[str, str], plan: Dict[str, Any]) -> Optional[Path]:
     """Per mode: every step's loss (rank 0) per framework, and its distance to torch's (log scale)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (`make bench-fairscale-parity` installs it)")
+    plt = pyplot("`make bench-fairscale-parity` installs it")
+    if plt is None:
         return None
     style = {"torch": ("#2ca02c", "-", 3.0), "fairscale": ("#ff7f0e", "--", 2.0), "decentpy": ("#1f77b4", ":", 1.6),
              "decentpy-split": ("#9467bd", "-.", 1.2)}
@@ -632,11 +626,7 @@ def plot(path: Path, runs: Dict[str, Dict[str, Any]], modes: Sequence[str], fram
                  f"2 gloo workers, batch {plan['batch_size']}/rank, RMSprop(lr=1e-4, momentum=0.9), AMP "
                  f"{plan['amp_dtype']}\n{machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}, "
                  f"fairscale {machine.get('fairscale')}", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -645,8 +635,7 @@ def plot(path: Path, runs: Dict[str, Dict[str, Any]], modes: Sequence[str], fram
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {','.join(MODES)}")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated, from {','.join(FRAMEWORKS)}")
     p.add_argument("--epochs", type=int, default=4)
@@ -660,7 +649,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="torch.autocast('cpu') dtype of the +amp modes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per worker group, seconds")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "out"))
+    p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: width 16, batch 16, 2 epochs of 3 steps, every run in one spawn")
@@ -699,19 +688,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    modes = _csv_list(args.modes)
+    modes = csv_list(args.modes)
     check_choices(modes, MODES, "mode")
-    requested = _csv_list(args.frameworks)
+    requested = csv_list(args.frameworks)
     check_choices(requested, FRAMEWORKS, "framework")
-    machine = machine_description()
-    machine.pop("decent_dp", None)
-    try:
-        from importlib.metadata import version
-
-        machine["fairscale"] = version("fairscale")
-    except Exception:  # noqa: BLE001
-        machine["fairscale"] = "not installed"
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+    machine = report_machine("fairscale")
     frameworks, skipped = available(requested)
     n_params = sum(p.numel() for p in resnet18(args.width, args.num_classes).parameters())
     print(f"model: torchvision-architecture ResNet-18, width {args.width}, {args.num_classes} classes, "

@@ -26,7 +26,7 @@ set-ups, side by side:
                      then a torch AdamW step.
 
 Measured per set-up (step time and memory machinery shared with bench/bench_train.py and
-bench/bench_shard.py):
+bench/bench_shard.py: bench/common/measure.py):
 
 * step time: wall time of one training step (forward + backward + optimizer step where the set-up
   has one), every rank; per step the max over ranks; the median over the timed steps plus the
@@ -38,10 +38,10 @@ bench/bench_shard.py):
   set-up built and warmed up alone), max over ranks;
 * bytes sent per rank per step, inside the node and across nodes (see ``BYTES``).
 
-Writes ``bench/out/bench_hybrid.csv`` (columns ``bench/runtime_fit.py``'s loader reads, plus more).
+Writes ``bench/out/bench_hybrid.csv`` (columns ``tools/runtime_model/fit.py``'s loader reads, plus more).
 
-    python bench/bench_hybrid.py            # the full run (~2-3 minutes on 2 cores)
-    python bench/bench_hybrid.py --quick    # smoke test: width 256, a few steps
+    python -m bench.bench_hybrid            # the full run (~2-3 minutes on 2 cores)
+    python -m bench.bench_hybrid --quick    # smoke test: width 256, a few steps
 """
 
 from __future__ import annotations
@@ -57,15 +57,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_train import (LR, Config, Runner, _csv_list, _gather_results, _measure_and_time, _prime,  # noqa: E402
-                         _reset_hwm, _rss_bytes, _trim, machine_description, timing_row)
-from bench_shard import _state_bytes  # noqa: E402
-from launcher import add_run_args, quick_timing, spawn_workers  # noqa: E402
-from tables import fmt, print_targets  # noqa: E402
-from tables import print_table as print_table_rows  # noqa: E402
-from tables import write_csv as write_rows_csv  # noqa: E402
+from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_workers
+from bench.common.machine import report_machine
+from bench.common.measure import (Config, Runner, gather_results, measure_and_time, prime, rss_bytes, state_bytes,
+                                  timing_row)
+from bench.common.models import LR, adamw_fn
+from bench.common.tables import cell, check_choices, csv_list, fmt, mib, print_targets
+from bench.common.tables import print_table as print_table_rows
+from bench.common.tables import write_csv as write_rows_csv
 
 
 WORLD = 4          # G x L
@@ -286,12 +285,6 @@ def model_desc(model: str) -> str:
             f"{CHUNKS} micro-batches, 1F1B, balance {BALANCE}), cross-entropy over {w} classes")
 
 
-def adamw_fn(named_params: Any) -> Any:  # optim_fn (module level: picklable)
-    import torch
-
-    return torch.optim.AdamW([p for _, p in named_params], lr=LR)
-
-
 def xent(out: Any, y: Any) -> Any:
     import torch.nn.functional as F
 
@@ -305,45 +298,38 @@ def has_intra_node() -> bool:
 
 
 class HybridRunner(Runner):
-    """bench_train's Runner (memory bookkeeping, timing loop) with this bench's set-ups, model and
-    per-step byte counting."""
+    """The benchmarks' Runner (memory bookkeeping, timing loop) with this bench's set-ups, model, data
+    and per-step byte counting."""
 
-    def __init__(self, cfg: Config, rank: int, seed: int) -> None:  # noqa: D107  (mirrors Runner.__init__)
-        import torch
-        from torch import nn
-
-        self.cfg = cfg
-        self.rank = rank
-        self.times: List[float] = []
-        self.compute: List[float] = []
-        self.opt: Any = None
+    def __init__(self, cfg: Config, rank: int, seed: int) -> None:
         self.ddp: Any = None
         self.pipe: Any = None
-        self.zero_grad_kwargs: Dict[str, Any] = {}
-        self.i = 0
         self.warmup = 10**9  # set by the worker: steps after which bytes are counted
         self.counted_steps = 0
         self.intra = 0.0
         self.inter = 0.0
-        width = WIDTH[cfg.model]
-        pipe = cfg.framework in PIPES
-        data_id = rank // STAGES if pipe else rank  # every stage of a replica: the same batches
+        super().__init__(cfg, rank, seed)
+
+    def load_batches(self, seed: int) -> List[Tuple[Any, Any]]:
+        """Every stage of a pipeline replica gets the replica's batches; a data-parallel rank its own."""
+        import torch
+
+        width = WIDTH[self.cfg.model]
+        data_id = self.rank // STAGES if self.cfg.framework in PIPES else self.rank
         g = torch.Generator().manual_seed(seed * 1000 + data_id)
-        self.batches = [(torch.randn(BATCH, width, generator=g), torch.randint(0, width, (BATCH,), generator=g))
-                        for _ in range(4)]
-        _trim()
-        self.hwm_ok = _reset_hwm()
-        self.rss0 = _rss_bytes()
-        if pipe:
-            stage = rank % STAGES
+        return [(torch.randn(BATCH, width, generator=g), torch.randint(0, width, (BATCH,), generator=g))
+                for _ in range(4)]
+
+    def new_model(self, seed: int) -> Any:
+        """The whole MLP, or this rank's stage of it (the other stages' layers: nn.Identity)."""
+        from torch import nn
+
+        width = WIDTH[self.cfg.model]
+        if self.cfg.framework in PIPES:
+            stage = self.rank % STAGES
             start = sum(BALANCE[:stage])
-            model = nn.Sequential(*make_layers(width, seed, range(start, start + BALANCE[stage])))
-        else:
-            model = nn.Sequential(*make_layers(width, seed))
-        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # this rank's
-        self.rss_model = _rss_bytes()
-        self.build(model)
-        self.net.train()
+            return nn.Sequential(*make_layers(width, seed, range(start, start + BALANCE[stage])))
+        return nn.Sequential(*make_layers(width, seed))
 
     def build(self, model: Any) -> None:
         import torch
@@ -437,8 +423,8 @@ class HybridRunner(Runner):
             for k, opt in enumerate(self.ddp.state_optimizers):
                 for i, st in enumerate(opt.state.values()):
                     merged[(k, i)] = st
-            return _state_bytes(types.SimpleNamespace(state=merged))
-        return _state_bytes(self.opt)
+            return state_bytes(types.SimpleNamespace(state=merged))
+        return state_bytes(self.opt)
 
     def bytes_per_step(self) -> Tuple[float, float]:
         n = max(1, self.counted_steps)
@@ -460,10 +446,10 @@ def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
             super().__init__(cfg, rank, seed)
             self.warmup = plan["warmup"]
 
-    _prime(cfgs, rank, plan, _Counted)
-    base_rss = _rss_bytes()
-    runners, mems = _measure_and_time(cfgs, rank, plan, _Counted)
-    results = _gather_results(runners, mems, base_rss, rank, n)
+    prime(cfgs, rank, plan, _Counted)
+    base_rss = rss_bytes()
+    runners, mems = measure_and_time(cfgs, rank, plan, _Counted)
+    results = gather_results(runners, mems, base_rss, rank, n)
     mine = [[r.state_bytes(), *r.bytes_per_step(), r.param_bytes] for r in runners]
     every: List[Any] = [None] * n
     dist.all_gather_object(every, mine)
@@ -513,10 +499,6 @@ def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
-def _mib(b: float) -> str:
-    return f"{b / 2**20:.2f}"
-
-
 def print_table(rows: List[Dict[str, Any]]) -> None:
     hdr = ["framework", "topology", "median ms", "p25-p75 ms", "steps", "ref", "ref/this", "opt state MiB",
            "vs decentpy", "peak RSS MiB", "intra MB/step", "inter MB/step", "inter vs decentpy"]
@@ -524,7 +506,7 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
     for r in rows:
         c = r["cfg"]
         table.append([c.framework, c.topology, f"{r['step'] * 1e3:.2f}", f"{r['p25'] * 1e3:.1f}-{r['p75'] * 1e3:.1f}",
-                      str(r["steps"]), r["ref"] or "-", fmt(r["speedup"], ".2f", "x"), _mib(r["state"]),
+                      str(r["steps"]), r["ref"] or "-", fmt(r["speedup"], ".2f", "x"), mib(r["state"]),
                       fmt(r["state_vs_dp"], ".3f"), f"{r['peak_rss'] / 2**20:.0f}", f"{r['intra'] / 1e6:.2f}",
                       f"{r['inter'] / 1e6:.2f}", fmt(r["inter_vs_dp"], ".3f")])
     print_table_rows(hdr, table, group=lambda t: t[0] in PIPES)
@@ -565,14 +547,14 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -
         pipe = c.framework in PIPES
 
         def f6(v: Optional[float]) -> str:
-            return "" if v is None else f"{v:.6g}"
+            return cell(v, ".6g")
 
         return dict(
             framework=c.framework, topology=c.topology, setup=SETUP[c.framework], workers=c.workers,
             local_world_size=LOCAL, nodes=WORLD // LOCAL, model=c.model,
             intra_node="shard" if c.framework == "decentpy-shard" else "",
             step_time_s=f6(r["step"]), step_time_p25_s=f6(r["p25"]), step_time_p75_s=f6(r["p75"]),
-            # empty for the pipelines: runtime_fit.py then skips them (it models data parallelism only)
+            # empty for the pipelines: tools/runtime_model/fit.py then skips them (it models data parallelism only)
             compute_time_s="" if pipe else f6(r["compute"]), timed_steps=r["steps"],
             bytes_per_step=f"{max(a + b for a, b in zip(r['intra_ranks'], r['inter_ranks'])):.0f}",
             model_bytes=r["model_bytes"], optim_state_bytes_per_rank=r["state"],
@@ -596,8 +578,7 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--model", default="mlp", choices=sorted(WIDTH), help="mlp: width 1024; mlp-small: 256")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated, from {','.join(FRAMEWORKS)}")
     p.add_argument("--topologies", default=f"{BASE_TOPO},one-peer-exp", help="decentpy topologies (first: baseline)")
@@ -614,15 +595,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    requested = _csv_list(args.frameworks)
-    for f in requested:
-        if f not in FRAMEWORKS:
-            raise SystemExit(f"unknown framework {f!r}; choose from {', '.join(FRAMEWORKS)}")
-    machine = machine_description()
-    machine.pop("decent_dp", None)
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+    requested = csv_list(args.frameworks)
+    check_choices(requested, FRAMEWORKS, "framework")
+    machine = report_machine()
     t_start = time.perf_counter()
-    topologies = _csv_list(args.topologies)
+    topologies = csv_list(args.topologies)
     if "decentpy-shard" in requested and not has_intra_node():
         print("decentpy-shard: not available in this build (DecentralizedDataParallel.__init__ has no intra_node "
               "parameter): no sharded-gossip row, its targets are not checked")

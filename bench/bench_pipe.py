@@ -47,9 +47,9 @@ Per configuration:
 Writes ``bench/out/bench_pipe.csv`` and ``bench/out/bench_pipe.png`` (step time vs chunks, one panel
 per stage count; needs matplotlib, skipped with a message otherwise).
 
-    python bench/bench_pipe.py                               # 2 and 4 stages, chunks 1..16 (~3 minutes on 2 cores)
-    python bench/bench_pipe.py --quick                       # smoke test: 2 stages, chunks 1,2, small model
-    python bench/bench_pipe.py --stages 2 --chunks 4,8 --frameworks decentpy
+    python -m bench.bench_pipe                               # 2 and 4 stages, chunks 1..16 (~3 minutes on 2 cores)
+    python -m bench.bench_pipe --quick                       # smoke test: 2 stages, chunks 1,2, small model
+    python -m bench.bench_pipe --stages 2 --chunks 4,8 --frameworks decentpy
 """
 
 from __future__ import annotations
@@ -63,13 +63,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_train import _csv_list, _pct, machine_description  # noqa: E402
-from launcher import add_run_args, quick_timing, spawn_workers  # noqa: E402
-from tables import check_choices, fmt, print_targets  # noqa: E402
-from tables import print_table as print_table_rows  # noqa: E402
-from tables import write_csv as write_rows_csv  # noqa: E402
+from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_workers
+from bench.common.machine import report_machine
+from bench.common.plots import pyplot, save_figure
+from bench.common.tables import cell, check_choices, csv_list, fmt, percentile, print_targets
+from bench.common.tables import print_table as print_table_rows
+from bench.common.tables import write_csv as write_rows_csv
 
 
 FRAMEWORKS = ("decentpy", "torch")
@@ -530,8 +529,8 @@ def _row(c: PipeConfig, res: Dict[str, Any], t_single: Dict[int, float], ref_los
          plan: Dict[str, Any]) -> Dict[str, Any]:
     st = res["step_max"]
     step = statistics.median(st)
-    row: Dict[str, Any] = dict(cfg=c, status="ok", reason="", step=step, p25=_pct(st, 0.25), p75=_pct(st, 0.75),
-                               steps=len(st), loss=res["loss"], loss_single=ref_loss, grad_err=res["grad_err"],
+    row: Dict[str, Any] = dict(cfg=c, status="ok", reason="", step=step, p25=percentile(st, 0.25),
+                               p75=percentile(st, 0.75), steps=len(st), loss=res["loss"], loss_single=ref_loss, grad_err=res["grad_err"],
                                vs_torch=None, t_single=t_single.get(1), t_single_m=t_single.get(c.chunks),
                                startup=res.get("startup"))
     row["loss_err"] = (abs(res["loss"] - ref_loss) / abs(ref_loss)
@@ -666,7 +665,7 @@ CSV_FIELDS = ["framework", "schedule", "stages", "chunks", "micro_batch", "batch
 
 def write_csv(path: Path, rows: List[Dict[str, Any]], plan: Dict[str, Any], machine: Dict[str, str]) -> None:
     def g(x: Optional[float], spec: str = ".6g") -> str:
-        return "" if x is None else format(x, spec)
+        return cell(x, spec)
 
     def row(r: Dict[str, Any]) -> Dict[str, Any]:
         c = r["cfg"]
@@ -697,13 +696,8 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], plan: Dict[str, Any], mach
 
 def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], plan: Dict[str, Any]) -> Optional[Path]:
     """Step time vs chunks, one line per framework x schedule, one panel per stage count."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (`make bench-pipe` installs it)")
+    plt = pyplot("`make bench-pipe` installs it")
+    if plt is None:
         return None
     stages = sorted({r["cfg"].stages for r in rows})
     style = {("decentpy", "gpipe"): ("#1f77b4", "-", "o"), ("decentpy", "1f1b"): ("#1f77b4", "--", "s"),
@@ -740,11 +734,7 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], plan: 
         ax.legend(fontsize=7)
     fig.suptitle(f"{plan['blocks']} x (Linear({plan['width']}) + ReLU), batch {plan['batch']}, gloo on CPU; lines: "
                  f"median, whiskers: p25-p75; {machine['cpu']}, torch {machine['torch']}", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -753,8 +743,7 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], plan: 
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--stages", default="2,4", help="comma-separated stage counts (one worker process per stage)")
     p.add_argument("--chunks", default="1,2,4,8,16", help="comma-separated micro-batch counts (each must divide "
                    "the batch)")
@@ -782,10 +771,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    stages = [int(s) for s in _csv_list(args.stages)]
-    chunks = [int(m) for m in _csv_list(args.chunks)]
-    frameworks = _csv_list(args.frameworks)
-    schedules = _csv_list(args.schedules)
+    stages = [int(s) for s in csv_list(args.stages)]
+    chunks = [int(m) for m in csv_list(args.chunks)]
+    frameworks = csv_list(args.frameworks)
+    schedules = csv_list(args.schedules)
     check_choices(frameworks, FRAMEWORKS, "framework")
     check_choices(schedules, SCHEDULES, "schedule")
     for s in stages:
@@ -795,9 +784,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if m <= 0 or args.batch % m:
             raise SystemExit(f"--chunks {m}: must divide the batch ({args.batch}) so that every framework cuts the "
                              "same equal micro-batches")
-    machine = machine_description()
-    machine.pop("decent_dp", None)
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+    machine = report_machine()
     t_start = time.perf_counter()
     plan: Dict[str, Any] = dict(width=args.width, blocks=args.blocks, batch=args.batch, seed=args.seed,
                                 warmup=max(1, args.warmup), rounds=args.rounds, chunk=args.chunk, rewarm=args.rewarm,

@@ -1,7 +1,7 @@
 """Sharded data-parallel benchmark on CPU: decentpy OSS + ShardedDataParallel vs torch ZeRO vs DDP vs fairscale.
 
 For 2 and 4 gloo worker processes on 127.0.0.1 (one torch thread each) it trains the bench-train
-MLP (``bench_train.make_model("mlp")``: 3 x Linear(1024, 1024), batch 64 per rank, own synthetic
+MLP (``bench.common.models.make_model("mlp")``: 3 x Linear(1024, 1024), batch 64 per rank, own synthetic
 data per rank, fixed seed) with AdamW (lr 1e-4) in four set-ups, side by side in one run:
 
 * ``decentpy``    ``decentpy.OSS(params, optim=torch.optim.AdamW)`` + ``decentpy.ShardedDataParallel``
@@ -16,7 +16,7 @@ data per rank, fixed seed) with AdamW (lr 1e-4) in four set-ups, side by side in
                   ``zero_grad(set_to_none=False)``: with torch's default (True) fairscale reduces
                   its buckets' stale gradients -- faster, but a wrong step.
 
-Per configuration (measurement machinery shared with bench/bench_train.py):
+Per configuration (measurement machinery shared with bench/bench_train.py: bench/common/measure.py):
 
 * step time: wall time of forward + backward + ``optimizer.step()`` (+ ``zero_grad()``), measured
   on every rank; per step the max over ranks; the median over the timed steps (plus the 25th/75th
@@ -31,8 +31,8 @@ Per configuration (measurement machinery shared with bench/bench_train.py):
 
 Writes ``bench/out/bench_shard.csv``.
 
-    python bench/bench_shard.py                 # 2 and 4 workers, all four set-ups
-    python bench/bench_shard.py --quick --frameworks decentpy,torch-ddp     # smoke test
+    python -m bench.bench_shard                 # 2 and 4 workers, all four set-ups
+    python -m bench.bench_shard --quick --frameworks decentpy,torch-ddp     # smoke test
 """
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_train import (LR, MODEL_DESC, MODELS, Config, Runner, _csv_list, _gather_results,  # noqa: E402
-                         _measure_and_time, _prime, _rss_bytes, machine_description, make_model, timing_row)
-from references import FAIRSCALE_VERSION, fairscale_missing  # noqa: E402
-from launcher import add_run_args, quick_timing, spawn_workers  # noqa: E402
-from tables import fmt, print_targets  # noqa: E402
-from tables import write_csv as write_rows_csv  # noqa: E402
-from tables import print_table as print_table_rows  # noqa: E402
+from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_workers
+from bench.common.machine import report_machine
+from bench.common.measure import (Config, Runner, gather_results, measure_and_time, prime, rss_bytes, state_bytes,
+                                  timing_row)
+from bench.common.models import LR, MODEL_DESC, MODELS, make_model
+from bench.common.references import FAIRSCALE_VERSION, fairscale_missing
+from bench.common.tables import cell, check_choices, csv_list, fmt, mib, print_targets
+from bench.common.tables import print_table as print_table_rows
+from bench.common.tables import write_csv as write_rows_csv
 
 
 FRAMEWORKS = ("decentpy", "torch-zero", "torch-ddp", "fairscale")
@@ -68,39 +68,8 @@ STATE_TOLERANCE = 0.05  # target: state per rank <= unsharded / world * (1 + 5%)
 # ----------------------------------------------------------------------------------------------
 
 
-def _state_bytes(opt: Any) -> int:
-    """Bytes of the tensors held in ``opt``'s state on this rank, each storage counted once.
-
-    For the sharded optimizers (decentpy / fairscale OSS, torch ZeRO) the local shard's optimizer
-    (``opt.optim``) holds the state; for a plain optimizer, ``opt`` itself.
-    """
-    import torch
-
-    inner = getattr(opt, "optim", None)
-    inner = inner if isinstance(inner, torch.optim.Optimizer) else opt
-    seen: Dict[Tuple[str, int], int] = {}
-
-    def visit(x: Any) -> None:
-        if isinstance(x, torch.Tensor):
-            st = x.untyped_storage()
-            key = (str(x.device), st.data_ptr())
-            if st.data_ptr() == 0:  # empty storage: count the tensor's own bytes (0)
-                key = (str(x.device), id(x))
-            seen[key] = max(seen.get(key, 0), st.nbytes())
-        elif isinstance(x, dict):
-            for v in x.values():
-                visit(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                visit(v)
-
-    for per_param in inner.state.values():
-        visit(per_param)
-    return int(sum(seen.values()))
-
-
 class ShardRunner(Runner):
-    """bench_train's Runner (memory bookkeeping, data, timed step) with the sharded set-ups."""
+    """The benchmarks' Runner (memory bookkeeping, data, timed step) with the sharded set-ups."""
 
     def build(self, model: Any) -> None:
         import torch
@@ -138,11 +107,11 @@ class ShardRunner(Runner):
         pass  # every set-up completes its communication inside step()
 
     def state_bytes(self) -> int:
-        return _state_bytes(self.opt)
+        return state_bytes(self.opt)
 
 
 def _import_frameworks(frameworks: Sequence[str]) -> None:
-    import decentpy  # noqa: F401  (bench_train._trim uses it; imported before the baseline is taken)
+    import decentpy  # noqa: F401  (measure.trim uses it; imported before the baseline is taken)
 
     if "fairscale" in frameworks:
         import fairscale.nn.data_parallel  # noqa: F401
@@ -155,10 +124,10 @@ def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
     cfgs = [Config(**c) for c in plan["configs"]]
     _import_frameworks([c.framework for c in cfgs])
     dist.barrier()
-    _prime(cfgs, rank, plan, ShardRunner)
-    base_rss = _rss_bytes()
-    runners, mems = _measure_and_time(cfgs, rank, plan, ShardRunner)
-    results = _gather_results(runners, mems, base_rss, rank, n)
+    prime(cfgs, rank, plan, ShardRunner)
+    base_rss = rss_bytes()
+    runners, mems = measure_and_time(cfgs, rank, plan, ShardRunner)
+    results = gather_results(runners, mems, base_rss, rank, n)
     mine = [r.state_bytes() for r in runners]
     every: List[Any] = [None] * n
     dist.all_gather_object(every, mine)
@@ -255,10 +224,6 @@ def summarize(raw: List[Dict[str, Any]], model: str) -> List[Dict[str, Any]]:
     return rows
 
 
-def _mib(b: float) -> str:
-    return f"{b / 2**20:.2f}"
-
-
 def print_table(rows: List[Dict[str, Any]]) -> None:
     hdr = ["n", "framework", "set-up", "median ms", "p25-p75 ms", "fwd+bwd ms", "steps", "ZeRO/this",
            "fs/this", "DDP/this", "state/rank MiB", "state per rank MiB", "state/unsharded", "1/n+5%",
@@ -271,7 +236,7 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
                       f"{r['p25'] * 1e3:.1f}-{r['p75'] * 1e3:.1f}", f"{r['compute'] * 1e3:.2f}", str(r["steps"]),
                       fmt(r["vs_zero"], ".2f", "x") if dp else "", fmt(r["vs_fs"], ".2f", "x") if dp else "",
                       fmt(r["vs_ddp"], ".2f", "x") if c.framework != "torch-ddp" else "",
-                      _mib(r["state"]), "/".join(f"{b / 2**20:.1f}" for b in r["state_ranks"]),
+                      mib(r["state"]), "/".join(f"{b / 2**20:.1f}" for b in r["state_ranks"]),
                       f"{r['state_ratio']:.3f}", f"{r['state_target']:.3f}", f"{r['peak_rss'] / 2**20:.0f}",
                       fmt(None if r["rss_vs_ddp"] is None else r["rss_vs_ddp"] / 2**20, "+.1f")])
     print_table_rows(hdr, table, group=lambda t: t[0])
@@ -299,8 +264,8 @@ def check_targets(rows: List[Dict[str, Any]], workers: Sequence[int], skipped: D
             out.append((title, None, f"not measured: decentpy {why_no_dp}"))
             continue
         ok = r["state_ratio"] <= r["state_target"]
-        out.append((title, ok, f"max over ranks {_mib(r['state'])} MiB = {r['state_ratio']:.3f} of the unsharded "
-                               f"{_mib(r['unsharded'])} MiB (target <= {r['state_target']:.3f}; the parameter-"
+        out.append((title, ok, f"max over ranks {mib(r['state'])} MiB = {r['state_ratio']:.3f} of the unsharded "
+                               f"{mib(r['unsharded'])} MiB (target <= {r['state_target']:.3f}; the parameter-"
                                f"granular partition can reach {r['partition_bound']:.3f} on this model)"))
     for key, other, label in (("vs_zero", "torch-zero", "torch's ZeRO (DDP + ZeroRedundancyOptimizer)"),
                               ("vs_fs", "fairscale", f"fairscale {FAIRSCALE_VERSION} OSS + ShardedDataParallel")):
@@ -338,9 +303,8 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -
             state_target_ratio=f"{r['state_target']:.6f}", partition_bound_ratio=f"{r['partition_bound']:.6f}",
             model_bytes=r["param_bytes"], peak_rss_mib=f"{r['peak_rss'] / 2**20:.1f}",
             peak_rss_vs_ddp_mib="" if r["rss_vs_ddp"] is None else f"{r['rss_vs_ddp'] / 2**20:.2f}",
-            speedup_vs_zero="" if r["vs_zero"] is None else f"{r['vs_zero']:.4f}",
-            speedup_vs_fairscale="" if r["vs_fs"] is None else f"{r['vs_fs']:.4f}",
-            speedup_vs_ddp="" if r["vs_ddp"] is None else f"{r['vs_ddp']:.4f}",
+            speedup_vs_zero=cell(r["vs_zero"], ".4f"), speedup_vs_fairscale=cell(r["vs_fs"], ".4f"),
+            speedup_vs_ddp=cell(r["vs_ddp"], ".4f"),
             cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"])
 
     write_rows_csv(path, CSV_FIELDS, (row(r) for r in rows))
@@ -352,8 +316,7 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--workers", default="2,4", help="comma-separated worker counts")
     p.add_argument("--model", default="mlp", choices=MODELS, help="bench_train model")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated, from {','.join(FRAMEWORKS)}")
@@ -401,20 +364,10 @@ def available(frameworks: Sequence[str], args: argparse.Namespace) -> Tuple[List
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    workers = [int(w) for w in _csv_list(args.workers)]
-    requested = _csv_list(args.frameworks)
-    for f in requested:
-        if f not in FRAMEWORKS:
-            raise SystemExit(f"unknown framework {f!r}; choose from {', '.join(FRAMEWORKS)}")
-    machine = machine_description()
-    machine.pop("decent_dp", None)
-    try:
-        from importlib.metadata import version
-
-        machine["fairscale"] = version("fairscale")
-    except Exception:  # noqa: BLE001
-        machine["fairscale"] = "not installed"
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+    workers = [int(w) for w in csv_list(args.workers)]
+    requested = csv_list(args.frameworks)
+    check_choices(requested, FRAMEWORKS, "framework")
+    machine = report_machine("fairscale")
     t_start = time.perf_counter()
     frameworks, skipped = available(requested, args)
     print(f"optimizer: AdamW(lr={LR}) everywhere (torch.optim.AdamW, default CPU implementation, in DDP, ZeRO and "

@@ -23,32 +23,33 @@ All configurations of one (workers, model) live in the same worker processes and
 interleaved rounds (a few steps of each configuration in turn, order rotated each round), so a
 slow phase of the shared machine hits every configuration alike.
 
-Writes ``bench/out/bench_train.csv`` (the columns ``bench/runtime_model.py --calibrate`` reads,
+Writes ``bench/out/bench_train.csv`` (the columns ``python -m tools.runtime_model --calibrate`` reads,
 plus more) and ``bench/out/bench_train.png``.
 
-    python bench/bench_train.py                      # everything (~10 minutes on 2 cores)
-    python bench/bench_train.py --quick --workers 2 --models mlp --frameworks decentpy,local
+    python -m bench.bench_train                      # everything (~10 minutes on 2 cores)
+    python -m bench.bench_train --quick --workers 2 --models mlp --frameworks decentpy,local
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import math
 import os
-import platform
 import resource
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from launcher import add_run_args, quick_timing, spawn_workers
-from tables import check_choices, fmt, print_targets
-from tables import write_csv as write_rows_csv
-from tables import print_table as print_table_rows
+from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_workers
+from bench.common.machine import report_machine
+from bench.common.measure import (AER_LOCAL, Config, Runner, gather_results, measure_and_time, prime, rss_bytes,
+                                  timing_row, trim)
+from bench.common.models import LR, MODEL_DESC, MODELS, adamw_fn
+from bench.common.plots import pyplot, save_figure
+from bench.common.tables import cell, check_choices, csv_list, fmt, print_targets
+from bench.common.tables import print_table as print_table_rows
+from bench.common.tables import write_csv as write_rows_csv
 
 
 FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "local", "local-fused")
@@ -57,9 +58,6 @@ TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 SHORT_TOPO = {"complete": "complete", "ring": "ring", "one-peer-exp": "1-peer-exp",
               "alternating-exp-ring": "AER(L=2)", "allreduce": "allreduce", "none": "none",
               "none-fused": "none(fused)"}
-MODELS = ("mlp", "cnn")
-AER_LOCAL = 2
-LR = 1e-4
 
 BYTES = """\
 bytes/step = bytes SENT per worker per step, averaged over one period of the schedule, max over
@@ -87,76 +85,8 @@ memory per worker (max over ranks): before each configuration is built the proce
 
 
 # ----------------------------------------------------------------------------------------------
-# models and data
-# ----------------------------------------------------------------------------------------------
-
-
-def make_model(name: str, seed: int):  # -> nn.Module
-    import torch
-    from torch import nn
-
-    torch.manual_seed(seed)
-    if name == "mlp":
-        return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                             nn.Linear(1024, 1024))
-    if name == "cnn":
-        m = nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.Conv2d(32, 64, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-            nn.Conv2d(64, 64, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10))
-        return m.to(memory_format=torch.channels_last)
-    raise ValueError(f"unknown model {name!r} (choose from {', '.join(MODELS)})")
-
-
-MODEL_DESC = {
-    "mlp": "MLP 3 x Linear(1024,1024)+ReLU, batch 64, input 1024, cross-entropy over 1024 classes",
-    "cnn": "CNN conv3x3 3-32 (s1), 32-64 (s2), 64-64 (s2), each BN+ReLU, avgpool, Linear(64,10); "
-           "channels_last, batch 32, input 3x32x32",
-}
-
-
-def make_batches(name: str, seed: int, rank: int, count: int = 4):
-    import torch
-
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
-    out = []
-    for _ in range(count):
-        if name == "mlp":
-            x = torch.randn(64, 1024, generator=g)
-            y = torch.randint(0, 1024, (64,), generator=g)
-        else:
-            x = torch.randn(32, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
-            y = torch.randint(0, 10, (32,), generator=g)
-        out.append((x, y))
-    return out
-
-
-def adamw_fn(named_params):  # optim_fn for both decentralized frameworks (module level: picklable)
-    import torch
-
-    return torch.optim.AdamW([p for _, p in named_params], lr=LR)
-
-
-# ----------------------------------------------------------------------------------------------
 # configurations
 # ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Config:
-    framework: str
-    topology: str  # a topology name, "allreduce" (torch-ddp) or "none" (local)
-    workers: int
-    model: str
-
-    @property
-    def local_world_size(self) -> int:
-        return AER_LOCAL if self.topology == "alternating-exp-ring" else self.workers
-
-    @property
-    def key(self) -> str:
-        return f"{self.model}/{self.workers}/{self.framework}/{self.topology}"
 
 
 def _decent_dp_accepts(topo: str, n: int, local: int) -> bool:
@@ -231,66 +161,12 @@ def bytes_per_step(cfg: Config, param_bytes: int) -> float:
 # ----------------------------------------------------------------------------------------------
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as fh:
-        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _hwm_bytes() -> Optional[int]:
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _trim() -> None:
-    """Free dead objects and return free heap pages to the OS, so RSS counts live memory only."""
-    from decentpy.host_memory import release_free_host_memory
-
-    gc.collect()
-    release_free_host_memory()
-
-
-class Runner:
-    """One configuration inside one worker: model, wrapper, optimizer, data, step times."""
-
-    def __init__(self, cfg: Config, rank: int, seed: int) -> None:
-        import torch
-        import torch.nn.functional as F
-
-        self.cfg = cfg
-        self.F = F
-        self.batches = make_batches(cfg.model, seed, rank)
-        self.i = 0
-        self.times: List[float] = []
-        self.compute: List[float] = []
-        self.opt = None
-        self.zero_grad_kwargs: Dict[str, Any] = {}  # build() may ask for another zero_grad mode
-        _trim()
-        self.hwm_ok = _reset_hwm()
-        self.rss0 = _rss_bytes()
-        model = make_model(cfg.model, seed)
-        self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.rss_model = _rss_bytes()
-        self.build(model)
-        self.net.train()
+class TrainRunner(Runner):
+    """A configuration of this benchmark: decentpy, decent-dp, torch DDP or a floor."""
 
     def build(self, model: Any) -> None:
         """Wrap ``model`` for ``self.cfg.framework``: set ``self.net`` and ``self.opt`` (None when the
-        wrapper steps inside backward). Other benchmarks (bench_shard.py) override this."""
+        wrapper steps inside backward)."""
         import torch
 
         cfg = self.cfg
@@ -318,128 +194,6 @@ class Runner:
             self.net = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
-    def step(self) -> Tuple[float, float]:
-        x, y = self.batches[self.i % len(self.batches)]
-        self.i += 1
-        t0 = time.perf_counter()
-        loss = self.F.cross_entropy(self.net(x), y)
-        loss.backward()  # decentralized wrappers mix, step and launch the exchange in here
-        t1 = time.perf_counter()
-        if self.opt is not None:
-            self.opt.step()
-            self.opt.zero_grad(**self.zero_grad_kwargs)
-        t2 = time.perf_counter()
-        return t2 - t0, t1 - t0
-
-    def finish(self) -> None:
-        """Complete in-flight exchanges before the configuration is dropped."""
-        from decentpy import DecentralizedDataParallel
-
-        if isinstance(self.net, DecentralizedDataParallel):  # decent-dp's wrapper has no wait()
-            self.net.wait()
-
-    def after_warmup(self) -> None:
-        hwm = _hwm_bytes() if self.hwm_ok else None
-        _trim()  # steady: live memory only (freed pages returned to the OS first)
-        self.rss1 = _rss_bytes()
-        self.hwm = hwm if hwm is not None else self.rss1
-
-
-def _warm_runner(cfg: Config, rank: int, plan: Dict[str, Any], steps: int, runner_cls: Any = None) -> Runner:
-    """Build ``cfg`` on every rank (after a barrier) and run ``steps`` untimed steps."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    r = (runner_cls or Runner)(cfg, rank, plan["seed"])
-    for _ in range(steps):
-        r.step()
-    return r
-
-
-def _measure_memory(cfg: Config, rank: int, plan: Dict[str, Any], runner_cls: Any = None) -> List[float]:
-    """Build ``cfg`` alone, warm it up, free it: its memory figures (bytes) without the others alive."""
-    r = _warm_runner(cfg, rank, plan, plan["warmup"], runner_cls)
-    r.after_warmup()
-    mem = [r.rss0, r.rss_model, r.rss1, r.hwm]
-    r.finish()
-    del r
-    _trim()
-    return mem
-
-
-def _prime(cfgs: Sequence[Config], rank: int, plan: Dict[str, Any], runner_cls: Any = None) -> None:
-    """One throw-away configuration per framework (when ``plan["primer"]``): one-time costs (lazy
-    thread pools, kernel dispatch tables, gloo transport) land in the baseline, not in the first
-    configuration measured. Ends trimmed, after a barrier."""
-    import torch.distributed as dist
-
-    seen = set() if plan["primer"] else {c.framework for c in cfgs}
-    for cfg in cfgs:
-        if cfg.framework in seen:
-            continue
-        seen.add(cfg.framework)
-        primer = _warm_runner(cfg, rank, plan, max(2, plan["warmup"]), runner_cls)
-        primer.finish()
-        del primer
-        _trim()
-    dist.barrier()
-    _trim()
-
-
-def _measure_and_time(cfgs: Sequence[Config], rank: int, plan: Dict[str, Any],
-                      runner_cls: Any = None) -> Tuple[List[Runner], List[List[float]]]:
-    """Memory pass, then timing pass; the live runners (with their step times) and memory figures."""
-    import torch.distributed as dist
-
-    # Memory pass: each configuration alone (built, warmed up, freed), so that one
-    # configuration's heap does not shape the next one's peak.
-    mems = [_measure_memory(cfg, rank, plan, runner_cls) for cfg in cfgs]
-    # Timing pass: all configurations alive, timed in interleaved rounds.
-    runners: List[Runner] = [_warm_runner(cfg, rank, plan, plan["warmup"], runner_cls) for cfg in cfgs]
-    for rnd in range(plan["rounds"]):
-        order = runners[rnd % len(runners):] + runners[:rnd % len(runners)]
-        for r in order:
-            dist.barrier()
-            for _ in range(plan["rewarm"]):
-                r.step()
-            for _ in range(plan["chunk"]):
-                t, c = r.step()
-                r.times.append(t)
-                r.compute.append(c)
-    dist.barrier()
-    return runners, mems
-
-
-def _gather_results(runners: Sequence[Runner], mems: Sequence[List[float]], base_rss: float, rank: int,
-                    n: int) -> List[Dict[str, Any]]:
-    """Per configuration, the step times (max over ranks per step) and memory figures (max over
-    ranks); collective, the list is filled on rank 0 only."""
-    import torch
-    import torch.distributed as dist
-
-    results = []
-    for r, m in zip(runners, mems):
-        t = torch.tensor([r.times, r.compute], dtype=torch.float64)
-        allt = [torch.empty_like(t) for _ in range(n)]
-        dist.all_gather(allt, t)
-        mem = torch.tensor(list(m) + [base_rss], dtype=torch.float64)
-        allm = [torch.empty_like(mem) for _ in range(n)]
-        dist.all_gather(allm, mem)
-        if rank == 0:
-            st = torch.stack(allt)  # [n, 2, steps]
-            step_max = st[:, 0].max(0).values.tolist()
-            comp_max = st[:, 1].max(0).values.tolist()
-            mm = torch.stack(allm)  # [n, 5]: rss0, rss_model, rss1, hwm, base
-            results.append(dict(
-                cfg=asdict(r.cfg), step_max=step_max, compute_max=comp_max,
-                param_bytes=r.param_bytes,
-                base_rss=float(mm[:, 4].max()),
-                peak_delta=float((mm[:, 3] - mm[:, 0]).max()),
-                steady_delta=float((mm[:, 2] - mm[:, 0]).max()),
-                wrap_delta=float((mm[:, 2] - mm[:, 1]).max()),
-                hwm_reset=r.hwm_ok))
-    return results
-
 
 def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
@@ -462,15 +216,15 @@ def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
         cfgs = [Config(**c) for c in plan["configs"] if c["model"] == model]
         if not cfgs:
             continue
-        _prime(cfgs, rank, plan)
+        prime(cfgs, rank, plan, TrainRunner)
         if model == plan["models"][0] or base_rss is None:
-            base_rss = _rss_bytes()
-        runners, mems = _measure_and_time(cfgs, rank, plan)
-        results += _gather_results(runners, mems, base_rss, rank, n)
+            base_rss = rss_bytes()
+        runners, mems = measure_and_time(cfgs, rank, plan, TrainRunner)
+        results += gather_results(runners, mems, base_rss, rank, n)
         for r in runners:
             r.finish()
         del runners
-        _trim()
+        trim()
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
     allru: List[Any] = [None] * n
     dist.all_gather_object(allru, ru)
@@ -485,57 +239,6 @@ def run_group(n: int, plan: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 # reporting
 # ----------------------------------------------------------------------------------------------
-
-
-def machine_description() -> Dict[str, str]:
-    import torch
-
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        import decentpy
-
-        dp_version = decentpy.__version__
-    except Exception:  # pragma: no cover
-        dp_version = "?"
-    try:
-        from importlib.metadata import version
-
-        ref_version = version("decent-dp")
-    except Exception:
-        ref_version = "not installed"
-    try:
-        load = "%.2f %.2f %.2f" % os.getloadavg()
-    except OSError:
-        load = "?"
-    return dict(cpu=cpu, cores=str(os.cpu_count()), torch=torch.__version__, decentpy=dp_version,
-                decent_dp=ref_version, python=platform.python_version(), load_before=load,
-                platform=platform.platform())
-
-
-def _pct(xs: List[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def timing_row(res: Dict[str, Any]) -> Dict[str, Any]:
-    """One configuration's gathered results as a report row: its Config, median / quartile step
-    times (the max over ranks per step), compute time, parameter bytes and peak RSS."""
-    return dict(cfg=Config(**res["cfg"]), step=statistics.median(res["step_max"]), p25=_pct(res["step_max"], 0.25),
-                p75=_pct(res["step_max"], 0.75), steps=len(res["step_max"]),
-                compute=statistics.median(res["compute_max"]), param_bytes=res["param_bytes"],
-                peak_rss=res["base_rss"] + res["peak_delta"])
 
 
 def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -669,23 +372,17 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -
             extra_rss_mib="" if r["extra"] is None else f"{r['extra'] / 2**20:.2f}",
             extra_steady_rss_mib="" if r["extra_steady"] is None else f"{r['extra_steady'] / 2**20:.2f}",
             wrap_rss_mib=f"{r['wrap_delta'] / 2**20:.2f}",
-            speedup_vs_decent_dp="" if r["vs_ref"] is None else f"{r['vs_ref']:.4f}",
-            speedup_vs_ddp="" if r["vs_ddp"] is None else f"{r['vs_ddp']:.4f}",
-            ratio_vs_floor="" if r["vs_floor"] is None else f"{r['vs_floor']:.4f}",
-            ratio_vs_fused_floor="" if r["vs_ffloor"] is None else f"{r['vs_ffloor']:.4f}",
+            speedup_vs_decent_dp=cell(r["vs_ref"], ".4f"), speedup_vs_ddp=cell(r["vs_ddp"], ".4f"),
+            ratio_vs_floor=cell(r["vs_floor"], ".4f"), ratio_vs_fused_floor=cell(r["vs_ffloor"], ".4f"),
             cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"])
 
     write_rows_csv(path, CSV_FIELDS, (row(r) for r in rows))
 
 
 def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    """Step time per configuration: a panel per model, bars per framework (whiskers p25-p75)."""
+    plt = pyplot()
+    if plt is None:
         return None
     models = [m for m in MODELS if any(r["cfg"].model == m for r in rows)]
     colors = {"decentpy": "#1f77b4", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "local": "#7f7f7f",
@@ -720,10 +417,7 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> Opt
         ax.legend(fontsize=8)
     fig.suptitle(f"step time per configuration (bars: median, whiskers: p25-p75), {machine['cpu']}, "
                  f"{machine['cores']} cores, torch {machine['torch']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -731,13 +425,8 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> Opt
 # ----------------------------------------------------------------------------------------------
 
 
-def _csv_list(s: str) -> List[str]:
-    return [x.strip() for x in s.split(",") if x.strip()]
-
-
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = bench_parser(__doc__)
     p.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
     p.add_argument("--models", default="mlp,cnn", help=f"comma-separated, from {','.join(MODELS)}")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS),
@@ -756,9 +445,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    workers = [int(w) for w in _csv_list(args.workers)]
-    models = _csv_list(args.models)
-    frameworks = _csv_list(args.frameworks)
+    workers = [int(w) for w in csv_list(args.workers)]
+    models = csv_list(args.models)
+    frameworks = csv_list(args.frameworks)
     check_choices(models, MODELS, "model")
     check_choices(frameworks, FRAMEWORKS, "framework")
     if "decent-dp" in frameworks:
@@ -768,8 +457,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"decent-dp skipped: `import decent_dp.ddp` failed ({exc}); "
                   "install it with `pip install --no-deps decent-dp==0.2.3 loguru` (or run `make deps`)")
             frameworks = [f for f in frameworks if f != "decent-dp"]
-    machine = machine_description()
-    print("machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()))
+    machine = report_machine("decent-dp")
     print(f"optimizer: torch.optim.AdamW(lr={LR}) everywhere (decentpy fuses it; decent-dp, DDP and the "
           "floor run torch's default CPU implementation); gloo on 127.0.0.1, 1 torch thread per worker")
     for m in models:
@@ -777,7 +465,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"timing: {args.warmup} warm-up steps per configuration, then {args.rounds} interleaved rounds x "
           f"({args.rewarm} untimed + {args.chunk} timed) steps = {args.rounds * args.chunk} timed steps; per "
           "step the max over ranks; median")
-    configs = build_configs(workers, models, frameworks, _csv_list(args.topologies))
+    configs = build_configs(workers, models, frameworks, csv_list(args.topologies))
     raw: List[Dict[str, Any]] = []
     ru_max = 0.0
     t_start = time.perf_counter()

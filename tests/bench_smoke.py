@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_quick(script: str, args: Sequence[str], out: Path, csv_name: str, columns: Iterable[str],
               words: Sequence[str], timeout: float) -> Tuple[str, List[Dict[str, str]]]:
-    """Run ``bench/<script> args --out out`` (one torch thread per worker); its stdout and CSV rows."""
+    """Run ``bench/<script> args --out out`` as the module ``bench.<name>`` from the repository root
+    (as ``make`` does; one torch thread per worker); its stdout and CSV rows."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(ROOT / "bench" / script), *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", f"bench.{Path(script).stem}", *args, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{script} failed:\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     for word in words:

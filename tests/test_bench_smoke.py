@@ -1,21 +1,18 @@
 """Smoke test of bench/bench_train.py in its quickest mode (2 workers, MLP, a few steps).
 
 Checks that the benchmark runs end to end and writes a CSV that the runtime model's calibration
-(bench/runtime_fit.py) can read (the calibration columns, positive times). decent-dp is optional:
+(tools/runtime_model/fit.py) can read (the calibration columns, positive times). decent-dp is optional:
 its part is skipped, with the reason, when ``import decent_dp`` fails.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from bench_smoke import run_quick
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CALIBRATION_COLUMNS = {"framework", "topology", "workers", "model", "step_time_s", "bytes_per_step",
                        "compute_time_s", "model_bytes", "local_world_size"}
@@ -64,12 +61,9 @@ def test_bench_train_quick_decentpy_and_floor(bench_rows: tuple) -> None:
     assert float(by["local"]["bytes_per_step"]) == 0.0
     assert float(by["decentpy"]["ratio_vs_floor"]) > 0
 
-    # the CSV is what the runtime model calibrates from (bench/runtime_fit.py)
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import runtime_fit
-    finally:
-        sys.path.pop(0)
+    # the CSV is what the runtime model calibrates from (tools/runtime_model/fit.py; SciPy)
+    from tools.runtime_model import fit as runtime_fit
+
     ms = runtime_fit.load_measurements(out / "bench_train.csv")
     assert ("decentpy", "ring", 2) in [(m.framework, m.topology, m.workers) for m in ms]
 

@@ -1,26 +1,15 @@
-"""Fast unit tests of the analytic runtime model: bench/runtime_model.py (the model),
-bench/runtime_fit.py (calibration) and bench/runtime_cli.py (the command line)."""
+"""Fast unit tests of the analytic runtime model: tools/runtime_model/model.py (the model),
+fit.py (calibration) and cli.py (the command line)."""
 
 import math
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import decentpy.topology as topology
-
-ROOT = Path(__file__).resolve().parents[1]
-
-# bench/ is not a package: its modules import each other by their plain names, as scripts do.
-sys.path.insert(0, str(ROOT / "bench"))
-try:
-    import runtime_cli as cli
-    import runtime_fit as fit
-    import runtime_model as rm
-finally:
-    sys.path.remove(str(ROOT / "bench"))
+from tools.runtime_model import cli, fit
+from tools.runtime_model import model as rm
 
 GB = 1e9
 INF_HW = rm.Hardware(intra_bw=math.inf, inter_bw=math.inf, intra_lat=0.0, inter_lat=0.0,

@@ -1,8 +1,9 @@
 """Command line of the runtime model: prediction tables, consensus, published comparison,
 calibration on measured step times, CSVs and a plot.
 
-Run ``python bench/runtime_model.py --help`` (that file runs :func:`main`). The model is
-``runtime_model.py``, the calibration ``runtime_fit.py``, the plots ``runtime_plots.py``.
+Run ``python -m tools.runtime_model --help`` (``__main__.py`` runs :func:`main`). Apart from the
+model so that importing the model loads no command line, plotting or SciPy: the model is
+``model.py``, the calibration ``fit.py``, the plots ``plots.py``.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import runtime_model
-from runtime_fit import calibrate, load_measurements
-from runtime_model import (
+from bench.common.tables import print_table, write_csv
+
+from . import model as runtime_model
+from .fit import calibrate, load_measurements
+from .model import (
     EXACT_GAP_MAX_N,
     GBIT,
     GPU_INTER_LAT,
@@ -41,8 +43,7 @@ from runtime_model import (
     spectral_gap,
     topology_valid,
 )
-from runtime_plots import SHORT, plot_hybrid, plot_iteration_times
-from tables import print_table
+from .plots import SHORT, plot_hybrid, plot_iteration_times
 
 __all__ = ["main"]
 
@@ -53,7 +54,8 @@ def _fmt_ms(t: Optional[float]) -> str:
 
 
 def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=runtime_model.__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="python -m tools.runtime_model",
+                                description=runtime_model.__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model-mb", type=float, default=100.0, help="parameter bytes, in MB (1e6)")
     p.add_argument("--compute-ms", type=float, default=200.0, help="forward+backward per iteration")
@@ -108,10 +110,7 @@ def _hybrid_report(out_dir: Path, plot_path: Optional[str]) -> List[Path]:
     print_table(["model", "Gb/s", "GPUs", "N", *[SHORT[k] for k in HYBRID_MODES]], table,
                 group=lambda row: (row[0], row[1]))
     csv_path = out_dir / "runtime_hybrid.csv"
-    with open(csv_path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(csv_path, list(rows[0]), rows)
     ns = list(HYBRID_GPUS)
     panels: Dict[str, Dict[str, List[Optional[float]]]] = {}
     for r in rows:
@@ -123,7 +122,7 @@ def _hybrid_report(out_dir: Path, plot_path: Optional[str]) -> List[Path]:
     png = Path(plot_path) if plot_path else out_dir / "runtime_hybrid.png"
     png.parent.mkdir(parents=True, exist_ok=True)  # (the SVG fallback without matplotlib writes there too)
     written = plot_hybrid(png, ns, panels, f"Predicted iteration time, {HYBRID_LOCAL} GPUs per "
-                          "node, NVLink intra-node (analytic model, bench/runtime_model.py)")
+                          "node, NVLink intra-node (analytic model, tools/runtime_model)")
     return [csv_path, written]
 
 
@@ -272,21 +271,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("calibration skipped: no measurements")
 
     csv_path = out_dir / "runtime_model.csv"
-    with open(csv_path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(csv_rows[0]) if csv_rows else ["n"])
-        wr.writeheader()
-        wr.writerows(csv_rows)
+    write_csv(csv_path, list(csv_rows[0]) if csv_rows else ["n"], csv_rows)
     pub_path = out_dir / "runtime_model_published.csv"
-    with open(pub_path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(ptab[0]))
-        wr.writeheader()
-        wr.writerows(ptab)
+    write_csv(pub_path, list(ptab[0]), ptab)
     title = (f"M={args.model_mb:g} MB, compute {args.compute_ms:g} ms, intra {args.intra_gbps:g} "
              f"Gb/s, inter {args.inter_gbps:g} Gb/s/node, L={local}")
     plot_path = plot_iteration_times(out_dir / "runtime_model.png", ns, series, title)
     print(f"\nwrote {csv_path}, {pub_path}, {plot_path}, {', '.join(map(str, hybrid_paths))}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,7 @@ Reads the CSVs of the end-to-end benchmarks (``bench/bench_train.py``, and the s
 and HSDP rows of ``bench/bench_hybrid.py`` when it writes them) into :class:`Measurement` rows
 and fits, on one machine (so the intra- and inter-node links are tied to one effective link),
 the effective bandwidth, latency, kernel memory bandwidth and compute/communication overlap of
-:class:`runtime_model.Hardware` to them. The model itself lives in
-``runtime_model.py``.
+:class:`tools.runtime_model.model.Hardware` to them. The model itself lives in ``model.py``.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import numpy as np
 from scipy.optimize import OptimizeResult, minimize
 from scipy.special import expit
 
-from runtime_model import (
+from .model import (
     TOPOLOGIES,
     Hardware,
     Workload,

@@ -1,8 +1,7 @@
-#!/usr/bin/env python
 """Analytic per-iteration runtime model: all-reduce DDP versus decentralized (gossip) training.
 
-The model itself (importable; also runs the command line). It predicts the time of one
-training iteration for
+The model itself (no command line, plots or SciPy here: see the package's other modules). It
+predicts the time of one training iteration for
 
 * all-reduce DDP (gradient all-reduce, bucketed, overlapped with the backward pass only), and
 * decentpy's decentralized topologies (``complete``, ``ring``, ``one-peer-exp``,
@@ -12,9 +11,9 @@ training iteration for
   sharded gossip (a topology over the nodes, each node's model sharded over its workers),
 
 together with the consensus rate of each topology (spectral gap) and the published-speedup
-scenarios the model is compared with. Siblings in bench/: ``runtime_fit.py`` (measurements and
-calibration of the free parameters), ``runtime_plots.py`` (plots), ``runtime_cli.py`` (the
-command line).
+scenarios the model is compared with. Siblings in tools/runtime_model/: ``fit.py``
+(measurements and calibration of the free parameters), ``plots.py`` (plots), ``cli.py`` (the
+command line, run by ``python -m tools.runtime_model``).
 
 Model (alpha-beta, all times in seconds, sizes in bytes)
 ---------------------------------------------------------
@@ -99,13 +98,12 @@ other n or N) are computed by ``decentpy.topology`` at any n. Iterations to cut 
 ``ln(10) / -ln(1 - gap)`` (~ ln(10) / gap for small gaps; 1 when gap == 1).
 
 Topology schedules and their validity come from ``decentpy.topology`` (importing it loads the
-compiled extension, so decentpy must be built). Run ``python bench/runtime_model.py --help``.
+compiled extension, so decentpy must be built). Run ``python -m tools.runtime_model --help``.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -609,9 +607,3 @@ def hybrid_table(gpus: Sequence[int] = HYBRID_GPUS, local: int = HYBRID_LOCAL,
                                  compute_ms=wl.compute_s * 1e3,
                                  **{f"{k}_s": times[k] for k in HYBRID_MODES}))
     return rows
-
-
-if __name__ == "__main__":  # keeps `python bench/runtime_model.py` working; the CLI owns main()
-    from runtime_cli import main
-
-    sys.exit(main())

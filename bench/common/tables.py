@@ -1,17 +1,44 @@
-"""Plain-text report tables shared by the benchmarks (right-aligned columns, no dependency)."""
+"""Plain-text report tables, cell formats and CSV files shared by the benchmarks (no dependency)."""
 
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-__all__ = ["fmt", "print_table", "write_csv"]
+__all__ = ["cell", "check_choices", "csv_list", "fmt", "mib", "percentile", "print_table", "print_targets",
+           "write_csv"]
 
 
 def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
-    """``x`` formatted with ``spec`` (and ``suffix``); '-' when there is no value."""
+    """``x`` formatted with ``spec`` (and ``suffix``); '-' when there is no value (a table cell)."""
     return "-" if x is None else format(x, spec) + suffix
+
+
+def cell(x: Optional[float], spec: str) -> str:
+    """``x`` formatted with ``spec``; empty when there is no value (a CSV field)."""
+    return "" if x is None else format(x, spec)
+
+
+def mib(nbytes: float) -> str:
+    """Bytes as MiB with two decimals."""
+    return f"{nbytes / 2**20:.2f}"
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (linear interpolation, as numpy's default); NaN when empty."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def csv_list(s: str) -> List[str]:
+    """A comma-separated command-line value as its non-empty items."""
+    return [x.strip() for x in s.split(",") if x.strip()]
 
 
 def print_table(header: Sequence[str], rows: Iterable[Sequence[object]],

@@ -1,6 +1,6 @@
 """Plots of the runtime model's predictions (matplotlib when installed, else a plain SVG).
 
-The model is ``runtime_model.py``; this module only draws what it predicts.
+The model is ``model.py``; this module only draws what it predicts.
 """
 
 from __future__ import annotations
