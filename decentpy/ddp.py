@@ -520,7 +520,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "buckets": plan.buckets if plan is not None else None,
             "optimizers": [b.state_optimizer.state_dict() for b in buckets],
             "schedulers": [b.scheduler.state_dict() if b.scheduler is not None else None for b in buckets],
-            "exchange": [b.exchange_buffer.clone() if b.comm_valid else None for b in buckets],
+            "exchange": [b.comm.clone() if b.comm_valid else None for b in buckets],
             "skip_mix": [b.skip_mix for b in buckets],
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "topology": self._topology.name,
@@ -557,7 +557,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             if b.scheduler is not None and sch_sd is not None:
                 b.scheduler.load_state_dict(sch_sd)
             if ex is not None:
-                b.exchange_buffer.copy_(ex)
+                b.comm.copy_(ex)
             b.comm_valid = ex is not None
             b.skip_mix = bool(skip)
             b.gather_params()

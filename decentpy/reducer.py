@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from .bucket import Bucket, BucketPlan, carry_over_state, check_optimizer, flatten_params, make_bucket, make_shard
+from .bucket import Bucket, BucketPlan, carry_over_state, check_optimizer, flatten_params, make_bucket
 from .comm import CommGroup, first_difference_across_ranks
 from .grad_scaling import BucketGradScaling
 from .host_memory import release_free_host_memory
@@ -89,11 +89,13 @@ class GossipReducer:
         self._layout_final = False          # the layout has been checked against the traced order
         self._trace: List[int] = []
         self._traced_seen: List[bool] = [False] * len(params)
+        self._pending: List[int] = []
         self._callback_queued = False
         self._prepared = False
         self._outside_iteration = False    # the last forward was not a training one (eval mode)
         self._next_bucket = 0
         self._deferred: Optional[Tuple[Bucket, bool, Optional[Any]]] = None  # intra_node: reduction in flight
+        self._gathers: Dict[int, Any] = {}  # intra_node='shard': the node's all-gathers in flight, by bucket
         self.build_from_plan(BucketPlan.build(params, list(reversed(range(len(params)))), bucket_cap_bytes))
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(params)]
 
@@ -145,6 +147,7 @@ class GossipReducer:
         self._next_bucket = 0
         self._trace = []
         self._traced_seen = [False] * len(self.params)
+        self._pending = [len(b.params) for b in self.buckets]
         for b in self.buckets:
             b.reset_iteration()
 
@@ -176,11 +179,11 @@ class GossipReducer:
             self._traced_seen[index] = True
             self._trace.append(index)
             return
-        if b.seen[slot]:
+        if self._traced_seen[index]:
             raise RuntimeError(self._twice_message(index))
-        b.seen[slot] = True
-        b.pending -= 1
-        if b.pending == 0:
+        self._traced_seen[index] = True
+        self._pending[b.index] -= 1
+        if self._pending[b.index] == 0:
             self._process_ready_in_order()
 
     def _twice_message(self, index: int) -> str:
@@ -191,7 +194,7 @@ class GossipReducer:
                 "extra backward passes in ddp.no_sync()")
 
     def _process_ready_in_order(self) -> None:
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
+        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
             self._process(self.buckets[self._next_bucket])
             self._next_bucket += 1
 
@@ -297,18 +300,8 @@ class GossipReducer:
             sched = self.scheduler_fn(opt) if self.scheduler_fn is not None else None
             if old:
                 carry_over_state(old, opt, sched)
-            bucket = make_bucket(bi, flat, names, opt, sched, exchange_buffer=not sharded)
-            if sharded:
-                assert self.intra is not None
-                # the bucket's optimizer never steps: it carries the hyper-parameters the user and the
-                # scheduler see; the shard's optimizer holds this rank's state
-                bucket.shard = make_shard(bucket, *self.intra.shard_range(bucket.numel), separate_grad=True)
-            elif bucket.fused:
-                # Allocated now, next to the bucket's blocks, rather than in the middle of the first
-                # backward: long-lived blocks then sit together and per-step temporaries reuse one
-                # region instead of fragmenting the heap.
-                opt.prepare_bucket_state(bucket.params, bucket.offsets, bucket.numel,  # type: ignore[attr-defined]
-                                         bucket.param_block.device)
+            shard = self.intra.shard_range(flat.block.numel()) if sharded and self.intra is not None else None
+            bucket = make_bucket(bi, flat, names, opt, sched, shard=shard)
             for slot, i in enumerate(indices):
                 self._bucket_of[i] = bi
                 self._slot_of[i] = slot
@@ -340,9 +333,8 @@ class GossipReducer:
         """The node's all-gathers of the updated shards (intra_node='shard'): before the parameters
         are used again."""
         for b in self.buckets:
-            sh = b.shard
-            if sh is not None and sh.gather is not None and self.intra is not None:
-                work, sh.gather = sh.gather, None
+            work = self._gathers.pop(b.index, None)
+            if work is not None and self.intra is not None:
                 self.intra.wait(work, f"the node's all-gather of bucket {b.index}'s updated shards")
                 b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
 
@@ -352,20 +344,17 @@ class GossipReducer:
         With intra_node the bucket's gradient reduction over the node starts here, and the bucket
         finishes (wait, mix, step, exchange) when the next bucket is processed or the iteration ends:
         the reduction runs while autograd computes the next bucket's gradients."""
-        if b.processed:
-            return
-        b.processed = True
         if self.intra is None:
             if local_step:
-                b.adopt_missing_grads()  # every gradient in grad_block before its norm is taken
+                b.adopt_grads()  # every gradient in grad_block before its norm is taken
             self._finish(b, local_step)
             return
         if local_step:
-            b.adopt_missing_grads()
+            b.adopt_grads()
         else:  # a joined rank: its node steps while any of its ranks has data
             count = self.intra.count()
             local_step = count is not None and float(count) > 0  # host read: joined ranks only
-        reduction = self.intra.start_reduction(b.grad_block, self._reduced_grad(b)) if local_step else None
+        reduction = self.intra.start_reduction(b.grad_block, b.grad) if local_step else None
         previous, self._deferred = self._deferred, (b, local_step, reduction)
         if previous is not None:
             self._finish(*previous)
@@ -376,10 +365,6 @@ class GossipReducer:
             previous, self._deferred = self._deferred, None
             self._finish(*previous)
 
-    @staticmethod
-    def _reduced_grad(b: Bucket) -> Tensor:
-        return b.shard.grad if b.shard is not None else b.grad_block
-
     def _finish(self, b: Bucket, local_step: bool, reduction: Optional[Any] = None) -> None:
         self.wait_exchange(b)
         received, nxt = self.plans.at(self.step), self.plans.at(self.step + 1)
@@ -389,21 +374,20 @@ class GossipReducer:
             if not b.comm_valid:
                 raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
             self._pre_average_hook(b, received.group)
-            recv = b.exchange_buffer
+            recv = b.comm
             a, c = received.mix_coefficients(self.adaptive_factor)
-        grad, reduce_sq = b.grad_block, None
+        reduce_sq = None
         if self.intra is not None and local_step:
-            grad = self._reduced_grad(b)
-            self.intra.finish_reduction(reduction, b.grad_block, grad)
-            reduce_sq = self.intra.squared_norm if b.shard is not None else None
-        grads = self.grad_scaling.bucket_args(b.index, grad, reduce_sq) if local_step else UNSCALED
+            self.intra.finish_reduction(reduction, b.grad_block, b.grad)
+            reduce_sq = self.intra.squared_norm if self.intra.shards else None
+        grads = self.grad_scaling.bucket_args(b.index, b.grad, reduce_sq) if local_step else UNSCALED
         b.step(recv, a, c, nxt.send_scale(), grads, local_step)
         b.comm_valid = False
         b.skip_mix = False
         assert self.comm is not None, "internal error: the reducer has no communicator (attach() first)"
-        b.work = nxt.launch(self.comm, b.index, b.exchanged, b.exchange_buffer)
-        if b.shard is not None and self.intra is not None:
-            b.shard.gather = self.intra.gather_params(b.param_block, b.shard.param)
+        b.work = nxt.launch(self.comm, b.index, b.param, b.comm)
+        if self.intra is not None and self.intra.shards:
+            self._gathers[b.index] = self.intra.gather_params(b.param_block, b.param)
 
     def _pre_average_hook(self, b: Bucket, group: Group) -> None:
         """decent-dp's extension point: ``optimizer.pre_average_hook(edge, weight)`` right before the
