@@ -1,10 +1,11 @@
 """Buckets: which parameters travel and step together, and their flat storage.
 
 A :class:`BucketPlan` assigns parameters (in gradient-ready order) to buckets with the
-extension's greedy packer; :class:`Bucket` owns one bucket's flat blocks (parameters, gradients,
-the exchange buffer), its optimizer and scheduler, and the per-iteration bookkeeping that the
-reducer needs. Parameters and their gradients become views into the flat blocks, so one kernel
-pass covers the whole bucket.
+extension's greedy packer; :class:`Bucket` owns one bucket's flat blocks (parameters, gradients),
+its optimizer and scheduler, the part of it this rank steps and exchanges (elements ``[lo, hi)``:
+the whole bucket, or a shard of it) with that part's exchange buffer, and one step path over that
+part. Parameters and their gradients become views into the flat blocks, so one kernel pass covers
+the part.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from . import _C, kernels
-from .grad_scaling import UNSCALED, BucketGradScaling, GradArgs
-from .optim import MAX_GROUPS_PER_BUCKET, FusedOptimizer, mark_stepped
+from .. import _C, kernels
+from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs
+from ..optim import MAX_GROUPS_PER_BUCKET, FusedOptimizer, mark_stepped
 
 logger = logging.getLogger(__name__)
 
