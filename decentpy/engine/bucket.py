@@ -222,8 +222,9 @@ class Bucket:
     def adopt_grads(self) -> None:
         """Every gradient a view of ``grad_block`` (those whose hook did not fire this iteration:
         unused parameters; the others are views already)."""
-        for slot in range(len(self.params)):
-            self.adopt_grad(slot)
+        for slot, (p, view) in enumerate(zip(self.params, self.grad_views)):
+            if p.grad is not view:
+                self.adopt_grad(slot)
 
     def _param_left(self, slot: int) -> bool:
         """The parameter no longer has its view's dtype/device or (views on) its storage."""

@@ -133,7 +133,7 @@ class GossipStrategy(BucketStrategy):
         self.grad_scaling.begin_iteration()
 
     def bucket_ready(self, bucket: int, joined: bool) -> None:
-        b = self.buckets[bucket]
+        b = self.layout.buckets[bucket]
         if not joined:
             b.adopt_grads()  # every gradient in grad_block before its norm is taken
         self.mix_and_step(b, not joined)

@@ -139,7 +139,7 @@ class NodeGossip(GossipStrategy):
             self.node.begin_count(active, self.layout.params[0].device)
 
     def bucket_ready(self, bucket: int, joined: bool) -> None:
-        b = self.buckets[bucket]
+        b = self.layout.buckets[bucket]
         local_step = not joined
         if local_step:
             b.adopt_grads()
