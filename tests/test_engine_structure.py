@@ -1,6 +1,7 @@
 """The backward engine's structure (docs/architecture.md), checked on the sources: one module
 registers autograd hooks, the driver has no branch on a strategy, every gossip strategy is
-registered by its ``intra_node`` name."""
+registered by its ``intra_node`` name, and the engine imports no private name from another package
+(the compiled extension is reached through ``decentpy.kernels``)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,14 @@ def test_gossip_strategies_are_registered_by_intra_node_name() -> None:
     assert list(GOSSIP_STRATEGIES) == ["gossip", "shard", "allreduce"]
     for name, cls in GOSSIP_STRATEGIES.items():
         assert issubclass(cls, GossipStrategy) and issubclass(cls, BucketStrategy) and cls.name == name
+
+
+def test_the_engine_imports_no_private_name_from_another_package() -> None:
+    bad = []
+    for path in (PACKAGE / "engine").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 2:
+                bad += [f"{path.name}: {alias.name}" for alias in node.names if alias.name.startswith("_")]
+                if node.module and any(part.startswith("_") for part in node.module.split(".")):
+                    bad.append(f"{path.name}: {node.module}")
+    assert not bad, bad

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from .. import _C, kernels
+from .. import kernels
 from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs
 from ..optim import MAX_GROUPS_PER_BUCKET, FusedOptimizer, mark_stepped
 
@@ -41,7 +41,7 @@ class BucketPlan:
         keys: Dict[Tuple[torch.dtype, torch.device], int] = {}
         key_ids = [keys.setdefault((params[i].dtype, params[i].device), len(keys)) for i in order]
         sizes = [params[i].numel() * params[i].element_size() for i in order]
-        assignment = _C.assign_buckets(sizes, key_ids, int(cap_bytes))
+        assignment = kernels.assign_buckets(sizes, key_ids, int(cap_bytes))
         return cls([[order[j] for j in bucket] for bucket in assignment])
 
 
@@ -321,7 +321,7 @@ def _segments_for(optimizer: Optimizer, params: Sequence[Tensor], offsets: Seque
         else:
             rows.append([begin, end, gi])
     table = torch.tensor(rows, dtype=torch.int64)
-    _C.check_segments(table, total, len(optimizer.param_groups))  # the GPU kernel trusts it
+    kernels.check_segments(table, total, len(optimizer.param_groups))  # the GPU kernel trusts it
     return table.to(device)
 
 
@@ -367,9 +367,9 @@ def flatten_params(params: List[Tensor], as_views: bool, pad_multiple: int = 1) 
     exchange and optimizer blocks are placed.
     """
     elem = params[0].element_size()
-    offsets, total = _C.aligned_offsets([p.numel() for p in params], elem, ALIGN_BYTES)
+    offsets, total = kernels.aligned_offsets([p.numel() for p in params], elem, ALIGN_BYTES)
     total = -(-total // pad_multiple) * pad_multiple  # equal shards (intra_node='shard')
-    block, views = _C.make_flat_block([p.detach() for p in params], offsets, total, True)
+    block, views = kernels.make_flat_block([p.detach() for p in params], offsets, total, True)
     if as_views:
         for p, v in zip(params, views):
             p.data = v
