@@ -20,13 +20,13 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
-from .bucket import Bucket, BucketPlan
 from .comm import CommGroup, default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
 from .comm import check_comm, or_world, select_communicator
+from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node
+from .engine.bucket import Bucket, BucketPlan
+from .engine.layout import OptimFn, SchedulerFn
 from .grad_scaling import BucketGradScaling
-from .intra_node import IntraNode, check_intra_node
-from .reducer import GossipReducer, OptimFn, SchedulerFn, accumulating
-from .topology import Topology, make_topology, node_topology, shard_topology
+from .topology import Topology
 from .topology_edges import hook_edges
 
 logger = logging.getLogger(__name__)
@@ -131,15 +131,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._local_world_size = int(lws)
         # Pure functions of the sizes: raise identically on every rank, before any collective.
         self._intra_node = intra_node
-        self._intra: Optional[IntraNode] = None
-        if intra_node == "gossip":
-            self._topology = make_topology(topology, self._world_size, self._local_world_size)
-            exchange_topology = self._topology
-        else:
-            self._intra = IntraNode(intra_node, self._rank, self._world_size, self._local_world_size,
-                                    timeout if timeout is not None else default_timeout())
-            self._topology = node_topology(topology, self._intra.nodes)  # over the nodes
-            exchange_topology = shard_topology(self._topology, self._local_world_size)
+        strategy = GOSSIP_STRATEGIES[intra_node]
+        setup = strategy.configure(topology, self._rank, self._world_size, self._local_world_size,
+                                   timeout if timeout is not None else default_timeout())
+        self._topology = setup.topology
+        exchange_topology = setup.exchange_topology
 
         self._model = model
         self._scaler = scaler
@@ -164,15 +160,17 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._check_device()
             self._check_dense_gradients()
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
-            self._reducer = GossipReducer(
-                self._params, self._param_names, optim_fn, lr_scheduler_fn, exchange_topology, self._grad_scaling,
-                self._bucket_size, self._param_as_bucket_view, self._timeout, group=self._group, intra=self._intra)
+            self._strategy: GossipStrategy = strategy(
+                self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
+                self._bucket_size, self._param_as_bucket_view, self._timeout, self._group)
+            self._driver = BackwardDriver()
+            self._driver.attach(self._params, self._strategy)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
             failure = exc
         raise_if_any_rank_failed(failure, "constructing DecentralizedDataParallel", group=self._process_group)
-        wants_edges = self._reducer.has_pre_average_hook()
+        wants_edges = self._strategy.layout.has_pre_average_hook()
         self._check_same_model(wants_edges)
-        if wants_edges and self._intra is not None:  # the same verdict on every rank (checked just above)
+        if wants_edges and not strategy.exchanges_whole_model:  # the same verdict on every rank (checked above)
             raise ValueError(
                 f"optimizers with decent-dp's pre_average_hook see each exchange of the whole model; with "
                 f"intra_node={intra_node!r} the exchanges carry shards or node means: use intra_node='gossip' or an "
@@ -183,21 +181,14 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 "the edge's ranks, which decentpy creates on the world only; with process_group= use an optimizer "
                 "without pre_average_hook")
         self._broadcast_from_rank0()
-        if self._intra is not None:
-            self._intra.connect(self._group, self._params[0].device)
+        self._strategy.connect(self._params[0].device)
         comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
                                     group=self._group)
         # Edges (with process groups) for optimizers that hook into the averaging; collective, so
         # only after the check above proved every rank wants them.
-        self._reducer.attach(comm_, hook_edges(self._topology) if wants_edges else None)
+        self._strategy.attach(comm_, hook_edges(self._topology) if wants_edges else None)
         self._comm = comm_
-        self._shard_hooks: List[Any] = []
-        if self._intra is not None and self._intra.shards:
-            # The node's all-gather of the updated shards is in flight after a step: whoever reads the
-            # parameters next (a forward of the model, with or without this wrapper; a state dict) waits.
-            wait = self._reducer.wait_gathers
-            self._shard_hooks = [model.register_forward_pre_hook(lambda *_: wait()),
-                                 model.register_state_dict_pre_hook(lambda *_: wait())]
+        self._module_hooks: List[Any] = self._strategy.module_hooks(model)
         if self._rank == 0:
             logger.info("decentpy: %s, %s %d, local world size %d, bucket cap %.1f MiB",
                         self._topology.describe(),
@@ -275,20 +266,20 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     @property
     def step_count(self) -> int:
         """Iterations completed (the schedule index of the next mix)."""
-        return self._reducer.step
+        return self._strategy.step
 
     @property
     def buckets(self) -> Tuple[Bucket, ...]:
         """The buckets, in exchange order (read-only view for inspection: each has its parameters,
         flat blocks, optimizer and scheduler; the layout is final after the first iteration)."""
-        return tuple(self._reducer.buckets)
+        return tuple(self._strategy.buckets)
 
     def skip_next_mix(self) -> None:
         """Complete the exchanges in flight and do not average with them: the next iteration's mix
         is the identity. For after giving every worker the same parameters by hand (the values in
         flight would be stale); :meth:`global_avg` does this itself."""
-        self._reducer.wait_all()
-        self._reducer.mark_equal()
+        self._strategy.wait_all()
+        self._strategy.mark_equal()
 
     @property
     def _optims(self) -> List[torch.optim.Optimizer]:
@@ -299,23 +290,23 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         list is final after the first training iteration (which may regroup the buckets; state
         loaded or edited before then is carried over).
         """
-        return [b.optimizer for b in self._reducer.buckets]
+        return [b.optimizer for b in self._strategy.buckets]
 
     @property
     def state_optimizers(self) -> List[torch.optim.Optimizer]:
         """The optimizers that hold this rank's optimizer state, in bucket order: :attr:`_optims`, or
         with ``intra_node='shard'`` each bucket's shard optimizer (over 1-D pieces of the parameters;
         its hyper-parameters follow :attr:`_optims`, which holds no state then)."""
-        return [b.state_optimizer for b in self._reducer.buckets]
+        return [b.state_optimizer for b in self._strategy.buckets]
 
     @property
     def _lr_schedulers(self) -> List[Optional[LRScheduler]]:
         """The per-bucket LR schedulers (``None`` entries without ``lr_scheduler_fn``), bucket order."""
-        return [b.scheduler for b in self._reducer.buckets]
+        return [b.scheduler for b in self._strategy.buckets]
 
     def wait(self) -> None:
         """Finish every exchange in flight (e.g. before timing, or before reading the buffers)."""
-        self._reducer.wait_all()
+        self._strategy.wait_all()
 
     def close(self) -> None:
         """Finish the exchanges in flight, remove the autograd hooks and release decentpy's process
@@ -323,18 +314,17 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         any more. Idempotent; also called by ``with DecentralizedDataParallel(...) as ddp:``."""
         if self._closed:
             return
-        self._reducer.wait_all()
-        self._reducer.remove_hooks()
-        groups = [e.group for e in (self._reducer.hook_edges or {}).values()]
+        self._strategy.wait_all()
+        self._driver.remove_hooks()
+        groups = [e.group for e in (self._strategy.hook_edges or {}).values()]
         for g in dict.fromkeys(g for g in groups if g is not None):
             dist.destroy_process_group(g)
-        self._reducer.hook_edges = None
+        self._strategy.hook_edges = None
         self._comm.close()
-        for h in self._shard_hooks:
+        for h in self._module_hooks:
             h.remove()
-        self._shard_hooks = []
-        if self._intra is not None:
-            self._intra.close()
+        self._module_hooks = []
+        self._strategy.close()
         self._closed = True
 
     def __enter__(self) -> "DecentralizedDataParallel":
@@ -350,31 +340,31 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         # The wrapped model's mode decides (as in decent-dp), so `ddp.module.eval()` works too.
         if self._model.training and torch.is_grad_enabled():
             in_join = Join.notify_join_context(self) is not None  # tells joined ranks to shadow this iteration
-            self._reducer.prepare(count_node=in_join)
+            self._driver.arm(in_join=in_join)
         elif torch.is_grad_enabled():
-            self._reducer.leave_iteration()
+            self._driver.leave_iteration()
         with torch.autograd.profiler.record_function("DecentralizedDataParallel.forward"):
             return self._model(*args, **kwargs)
 
     def set_accumulate_grad(self, enable: bool = True) -> None:
         """Accumulate gradients without stepping; the first backward after ``False`` steps."""
-        self._reducer.accumulate = bool(enable)
+        self._driver.set_accumulate(enable)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: backward passes inside only accumulate gradients."""
-        with accumulating(self._reducer):
+        with self._driver.accumulating():
             yield
 
     def set_adaptive_factor(self, factor: float) -> None:
         """Scale the mixing: ``p <- (1 - f) p + f * mix(p)`` (1.0, the default, is plain gossip)."""
         if not (0.0 <= factor <= 1.0):
             raise ValueError(f"adaptive factor must be in [0, 1], got {factor}")
-        self._reducer.adaptive_factor = float(factor)
+        self._strategy.adaptive_factor = float(factor)
 
     def get_lr(self) -> float:
         """Learning rate of the first bucket's first parameter group."""
-        b = self._reducer.buckets[0]
+        b = self._strategy.buckets[0]
         if b.scheduler is not None:
             return float(b.scheduler.get_last_lr()[0])
         return float(b.optimizer.param_groups[0]["lr"])
@@ -392,8 +382,17 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                     global_avg=global_avg)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        """Hook shadowing one training iteration of the non-joined ranks per call."""
-        return _GossipJoinHook(self, global_avg=bool(kwargs.get("global_avg", False)))
+        """Hook shadowing one training iteration of the non-joined ranks per call: bucket by bucket,
+        wait, mix what arrives and re-send, without a local step; at the end, the exchanges complete
+        (and with ``global_avg`` every worker gets the average)."""
+        global_avg = bool(kwargs.get("global_avg", False))
+
+        def after() -> None:
+            self._strategy.wait_all()
+            if global_avg:
+                self.global_avg(will_revert=False)
+
+        return DriverJoinHook(self._driver, after=after)
 
     @property
     def join_device(self) -> torch.device:
@@ -405,7 +404,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     # -- averaging -----------------------------------------------------------------------------
     def _param_tensors(self) -> List[Tensor]:
-        r = self._reducer
+        r = self._strategy
         if r.buckets and self._param_as_bucket_view:
             return [b.param_block for b in r.buckets]
         return [p.detach() for p in self._params]
@@ -422,7 +421,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         average. ``sync_buffers`` (default: ``sync_buffer_in_global_avg``) also averages float
         buffers. A collective: call it on every rank.
         """
-        r = self._reducer
+        r = self._strategy
         r.wait_all()
         tensors = self._param_tensors()
         if will_revert or return_d2c:
@@ -448,7 +447,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if len(self._backups) != len(tensors):
             raise RuntimeError("no backup to revert to: call global_avg(will_revert=True) first")
         torch._foreach_copy_(tensors, self._backups)
-        for b, skip in zip(self._reducer.buckets, self._skip_mix_before_avg):
+        for b, skip in zip(self._strategy.buckets, self._skip_mix_before_avg):
             b.skip_mix = skip
 
     @torch.no_grad()
@@ -457,7 +456,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
         sqrt(1/n * sum_i ||x_i - mean||^2), the same value on every rank. A collective.
         """
-        self._reducer.wait_all()
+        self._strategy.wait_all()
         if self._world_size == 1:
             return 0.0
         total = torch.zeros((), dtype=torch.float64)
@@ -490,7 +489,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             raise ValueError("load_state_dict(assign=True) would replace the parameters that live in decentpy's "
                              "buckets; load with assign=False (the default), which copies the values in place")
         prefixed = _with_model_prefix(state_dict, list(nn.Module.state_dict(self, keep_vars=True)))
-        r = self._reducer
+        r = self._strategy
         r.wait_all()  # a pair exchange may still be reading the parameter blocks
         with torch.no_grad():
             result = nn.Module.load_state_dict(self, prefixed, strict=strict)
@@ -505,12 +504,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         layout, and the bucket exchange that is in flight (completed first). Each rank saves
         its own; :meth:`load_training_state_dict` resumes bit for bit.
         """
-        r = self._reducer
+        r = self._strategy
         r.wait_all()
         # Before the first iteration nothing has stepped and the layout is provisional: no layout or
         # optimizer state is saved, and loading such a checkpoint leaves the layout to the trace.
-        final = r.layout_final
-        plan = r.plan if final else None
+        final = r.layout.final
+        plan = r.layout.plan if final else None
         buckets = r.buckets if final else []
         return {
             "model": self._model.state_dict(),
@@ -518,7 +517,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "buckets": plan.buckets if plan is not None else None,
             "optimizers": [b.state_optimizer.state_dict() for b in buckets],
             "schedulers": [b.scheduler.state_dict() if b.scheduler is not None else None for b in buckets],
-            "exchange": [b.exchange_buffer.clone() if b.comm_valid else None for b in buckets],
+            "exchange": [b.comm.clone() if b.comm_valid else None for b in buckets],
             "skip_mix": [b.skip_mix for b in buckets],
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "topology": self._topology.name,
@@ -538,16 +537,16 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             raise ValueError(f"checkpoint was saved with world size {state_dict['world_size']}, "
                              f"this run has {self._world_size}")
         saved_intra = (state_dict.get("intra_node", "gossip"), state_dict.get("local_world_size"))
-        if self._intra is not None or saved_intra[0] != "gossip":
+        if self._intra_node != "gossip" or saved_intra[0] != "gossip":
             if saved_intra != (self._intra_node, self._local_world_size):
                 raise ValueError(f"checkpoint was saved with intra_node={saved_intra[0]!r}, local_world_size="
                                  f"{saved_intra[1]}; this run has intra_node={self._intra_node!r}, local_world_size="
                                  f"{self._local_world_size} (each rank's optimizer state is its shard)")
-        r = self._reducer
+        r = self._strategy
         r.wait_all()
         saved = state_dict["buckets"]
         if saved is not None:
-            r.adopt_plan(BucketPlan([list(b) for b in saved]))
+            r.layout.adopt(BucketPlan([list(b) for b in saved]))
         result = self._model.load_state_dict(state_dict["model"], strict=strict)
         for b, opt_sd, sch_sd, ex, skip in zip(r.buckets, state_dict["optimizers"], state_dict["schedulers"],
                                                state_dict["exchange"], state_dict["skip_mix"]):
@@ -555,7 +554,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             if b.scheduler is not None and sch_sd is not None:
                 b.scheduler.load_state_dict(sch_sd)
             if ex is not None:
-                b.exchange_buffer.copy_(ex)
+                b.comm.copy_(ex)
             b.comm_valid = ex is not None
             b.skip_mix = bool(skip)
             b.gather_params()
@@ -583,22 +582,6 @@ def _with_model_prefix(state_dict: Mapping[str, Any], expected: List[str]) -> Di
     want = set(expected)
     candidates = [dict(state_dict), renamed("", _MODEL_PREFIX), renamed("module.", _MODEL_PREFIX)]
     return max(candidates, key=lambda c: len(want.intersection(c)))  # first wins a tie
-
-
-class _GossipJoinHook(JoinHook):
-    """A joined rank mirrors each iteration's exchanges, bucket by bucket, without stepping."""
-
-    def __init__(self, ddp: DecentralizedDataParallel, global_avg: bool) -> None:
-        self.ddp = ddp
-        self.global_avg = global_avg
-
-    def main_hook(self) -> None:
-        self.ddp._reducer.shadow_iteration()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.ddp._reducer.wait_all()
-        if self.global_avg:
-            self.ddp.global_avg(will_revert=False)
 
 
 @torch.no_grad()

@@ -1,7 +1,7 @@
 """The one Python module that calls decentpy's compiled kernels.
 
-The fused optimizers (:mod:`decentpy.optim`), the generic mix of the reducer and the send-buffer
-copy all go through here. The kernel contract's types come from the extension itself
+The fused optimizers (:mod:`decentpy.optim`), the generic mix of a bucket step, the send-buffer
+copy and the bucket packing (assignment, aligned offsets, flat blocks) all go through here. The kernel contract's types come from the extension itself
 (``_C.OptKind``, ``_C.GroupHyper``, ``_C.MAX_GROUPS``), so Python never copies an enum value or a
 limit, and every argument is passed by keyword: a mismatch between the two sides fails at the
 call with pybind's message instead of silently reading the wrong slot.
@@ -9,7 +9,7 @@ call with pybind's message instead of silently reading the wrong slot.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -17,7 +17,8 @@ from torch import Tensor
 from . import _C
 
 __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "mix", "scale_copy",
-           "segments_for_numel", "flat_alias"]
+           "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
+           "make_flat_block"]
 
 OptKind = _C.OptKind
 GroupHyper = _C.GroupHyper
@@ -58,6 +59,30 @@ def scale_copy(dst: Tensor, src: Tensor, alpha: float) -> None:
 def segments_for_numel(numel: int, device: torch.device) -> Tensor:
     """The segment table of a buffer with one parameter group."""
     return torch.tensor([[0, int(numel), 0]], dtype=torch.int64, device=device)
+
+
+def check_segments(segments: Tensor, numel: int, num_groups: int) -> None:
+    """Validate a CPU segment table (sorted, disjoint, covering ``[0, numel)``, groups below
+    ``num_groups``) before it goes to the device: the GPU kernel trusts it."""
+    _C.check_segments(segments, numel, num_groups)
+
+
+def assign_buckets(size_bytes: Sequence[int], keys: Sequence[int], cap_bytes: int) -> List[List[int]]:
+    """Greedy bucket assignment in gradient-ready order, one open bucket per key (dtype, device);
+    lists of tensor indices, in closing order."""
+    return _C.assign_buckets(list(size_bytes), list(keys), int(cap_bytes))
+
+
+def aligned_offsets(numels: Sequence[int], element_size: int, align_bytes: int) -> Tuple[List[int], int]:
+    """Element offsets aligned to ``align_bytes``, and the (aligned) total number of elements."""
+    return _C.aligned_offsets(list(numels), element_size, align_bytes)
+
+
+def make_flat_block(tensors: Sequence[Tensor], offsets: Sequence[int], total: int,
+                    copy_values: bool) -> Tuple[Tensor, List[Tensor]]:
+    """A zero-filled flat block of ``total`` elements and one view per tensor at its offset
+    (strides kept when dense), with the tensors' values copied in when ``copy_values``."""
+    return _C.make_flat_block(list(tensors), list(offsets), total, copy_values)
 
 
 def flat_alias(t: Tensor) -> Tensor:

@@ -79,6 +79,13 @@ def _adam_group(lr: float, weight_decay: float, betas: Tuple[float, float], eps:
                               eps=float(eps), bias_step=int(bias_step), accum_iter=int(accum_iter))
 
 
+def mark_stepped(optimizer: Optimizer) -> None:
+    """Tell LR schedulers that ``optimizer`` has stepped: torch's ``LRScheduler`` sets this flag from
+    its wrapper of ``optimizer.step()`` and warns at its first step when the flag is missing. Bucket
+    steps bypass ``step()`` (the fused pass, or a shard's own optimizer), so they set it here."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 class FusedOptimizer(Optimizer):
     """Base class of the fused optimizers: one kernel pass per bucket (or per tensor standalone)."""
 
@@ -155,7 +162,7 @@ class FusedOptimizer(Optimizer):
                 momentum_init, accum_boundary = self._flags(step)
                 _step_one_tensor(self.kind, p, p.grad, states, self._hyper(group, step),
                                  self.decoupled_weight_decay, momentum_init, accum_boundary)
-        self._opt_called = True
+        mark_stepped(self)
         return loss
 
     def _uses_state_for(self, group: Dict[str, Any]) -> Tuple[str, ...]:
@@ -255,7 +262,7 @@ class FusedOptimizer(Optimizer):
         if updated:
             assert self._shared_step is not None
             self._shared_step += 1
-        self._opt_called = True  # tells LR schedulers that this optimizer has stepped
+        mark_stepped(self)
 
 
 class SGD(FusedOptimizer):

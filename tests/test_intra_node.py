@@ -289,6 +289,28 @@ def test_bad_arguments_are_refused_before_any_collective() -> None:
         node_topology("alternating-exp-ring", 1)
 
 
+def test_one_rank_per_node_without_bucket_views_steps_the_parameters() -> None:
+    """With L = 1 a rank's shard is its whole bucket and no all-gather follows the step: with
+    param_as_bucket_view=False the parameters must still take the stepped block (as with gossip)."""
+    from decentpy import DecentralizedDataParallel
+
+    got = {}
+    with single_process_group("gloo"):
+        for intra in ("gossip", "shard", "allreduce"):
+            model = make_mlp(0)
+            ddp = DecentralizedDataParallel(model, decentpy_optim_fn("adam"), intra_node=intra, local_world_size=1,
+                                            param_as_bucket_view=False)
+            for k in range(3):
+                x, y = batch(0, k)
+                loss_fn(ddp(x), y).backward()
+            ddp.wait()
+            got[intra] = _params(model)
+            ddp.close()
+    assert got["shard"].keys() == got["gossip"].keys()
+    for intra in ("shard", "allreduce"):
+        assert all(torch.equal(got[intra][k], got["gossip"][k]) for k in got["gossip"]), intra
+
+
 @pytest.mark.parametrize("name,nodes,local", [("ring", 4, 2), ("one-peer-exp", 4, 3), ("alternating-exp-ring", 4, 2),
                                               ("complete", 2, 4)])
 def test_shard_exchange_is_the_node_mixing_per_shard(name: str, nodes: int, local: int) -> None:

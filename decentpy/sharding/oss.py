@@ -27,8 +27,9 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from ..bucket import flatten_params
-from ..comm import first_difference_across_ranks, group_ranks, or_world, raise_if_any_rank_failed
+from ..comm import default_timeout, first_difference_across_ranks, group_ranks, or_world, raise_if_any_rank_failed
+from ..engine.bucket import flatten_params
+from ..engine.driver import BoundedWait
 from ..kernels import flat_alias
 from ..optim import fuse_torch_optimizer
 from .partition import MIN_SPLIT_NUMEL, Shard, owner_runs, partition_by_size
@@ -96,6 +97,7 @@ class OSS(Optimizer, Joinable):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._global_ranks = group_ranks(self.group)
+        self._timeout = default_timeout()
         self.broadcast_fp16 = bool(broadcast_fp16)
         self._optim_class = optim
         self._optim_defaults = defaults
@@ -303,9 +305,11 @@ class OSS(Optimizer, Joinable):
                 else:
                     payload = torch.empty_like(t, dtype=torch.float16)
                     staged.append((t, payload))
-            works.append(dist.broadcast(payload, src=self._global_ranks[owner], group=self.group, async_op=True))
-        for w in works:
-            w.wait()
+            works.append((owner, dist.broadcast(payload, src=self._global_ranks[owner], group=self.group,
+                                                async_op=True)))
+        wait = BoundedWait(self._timeout, self._casts[0][1].device if self._casts else None)
+        for owner, w in works:
+            wait(w, f"the broadcast of group rank {owner}'s updated parameters")
         for t, payload in staged:
             t.copy_(payload)
 

@@ -1,7 +1,8 @@
 """``ShardedDataParallel``: gradients reduced to the rank that owns them (ZeRO stage 2).
 
 fairscale's constructor and methods. The partition comes from the sharded optimizer(s)
-(:class:`~decentpy.sharding.OSS`); the reduction is :class:`ShardedGradReducer`. Fixes over
+(:class:`~decentpy.sharding.OSS`); the reduction is the backward driver's
+:class:`~decentpy.engine.sharded_grads.ShardedGrads` strategy. Fixes over
 fairscale 0.4.13: ``zero_grad(set_to_none=True)`` (torch's default) trains on fresh gradients
 (fairscale's buckets kept stale ones), ``reduce_fp16`` works with buckets, unused parameters need
 no flag and never hang, and bad input raises on every rank before any collective.
@@ -18,8 +19,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..comm import first_difference_across_ranks, group_ranks, or_world, raise_if_any_rank_failed
-from .grad_reducer import ShardedGradReducer
+from ..comm import default_timeout, first_difference_across_ranks, group_ranks, or_world, raise_if_any_rank_failed
+from ..engine.driver import BackwardDriver, DriverJoinHook
+from ..engine.sharded_grads import ShardedGrads
 from .oss import OSS, comm_device
 
 __all__ = ["ShardedDataParallel"]
@@ -59,7 +61,9 @@ class ShardedDataParallel(nn.Module, Joinable):
         self._auto_refresh_trainable = bool(auto_refresh_trainable)
         self._reduce_fp16 = bool(reduce_fp16)
         self._cap = int(reduce_buffer_size)
-        self._reducer: Optional[ShardedGradReducer] = None
+        self._timeout = default_timeout()
+        self._driver = BackwardDriver()
+        self._grads: Optional[ShardedGrads] = None
 
         failure: Optional[BaseException] = None
         try:
@@ -133,28 +137,24 @@ class ShardedDataParallel(nn.Module, Joinable):
     def refresh_trainable(self) -> None:
         """Rebuild the gradient buckets (and the optimizers' broadcast blocks) for the parameters
         that require gradients now."""
-        accumulate = False
-        if self._reducer is not None:
-            self._reducer.remove_hooks()
-            accumulate = self._reducer.accumulate  # a no_sync() active now stays active
+        self._driver.remove_hooks()
         for o in self._optims:
             o.refresh_trainable()
         layouts = [layout for o in self._optims for layout in o.flat_layouts()]
-        self._reducer = ShardedGradReducer(layouts, self._process_group, self._global_ranks, self._cap,
-                                           self._reduce_fp16)
-        self._reducer.accumulate = accumulate
+        self._grads = ShardedGrads(layouts, self._process_group, self._global_ranks, self._cap, self._reduce_fp16,
+                                   self._timeout)
+        self._driver.attach(self._grads.params, self._grads)  # (a no_sync() active now stays active)
         self._mask = self._trainable_mask()
 
     @property
     def reductions_per_backward(self) -> int:
         """How many ``reduce`` collectives one backward issues (none on a group of one): one per
         owner's run of each flat block, more when a run exceeds ``reduce_buffer_size``."""
-        assert self._reducer is not None
-        return self._reducer.num_collectives
+        assert self._grads is not None
+        return self._grads.num_collectives
 
     # -- forward / backward ------------------------------------------------------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        assert self._reducer is not None
         training = self.module.training and torch.is_grad_enabled()
         for name, p in self.module.named_parameters():
             d = self._devices.get(id(p))
@@ -170,29 +170,23 @@ class ShardedDataParallel(nn.Module, Joinable):
             self.refresh_trainable()
         if self.module.training and torch.is_grad_enabled():
             Join.notify_join_context(self)
-            if self._enable_broadcast_buffers and not self._reducer.accumulate:
+            if self._enable_broadcast_buffers and not self._driver.accumulate:
                 self.sync_buffers(blocking=True)
-            self._reducer.prepare()
+            self._driver.arm()
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradients accumulate locally; the next backward outside (or :meth:`reduce`) reduces them.
-        A forward inside may rebuild the reducer (``requires_grad`` changed): the new one inherits
-        the flag, and the flag is restored on the reducer in use when the context ends."""
-        assert self._reducer is not None
-        before = self._reducer.accumulate
-        self._reducer.accumulate = True
-        try:
+        A forward inside may rebuild the gradient buckets (``requires_grad`` changed); the context
+        stays active over the rebuild."""
+        with self._driver.accumulating():
             yield
-        finally:
-            self._reducer.accumulate = before
 
     def reduce(self) -> None:
         """Reduce the gradients accumulated so far now (after backward passes under :meth:`no_sync`).
         A collective: call it on every rank."""
-        assert self._reducer is not None
-        self._reducer.reduce_now()
+        self._driver.run_iteration(joined=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
         """Reset the gradients of the module's parameters (``None`` by default, as torch)."""
@@ -225,7 +219,11 @@ class ShardedDataParallel(nn.Module, Joinable):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """A joined rank matches each iteration's buffer broadcast and gradient reductions with zero
         gradients (torch DDP's semantics: the mean stays over the whole group)."""
-        return _SDPJoinHook(self)
+        return DriverJoinHook(self._driver, before=self._sync_buffers_if_enabled)
+
+    def _sync_buffers_if_enabled(self) -> None:
+        if self._enable_broadcast_buffers:
+            self.sync_buffers(blocking=True)
 
     @property
     def join_device(self) -> torch.device:
@@ -234,15 +232,3 @@ class ShardedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self) -> Any:
         return self._process_group
-
-
-class _SDPJoinHook(JoinHook):
-    def __init__(self, sdp: ShardedDataParallel) -> None:
-        self.sdp = sdp
-
-    def main_hook(self) -> None:
-        sdp = self.sdp
-        assert sdp._reducer is not None
-        if sdp._enable_broadcast_buffers:
-            sdp.sync_buffers(blocking=True)
-        sdp._reducer.finish_joined()

@@ -1,7 +1,7 @@
-"""Gradient reduction to the owning ranks, unit by unit, inside backward.
+"""The sharded-gradient reduce of ``ShardedDataParallel``: gradients to their owning ranks, unit
+by unit, inside backward (a strategy of the backward driver, whose buckets are the units below).
 
-Like decentpy's gossip reducer (and c10d's ``Reducer``), one object sees every gradient become
-ready. Each iteration the gradients go into a flat gradient block laid out as the sharded
+Each iteration the gradients go into a flat gradient block laid out as the sharded
 optimizer's parameter block (:class:`~decentpy.sharding.oss.FlatLayout`), in which every owner's
 elements are one contiguous run, preceded in the gradient block by one *usage flag* per parameter
 overlapping the run. Each run (with its flags) is cut into *units* of at most
@@ -11,9 +11,9 @@ one owner (gloo's reduce-scatter costs more than an all-reduce).
 
 When a gradient is ready it is copied into the block, pre-divided by the group size (torch DDP's
 mean, computed as DDP does, while copying), and the rank drops its own copy. Units are launched
-from the end of the block (gradient-ready order, as autograd usually runs), each as soon as every
-parameter overlapping it has its gradient and every earlier unit has gone (so that all ranks issue
-their collectives in the same order): the last layers' owner receives while the first layers
+from the end of the block (gradient-ready order, as autograd usually runs), each as soon as the
+driver finds every parameter overlapping it has its gradient and every earlier unit has gone (so
+that all ranks issue their collectives in the same order): the last layers' owner receives while the first layers
 still compute. A run's flags ride in its lowest unit, launched after the rest of the run, when
 this rank's usage of each of its parameters is known (1: it had a gradient here, set on the
 device): their sums say whether any rank had a gradient, without a collective of their own. The
@@ -22,22 +22,29 @@ usual iteration, every parameter used, has no host synchronisation).
 
 At the end of backward the units not launched yet are launched (a parameter without a new
 gradient contributes the one it accumulated under ``no_sync``, or zeros), every reduction
-completes and the owner copies its run out of the block (the block then goes): a parameter it
+completes (bounded waits) and the owner copies its run out of the block (the block then goes): a parameter it
 owns whole gets a gradient viewing that copy, a piece of a split parameter likewise, a parameter
 no rank used ``None`` (as torch DDP); every other gradient is ``None``.
 """
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..kernels import flat_alias
-from .oss import FlatLayout
+from .driver import BoundedWait
+from .strategy import BucketStrategy, Readiness
+
+if TYPE_CHECKING:
+    from ..sharding.oss import FlatLayout
+
+__all__ = ["ShardedGrads"]
 
 
 @dataclass(frozen=True)
@@ -86,9 +93,7 @@ class Unit:
     hi: int
     params: List[int]
     flags_of: Optional[int] = None
-    pending: int = 0
     work: Optional[Any] = None
-    launched: bool = False
 
 
 @dataclass
@@ -105,7 +110,7 @@ class Target:
     flag: int
 
 
-def plan_layout(layout: FlatLayout) -> Plan:
+def plan_layout(layout: "FlatLayout") -> Plan:
     """Where each run, its flags and each parameter's segments go in the gradient block."""
     ends = [off + p.numel() for off, p in zip(layout.offsets, layout.params)]
     runs: List[Run] = []
@@ -123,12 +128,13 @@ def plan_layout(layout: FlatLayout) -> Plan:
     return Plan(runs, segments, layout.block.numel() + shift)
 
 
-class ShardedGradReducer:
-    """Gradient blocks, units, hooks and in-order collectives for one
-    :class:`~decentpy.sharding.ShardedDataParallel`."""
+class ShardedGrads(BucketStrategy):
+    """Gradient blocks, units and in-order reductions for one
+    :class:`~decentpy.sharding.ShardedDataParallel`; the driver's parameters are :attr:`params`
+    (every layout's, in order), its buckets the units."""
 
-    def __init__(self, layouts: List[FlatLayout], group: Any, global_ranks: List[int], cap_elements: int,
-                 reduce_fp16: bool) -> None:
+    def __init__(self, layouts: List["FlatLayout"], group: Any, global_ranks: List[int], cap_elements: int,
+                 reduce_fp16: bool, timeout: datetime.timedelta) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -136,20 +142,17 @@ class ShardedGradReducer:
         self.reduce_fp16 = reduce_fp16
         self.layouts = layouts
         self.plans = [plan_layout(layout) for layout in layouts]
-        self.accumulate = False          # no_sync
-        self.armed = False               # a training forward ran: its backward reduces
-        self._callback_queued = False
+        self.wait = BoundedWait(timeout, layouts[0].block.device if layouts else None)
         self._scale = 1.0 / self.world_size
-        self._index: Dict[int, Tuple[int, int, int]] = {}  # id(param) -> (layout, position, running index)
-        n = 0
+        self.params: List[Tensor] = [p for layout in layouts for p in layout.params]
+        self._where: List[Tuple[int, int]] = []  # running index -> (layout, position)
+        self._base: List[int] = []               # layout -> running index of its first parameter
         for k, layout in enumerate(layouts):
-            for i, p in enumerate(layout.params):
-                self._index[id(p)] = (k, i, n)
-                n += 1
-        self._count = n
+            self._base.append(len(self._where))
+            self._where += [(k, i) for i in range(len(layout.params))]
+        n = self._count = len(self.params)
         self.targets: List[List[Target]] = [self._targets(k) for k in range(len(layouts))]
         self.units: List[Unit] = []
-        self._units_of: Dict[int, List[int]] = {}  # id(param) -> the units it overlaps
         cap = int(cap_elements)
         for k, plan in enumerate(self.plans):
             for j in reversed(range(len(plan.runs))):  # from the end: gradient-ready order
@@ -163,16 +166,13 @@ class ShardedGradReducer:
                     if bottom <= run.at:
                         bottom = run.flags_at  # the lowest unit carries the flags
                     params = [i for i, sg in mine.items() if sg.at < top and sg.at + sg.stop - sg.start > bottom]
-                    for i in params:
-                        self._units_of.setdefault(id(layouts[k].params[i]), []).append(len(self.units))
                     self.units.append(Unit(k, run.owner, bottom, top, params,
                                            flags_of=j if bottom == run.flags_at else None))
                     top = bottom
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for layout in layouts for p in layout.params]
+        self._readiness = Readiness.of([[self._base[u.layout] + i for i in u.params] for u in self.units], n)
         self._blocks: List[Optional[Tensor]] = [None] * len(layouts)
         self._used: List[float] = [0.0] * n     # this iteration: had a gradient on this rank
         self._written: List[bool] = [False] * n
-        self._next = 0
 
     def _targets(self, k: int) -> List[Target]:
         """What this rank steps of layout ``k``: its whole parameters and pieces, with their runs."""
@@ -189,11 +189,6 @@ class ShardedGradReducer:
                 out.append(Target(tensor, lo, hi, shard.whole, j, plan.runs[j].params.index(i)))
         return out
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
     @property
     def num_collectives(self) -> int:
         """Collectives per iteration: one reduction per unit (none on a group of one)."""
@@ -203,24 +198,17 @@ class ShardedGradReducer:
     def _block_dtype(self, layout: FlatLayout) -> torch.dtype:
         return torch.float16 if self.reduce_fp16 else layout.block.dtype
 
-    def reset(self) -> None:
+    def readiness(self) -> Readiness:
+        return self._readiness
+
+    def begin_iteration(self, in_join: bool, active: bool) -> None:
         """A new reduction: fresh (uninitialised) gradient blocks, every unit waiting."""
-        self._next = 0
         self._used = [0.0] * self._count
         self._written = [False] * self._count
         self._blocks = [torch.empty(plan.numel, dtype=self._block_dtype(layout), device=layout.block.device)
                         for layout, plan in zip(self.layouts, self.plans)]
         for u in self.units:
-            u.pending = len(u.params)
             u.work = None
-            u.launched = False
-
-    def prepare(self) -> None:
-        """A training forward: its backward is one reduction of every unit."""
-        if self._callback_queued:
-            return
-        self.reset()
-        self.armed = True
 
     def _put(self, k: int, i: int, g: Optional[Tensor], add: bool = False) -> None:
         """Parameter ``i`` of layout ``k`` into the gradient block: ``g / world`` (added to what is
@@ -249,51 +237,38 @@ class ShardedGradReducer:
             else:
                 torch.mul(flat.narrow(0, s.start, s.stop - s.start), self._scale, out=dst)
 
-    @torch.no_grad()
-    def _hook(self, p: Tensor) -> None:
-        if self.accumulate or not self.armed:
-            return
+    def grad_ready(self, n: int, first: bool, sent: bool) -> bool:
+        p = self.params[n]
         g = p.grad
         if g is None:
-            return
+            return False
         if g.requires_grad:
             raise RuntimeError("ShardedDataParallel reduces plain gradients; this backward made gradients that require "
                                "grad (create_graph=True): use torch DDP for higher-order gradients")
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        k, i, n = self._index[id(p)]
-        units = [self.units[j] for j in self._units_of.get(id(p), [])]
-        if any(u.launched for u in units):
+        k, i = self._where[n]
+        if sent:
             raise RuntimeError(f"parameter {i} of shape {tuple(p.shape)} got a second gradient in one backward after "
                                "its gradients were sent (reentrant checkpointing, or a parameter used in two "
                                "backward passes of one iteration?); torch DDP refuses this as well")
-        if self._written[n]:  # a second gradient before its units went: add it
+        if not first:  # a second gradient before its units went: add it
             self._put(k, i, g, add=True)
         else:
             self._put(k, i, g)
             self._written[n] = True
             self._used[n] = 1.0
-            for u in units:
-                u.pending -= 1
         p.grad = None  # this rank's copy goes now; the owner gets the reduced one at the end
-        while self._next < len(self.units) and self.units[self._next].pending == 0:
-            self._launch(self.units[self._next], zeros=False)
-            self._next += 1
+        return True
 
-    def _end_of_backward(self) -> None:
-        try:
-            self.finish()
-        finally:
-            self._callback_queued = False
-            self.armed = False
+    def bucket_ready(self, bucket: int, joined: bool) -> None:
+        """Reduce unit ``bucket`` to its owner; a joined rank contributes zeros."""
+        self._launch(self.units[bucket], zeros=joined)
 
     # -- collectives -------------------------------------------------------------------------------
     def _launch(self, u: Unit, zeros: bool) -> None:
         """Fill what no gradient wrote (the gradient accumulated under ``no_sync``, else zeros) and,
         in a run's lowest unit, this rank's usage flags; then reduce the unit to its owner."""
         layout = self.layouts[u.layout]
-        base = self._index[id(layout.params[0])][2] if layout.params else 0
+        base = self._base[u.layout]
         for i in u.params:
             p = layout.params[i]
             n = base + i
@@ -318,21 +293,16 @@ class ShardedGradReducer:
                 for t, i in enumerate(run.params):
                     if not self._used[base + i]:
                         flags[t].fill_(0.0)
-        u.launched = True
         if self.world_size > 1:
             u.work = dist.reduce(block[u.lo:u.hi], dst=self.global_ranks[u.owner], group=self.group, async_op=True)
 
-    @torch.no_grad()
-    def finish(self, zeros: bool = False) -> None:
-        """Launch every unit not launched yet (in order), complete every reduction, hand the
-        owners their averaged gradients. ``zeros``: contribute zero gradients (a joined rank)."""
-        while self._next < len(self.units):
-            self._launch(self.units[self._next], zeros)
-            self._next += 1
+    def end_backward(self, joined: bool) -> None:
+        """Every unit went: complete every reduction, hand the owners their averaged gradients."""
         for u in self.units:
             if u.work is not None:
-                u.work.wait()
-                u.work = None
+                work, u.work = u.work, None
+                self.wait(work, f"the reduction of elements [{u.lo}, {u.hi}) of gradient block {u.layout} to its "
+                                f"owner, group rank {u.owner}")
         for k, layout in enumerate(self.layouts):
             for p in layout.params:  # a rank keeps only what it owns (set just below)
                 p.grad = None
@@ -340,13 +310,12 @@ class ShardedGradReducer:
             assert block is not None
             self._hand_out(k, block)
         self._blocks = [None] * len(self.layouts)
-        self._next = len(self.units)
 
     def _hand_out(self, k: int, block: Tensor) -> None:
         """The owner's runs, copied out of the block (a view when it owns the whole block, in its
         dtype), as the gradients of what it steps; ``None`` where no rank had a gradient."""
         layout, plan = self.layouts[k], self.plans[k]
-        base = self._index[id(layout.params[0])][2] if layout.params else 0
+        base = self._base[k]
         mine: Dict[int, Tuple[Tensor, List[float]]] = {}
         for j, run in enumerate(plan.runs):
             if run.owner != self.rank:
@@ -373,13 +342,3 @@ class ShardedGradReducer:
                 t.tensor.grad = part.as_strided(t.tensor.shape, t.tensor.stride(), part.storage_offset() + t.lo - lo)
             else:
                 t.tensor.grad = part.narrow(0, t.lo - lo, t.hi - t.lo)
-
-    def reduce_now(self) -> None:
-        """Reduce the gradients accumulated so far (``ShardedDataParallel.reduce``)."""
-        self.reset()
-        self.finish()
-
-    def finish_joined(self) -> None:
-        """A joined rank's share of one iteration: zero gradients into every reduction."""
-        self.reset()
-        self.finish(zeros=True)

@@ -1,10 +1,11 @@
 """Buckets: which parameters travel and step together, and their flat storage.
 
 A :class:`BucketPlan` assigns parameters (in gradient-ready order) to buckets with the
-extension's greedy packer; :class:`Bucket` owns one bucket's flat blocks (parameters, gradients,
-the exchange buffer), its optimizer and scheduler, and the per-iteration bookkeeping that the
-reducer needs. Parameters and their gradients become views into the flat blocks, so one kernel
-pass covers the whole bucket.
+extension's greedy packer; :class:`Bucket` owns one bucket's flat blocks (parameters, gradients),
+its optimizer and scheduler, the part of it this rank steps and exchanges (elements ``[lo, hi)``:
+the whole bucket, or a shard of it) with that part's exchange buffer, and one step path over that
+part. Parameters and their gradients become views into the flat blocks, so one kernel pass covers
+the part.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from . import _C, kernels
-from .grad_scaling import UNSCALED, BucketGradScaling, GradArgs
-from .optim import MAX_GROUPS_PER_BUCKET, FusedOptimizer
+from .. import kernels
+from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs
+from ..optim import MAX_GROUPS_PER_BUCKET, FusedOptimizer, mark_stepped
 
 logger = logging.getLogger(__name__)
 
@@ -40,42 +41,19 @@ class BucketPlan:
         keys: Dict[Tuple[torch.dtype, torch.device], int] = {}
         key_ids = [keys.setdefault((params[i].dtype, params[i].device), len(keys)) for i in order]
         sizes = [params[i].numel() * params[i].element_size() for i in order]
-        assignment = _C.assign_buckets(sizes, key_ids, int(cap_bytes))
+        assignment = kernels.assign_buckets(sizes, key_ids, int(cap_bytes))
         return cls([[order[j] for j in bucket] for bucket in assignment])
 
 
 @dataclass
-class BucketShard:
-    """The part of a bucket this rank steps and exchanges with ``intra_node='shard' | 'allreduce'``
-    (:mod:`decentpy.intra_node`): elements ``[lo, hi)`` of the flat blocks, the node's mean gradient
-    of them, their exchange buffer, and an optimizer over the parameters' pieces in that range (1-D
-    views; hyper-parameters follow the bucket's optimizer, which the user and the scheduler see)."""
-
-    lo: int
-    hi: int
-    param: Tensor                     # param_block[lo:hi]
-    grad: Tensor                      # the node's mean gradient of [lo, hi)
-    comm: Tensor                      # receive / in-place reduce buffer of the shard's exchange
-    pieces: List[Tensor]
-    offsets: List[int]                # of the pieces inside the shard
-    optimizer: Optional[Optimizer]    # None: the shard holds alignment padding only
-    segments: Optional[Tensor]
-    fused: bool
-    gather: Optional[object] = None   # the all-gather of the updated shards, in flight
-
-    def follow(self, optimizer: Optimizer) -> None:
-        """Take the bucket optimizer's current hyper-parameters (an LR scheduler steps that one)."""
-        if self.optimizer is None:
-            return
-        for mine, theirs in zip(self.optimizer.param_groups, optimizer.param_groups):
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = v
-
-
-@dataclass
 class Bucket:
-    """One bucket: flat storage, optimizer, and the state of its exchange."""
+    """One bucket: flat storage, optimizer, and the state of its exchange.
+
+    What this rank steps and exchanges is elements ``[lo, hi)`` of the flat blocks: the whole
+    bucket ``[0, numel)``, stepped by the bucket's optimizer over the parameters themselves, or a
+    shard of it (``intra_node='shard'``: :func:`make_bucket` with ``shard=``), stepped by an
+    optimizer of the bucket optimizer's class over the parameters' 1-D pieces in that range, whose
+    hyper-parameters follow the bucket's optimizer (the one the user and the scheduler see)."""
 
     index: int
     params: List[Tensor]
@@ -83,45 +61,32 @@ class Bucket:
     offsets: List[int]
     param_block: Tensor
     grad_block: Tensor
-    comm: Tensor                      # receive buffer (pairs) / in-place reduce buffer (groups)
     param_views: List[Tensor]         # views of param_block, one per parameter
     grad_views: List[Tensor]
     optimizer: Optimizer
     scheduler: Optional[LRScheduler]
-    segments: Tensor                  # [nseg, 3] (begin, end, group) on the bucket's device
-    fused: bool
     params_are_views: bool
+    # the part this rank steps and exchanges: elements [lo, hi) of the blocks
+    lo: int
+    hi: int
+    whole: bool                       # [0, numel), stepped over the parameters themselves (not pieces)
+    param: Tensor                     # param_block[lo:hi]
+    grad: Tensor                      # its gradient: grad_block[lo:hi], or the node's mean in a buffer of its own
+    comm: Tensor                      # receive buffer (pairs) / in-place reduce buffer (groups) of [lo, hi)
+    pieces: List[Tensor]              # what state_optimizer steps (empty: the shard holds alignment padding only)
+    piece_offsets: List[int]          # of the pieces inside [lo, hi)
+    state_optimizer: Optimizer        # holds this rank's state (the bucket's optimizer unless sharded)
+    segments: Optional[Tensor]        # [nseg, 3] (begin, end, group) of [lo, hi) on the bucket's device
+    fused: bool
     # exchange state
     work: Optional[object] = None     # in-flight exchange (decentpy.comm.Exchange)
     comm_valid: bool = False          # comm holds a completed exchange for the next mix
     skip_mix: bool = True             # workers are known equal: the next mix is the identity
-    # per-iteration bookkeeping
-    pending: int = 0
-    processed: bool = False
-    seen: List[bool] = field(default_factory=list)
     stepped: Optional[bool] = None    # a local step ran: None (no), or whether it was skipped (host view)
     # what the optimizer and scheduler looked like when created (see modified_by_user)
     fresh_groups: List[Dict[str, Any]] = field(default_factory=list)
     fresh_scheduler: Optional[Dict[str, Any]] = None
     optimizer_loaded: bool = False
-    shard: Optional[BucketShard] = None  # intra_node='shard' | 'allreduce'
-
-    @property
-    def exchange_buffer(self) -> Tensor:
-        """The buffer the exchange receives into (the shard's with intra_node)."""
-        return self.shard.comm if self.shard is not None else self.comm
-
-    @property
-    def exchanged(self) -> Tensor:
-        """The parameters this rank steps and exchanges (the shard's with intra_node)."""
-        return self.shard.param if self.shard is not None else self.param_block
-
-    @property
-    def state_optimizer(self) -> Optimizer:
-        """The optimizer that holds this rank's state (the shard's with intra_node, when it has one)."""
-        if self.shard is not None and self.shard.optimizer is not None:
-            return self.shard.optimizer
-        return self.optimizer
 
     def modified_by_user(self) -> bool:
         """The optimizer or scheduler was loaded or edited since the bucket was built (through
@@ -137,75 +102,49 @@ class Bucket:
         return self.param_block.numel()
 
     def reset_iteration(self) -> None:
-        self.pending = len(self.params)
-        self.processed = False
-        self.seen = [False] * len(self.params)
         self.stepped = None
 
     @torch.no_grad()
     def step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send_scale: Optional[float],
              grads: GradArgs, local_step: bool) -> None:
-        """Mix ``recv`` in (``p <- mix_a p + mix_b recv``; none when ``recv`` is None), take the local
-        optimizer step (unless ``local_step`` is False: a joined worker), zero the gradients, and,
-        with ``send_scale``, write ``send_scale * p`` into the receive buffer as the next buffer to
-        send. The step counter and scheduler move in :meth:`finish_iteration`. The caller has made
-        every gradient a view of ``grad_block`` first (:meth:`adopt_missing_grads`)."""
-        if self.shard is not None:
-            self._shard_step(recv, mix_a, mix_b, send_scale, grads, local_step)
-            return
+        """Mix ``recv`` into ``[lo, hi)`` (``p <- mix_a p + mix_b recv``; none when ``recv`` is None),
+        take the local optimizer step on ``grad`` (unless ``local_step`` is False: a joined worker,
+        or a shard of padding only), zero the gradient, and, with ``send_scale``, write
+        ``send_scale * p`` into ``comm`` as the next buffer to send. The step counter and scheduler
+        move in :meth:`finish_iteration`. The caller has made every gradient a view of
+        ``grad_block`` first (:meth:`adopt_grads`)."""
         send = self.comm if send_scale is not None else None
         scale = 1.0 if send_scale is None else send_scale
         if not self.params_are_views:
             self.gather_params()
+        if self.state_optimizer is not self.optimizer:
+            _follow(self.state_optimizer, self.optimizer)
+        if not self.pieces:  # alignment padding only: nothing to update
+            local_step, grads = False, UNSCALED
         if self.fused:
-            # zero_grad: the kernel zeroes grad_block in the same pass (also when the update is skipped,
+            # zero_grad: the kernel zeroes the gradient in the same pass (also when the update is skipped,
             # so the next iteration never sees skipped, non-finite gradients): no separate zero_() pass.
-            self.optimizer.bucket_step(self.params, self.offsets,  # type: ignore[attr-defined]
-                                       self.param_block, self.grad_block, self.segments, recv, send, mix_a, mix_b,
-                                       scale, grads if local_step else UNSCALED, not local_step, zero_grad=True)
-            if not self.params_are_views:
+            self.state_optimizer.bucket_step(self.pieces, self.piece_offsets,  # type: ignore[attr-defined]
+                                             self.param, self.grad, self.segments, recv, send, mix_a, mix_b,
+                                             scale, grads if local_step else UNSCALED, not local_step, zero_grad=True)
+            if self.whole and not self.params_are_views:
                 self.scatter_params()
             self.stepped = False if local_step else None
             return
         self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step)
 
-    def _shard_step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send_scale: Optional[float],
-                    grads: GradArgs, local_step: bool) -> None:
-        """:meth:`step` on this rank's shard (the node's mean gradient, the shard's optimizer)."""
-        sh = self.shard
-        assert sh is not None
-        send = sh.comm if send_scale is not None else None
-        scale = 1.0 if send_scale is None else send_scale
-        if not self.params_are_views:
-            self.gather_params()
-        sh.follow(self.optimizer)
-        if sh.optimizer is None:  # alignment padding only: nothing to update
-            self._generic_step(recv, mix_a, mix_b, send, scale, UNSCALED, False, param=sh.param, grad=sh.grad)
-        elif sh.fused:
-            sh.optimizer.bucket_step(sh.pieces, sh.offsets, sh.param, sh.grad,  # type: ignore[attr-defined]
-                                     sh.segments, recv, send, mix_a, mix_b, scale,
-                                     grads if local_step else UNSCALED, not local_step, zero_grad=True)
-            self.stepped = False if local_step else None
-        else:
-            self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step, param=sh.param, grad=sh.grad,
-                               optimizer=sh.optimizer)
-
     def _generic_step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send: Optional[Tensor],
-                      send_scale: float, grads: GradArgs, local_step: bool, param: Optional[Tensor] = None,
-                      grad: Optional[Tensor] = None, optimizer: Optional[Optimizer] = None) -> None:
-        """Optimizers the kernel does not implement: a separate mix, then their own ``step()``. On the
-        whole bucket, or on a shard (``param``/``grad``/``optimizer``: the shard's)."""
-        whole = param is None
-        param = self.param_block if param is None else param
-        grad = self.grad_block if grad is None else grad
-        optimizer = self.optimizer if optimizer is None else optimizer
+                      send_scale: float, grads: GradArgs, local_step: bool) -> None:
+        """Optimizers the kernel does not implement: a separate mix, then their own ``step()``."""
+        param, grad = self.param, self.grad
+        follow = self.whole and not self.params_are_views  # the optimizer steps the separate parameters
         kernel = param.dtype in kernels.KERNEL_DTYPES  # float64 mixes with torch ops
         if recv is not None:
             if kernel:
                 kernels.mix(param, recv, mix_a, mix_b)
             else:
                 param.mul_(mix_a).add_(recv, alpha=mix_b)
-        if whole and not self.params_are_views:
+        if follow:
             self.scatter_params()
         skip = True
         if local_step:
@@ -215,8 +154,8 @@ class Bucket:
             if not skip:
                 if factor != 1.0:
                     grad.mul_(factor)
-                optimizer.step()
-                if whole and not self.params_are_views:
+                self.state_optimizer.step()
+                if follow:
                     self.gather_params()
             self.stepped = skip
         if send is not None:
@@ -232,12 +171,10 @@ class Bucket:
         if self.stepped is None:
             return
         updated = not (self.stepped if skipped is None else skipped)
-        if self.shard is not None:
-            if self.shard.fused:
-                self.shard.optimizer.finish_bucket_step(updated)  # type: ignore[union-attr]
-            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # the scheduler's check
-        elif self.fused:
-            self.optimizer.finish_bucket_step(updated)  # type: ignore[attr-defined]
+        if self.fused:
+            self.state_optimizer.finish_bucket_step(updated)  # type: ignore[attr-defined]
+        if self.state_optimizer is not self.optimizer:
+            mark_stepped(self.optimizer)  # the optimizer its scheduler drives stepped through the shard's
         if updated and self.scheduler is not None:
             self.scheduler.step()
         self.stepped = None
@@ -282,10 +219,11 @@ class Bucket:
             view.copy_(g)
         p.grad = view
 
-    def adopt_missing_grads(self) -> None:
-        """Gradients of parameters whose hook did not fire this iteration (unused ones)."""
-        for slot, seen in enumerate(self.seen):
-            if not seen:
+    def adopt_grads(self) -> None:
+        """Every gradient a view of ``grad_block`` (those whose hook did not fire this iteration:
+        unused parameters; the others are views already)."""
+        for slot, (p, view) in enumerate(zip(self.params, self.grad_views)):
+            if p.grad is not view:
                 self.adopt_grad(slot)
 
     def _param_left(self, slot: int) -> bool:
@@ -312,6 +250,14 @@ class Bucket:
             if g is not None and (g.data_ptr() != gv.data_ptr() or g.stride() != gv.stride()):
                 return False
         return True
+
+
+def _follow(optimizer: Optimizer, leader: Optimizer) -> None:
+    """``optimizer`` takes ``leader``'s current hyper-parameters (an LR scheduler steps the leader)."""
+    for mine, theirs in zip(optimizer.param_groups, leader.param_groups):
+        for k, v in theirs.items():
+            if k != "params":
+                mine[k] = v
 
 
 def _hyperparameters(optimizer: Optimizer) -> List[Dict[str, Any]]:
@@ -375,7 +321,7 @@ def _segments_for(optimizer: Optimizer, params: Sequence[Tensor], offsets: Seque
         else:
             rows.append([begin, end, gi])
     table = torch.tensor(rows, dtype=torch.int64)
-    _C.check_segments(table, total, len(optimizer.param_groups))  # the GPU kernel trusts it
+    kernels.check_segments(table, total, len(optimizer.param_groups))  # the GPU kernel trusts it
     return table.to(device)
 
 
@@ -421,63 +367,79 @@ def flatten_params(params: List[Tensor], as_views: bool, pad_multiple: int = 1) 
     exchange and optimizer blocks are placed.
     """
     elem = params[0].element_size()
-    offsets, total = _C.aligned_offsets([p.numel() for p in params], elem, ALIGN_BYTES)
+    offsets, total = kernels.aligned_offsets([p.numel() for p in params], elem, ALIGN_BYTES)
     total = -(-total // pad_multiple) * pad_multiple  # equal shards (intra_node='shard')
-    block, views = _C.make_flat_block([p.detach() for p in params], offsets, total, True)
+    block, views = kernels.make_flat_block([p.detach() for p in params], offsets, total, True)
     if as_views:
         for p, v in zip(params, views):
             p.data = v
     return FlatParams(params, list(offsets), block, views, as_views)
 
 
-@torch.no_grad()
-def make_shard(bucket: Bucket, lo: int, hi: int, separate_grad: bool) -> BucketShard:
-    """This rank's shard ``[lo, hi)`` of ``bucket``: the pieces of the parameters in it (1-D views of
-    the block) under an optimizer of the bucket optimizer's class and parameter groups, and its
-    gradient (a buffer of its own when ``separate_grad``, else the gradient block) and exchange
-    buffer."""
-    opt = bucket.optimizer
-    group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-    per_group: List[List[Tensor]] = [[] for _ in opt.param_groups]
+@dataclass
+class _Part:
+    """What a bucket steps: see the fields of the same names in :class:`Bucket`."""
+
+    lo: int
+    hi: int
+    whole: bool
+    param: Tensor
+    grad: Tensor
+    pieces: List[Tensor]
+    piece_offsets: List[int]
+    state_optimizer: Optimizer
+    segments: Optional[Tensor]
+
+
+def _whole(params: List[Tensor], offsets: List[int], block: Tensor, grad_block: Tensor,
+           optimizer: Optimizer) -> _Part:
+    """The whole bucket ``[0, numel)``, stepped by its own optimizer over the parameters."""
+    total = block.numel()
+    return _Part(0, total, True, block, grad_block, params, offsets, optimizer,
+                 _segments_for(optimizer, params, offsets, total, block.device))
+
+
+def _shard(params: List[Tensor], views: List[Tensor], offsets: List[int], block: Tensor, lo: int, hi: int,
+           optimizer: Optimizer) -> _Part:
+    """Elements ``[lo, hi)``: the pieces of the parameters in that range (1-D views of the block)
+    under an optimizer of ``optimizer``'s class and parameter groups, and a gradient buffer of its
+    own (the node's mean gradient of the range)."""
+    group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    per_group: List[List[Tensor]] = [[] for _ in optimizer.param_groups]
     pieces: List[Tensor] = []
-    offsets: List[int] = []
-    for p, view, off in zip(bucket.params, bucket.param_views, bucket.offsets):
+    piece_offsets: List[int] = []
+    for p, view, off in zip(params, views, offsets):
         a, e = max(lo, off), min(hi, off + p.numel())
         if a >= e:
             continue
         piece = kernels.flat_alias(view)[a - off:e - off]
         pieces.append(piece)
-        offsets.append(a - lo)
+        piece_offsets.append(a - lo)
         per_group[group_of[id(p)]].append(piece)
-    param = bucket.param_block[lo:hi]
-    grad = bucket.grad_block[lo:hi] if not separate_grad else torch.zeros_like(param)
-    shard_opt: Optional[Optimizer] = None
-    segments: Optional[Tensor] = None
-    if pieces:
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
-                  for g, ps in zip(opt.param_groups, per_group)]
-        try:
-            shard_opt = type(opt)(groups, **opt.defaults)
-        except TypeError as exc:
-            raise TypeError(f"intra_node: the bucket's optimizer {type(opt).__name__} could not be rebuilt over this "
-                            f"rank's shard of the parameters as type(opt)(param_groups, **opt.defaults) ({exc}); use "
-                            "an optimizer whose constructor takes its defaults as keyword arguments") from None
-        # leading alignment padding (the shard starts between two parameters) steps with the first piece
-        segments = _segments_for(shard_opt, pieces, [0] + offsets[1:], hi - lo, param.device)
-        for piece, o in zip(pieces, offsets):  # the generic path steps the pieces from these gradients
-            piece.grad = grad[o:o + piece.numel()]
-    fused = shard_opt is not None and isinstance(shard_opt, FusedOptimizer) and \
-        len(shard_opt.param_groups) <= MAX_GROUPS_PER_BUCKET
-    if fused:
-        shard_opt.prepare_bucket_state(pieces, offsets, hi - lo, param.device)  # type: ignore[union-attr]
-    return BucketShard(lo=lo, hi=hi, param=param, grad=grad, comm=torch.zeros_like(param), pieces=pieces,
-                       offsets=offsets, optimizer=shard_opt, segments=segments, fused=fused)
+    param = block[lo:hi]
+    grad = torch.zeros_like(param)
+    if not pieces:  # alignment padding only: nothing steps, the bucket's optimizer stands for the state
+        return _Part(lo, hi, False, param, grad, pieces, piece_offsets, optimizer, None)
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
+              for g, ps in zip(optimizer.param_groups, per_group)]
+    try:
+        shard_opt = type(optimizer)(groups, **optimizer.defaults)
+    except TypeError as exc:
+        raise TypeError(f"intra_node: the bucket's optimizer {type(optimizer).__name__} could not be rebuilt over "
+                        f"this rank's shard of the parameters as type(opt)(param_groups, **opt.defaults) ({exc}); "
+                        "use an optimizer whose constructor takes its defaults as keyword arguments") from None
+    # leading alignment padding (the shard starts between two parameters) steps with the first piece
+    segments = _segments_for(shard_opt, pieces, [0] + piece_offsets[1:], hi - lo, param.device)
+    for piece, o in zip(pieces, piece_offsets):  # the generic path steps the pieces from these gradients
+        piece.grad = grad[o:o + piece.numel()]
+    return _Part(lo, hi, False, param, grad, pieces, piece_offsets, shard_opt, segments)
 
 
 @torch.no_grad()
 def make_bucket(index: int, flat: FlatParams, names: List[str], optimizer: Optimizer,
-                scheduler: Optional[LRScheduler], exchange_buffer: bool = True) -> Bucket:
-    """The rest of a bucket around its flat parameters: gradient block, exchange buffer, segments."""
+                scheduler: Optional[LRScheduler], shard: Optional[Tuple[int, int]] = None) -> Bucket:
+    """The rest of a bucket around its flat parameters: gradient block, what this rank steps (the
+    whole bucket, or with ``shard=(lo, hi)`` that shard), its exchange buffer and optimizer state."""
     params, offsets = flat.params, flat.offsets
     total = flat.block.numel()
     for p, n in zip(params, names):
@@ -491,14 +453,24 @@ def make_bucket(index: int, flat: FlatParams, names: List[str], optimizer: Optim
         if p.grad is not None:  # ``.grad`` stays None until the first backward, as in torch
             gv.copy_(p.grad)
             p.grad = gv
-    fused = isinstance(optimizer, FusedOptimizer) and len(optimizer.param_groups) <= MAX_GROUPS_PER_BUCKET
-    segments = _segments_for(optimizer, params, offsets, total, flat.block.device)
-    # (with intra_node the shard has its own exchange buffer: no full-size one)
-    comm = torch.zeros_like(flat.block) if exchange_buffer else flat.block.new_empty(0)
+    if shard is None:
+        part = _whole(params, offsets, flat.block, grad_block, optimizer)
+    else:
+        part = _shard(params, flat.views, offsets, flat.block, shard[0], shard[1], optimizer)
+    opt = part.state_optimizer
+    fused = bool(part.pieces) and isinstance(opt, FusedOptimizer) and len(opt.param_groups) <= MAX_GROUPS_PER_BUCKET
+    if fused:
+        # Allocated now, next to the bucket's blocks, rather than in the middle of the first
+        # backward: long-lived blocks then sit together and per-step temporaries reuse one
+        # region instead of fragmenting the heap.
+        opt.prepare_bucket_state(part.pieces, part.piece_offsets, part.hi - part.lo,  # type: ignore[attr-defined]
+                                 flat.block.device)
     bucket = Bucket(index=index, params=params, names=names, offsets=offsets, param_block=flat.block,
-                    grad_block=grad_block, comm=comm, param_views=flat.views, grad_views=grad_views,
-                    optimizer=optimizer, scheduler=scheduler, segments=segments, fused=fused,
-                    params_are_views=flat.as_views, fresh_groups=copy.deepcopy(_hyperparameters(optimizer)),
+                    grad_block=grad_block, param_views=flat.views, grad_views=grad_views, optimizer=optimizer,
+                    scheduler=scheduler, params_are_views=flat.as_views, lo=part.lo, hi=part.hi, whole=part.whole,
+                    param=part.param, grad=part.grad, comm=torch.zeros_like(part.param), pieces=part.pieces,
+                    piece_offsets=part.piece_offsets, state_optimizer=opt, segments=part.segments, fused=fused,
+                    fresh_groups=copy.deepcopy(_hyperparameters(optimizer)),
                     fresh_scheduler=copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None)
     ref = weakref.ref(bucket)  # no cycle: the old blocks must go as soon as a rebuild drops the bucket
 
@@ -509,6 +481,6 @@ def make_bucket(index: int, flat: FlatParams, names: List[str], optimizer: Optim
 
     optimizer.register_load_state_dict_post_hook(mark_loaded)
     bucket.reset_iteration()
-    logger.debug("bucket %d: %d params, %d elements, %s, %s, fused=%s", index, len(params), total,
-                 flat.block.dtype, flat.block.device, fused)
+    logger.debug("bucket %d: %d params, %d elements [%d, %d) stepped here, %s, %s, fused=%s", index, len(params),
+                 total, part.lo, part.hi, flat.block.dtype, flat.block.device, fused)
     return bucket

@@ -1,0 +1,211 @@
+"""Gossip mix-and-step (``intra_node='gossip'``, the default): every rank is a gossip worker.
+
+When a bucket's gradients are ready: wait (bounded) for the bucket's exchange launched last
+iteration, ask the exchange plans of this step and the next (:mod:`decentpy.exchange`) for the mix
+coefficients and the send scale, run one kernel pass over the bucket (mix, unscale/clip, the
+optimizer update, zero the gradient, write the next send buffer), and launch the next exchange --
+while autograd keeps computing the earlier layers. The node strategies
+(:mod:`~decentpy.engine.node`) reuse this step on the node's reduced gradient.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..comm import CommGroup, Communicator
+from ..exchange import ExchangeSchedule
+from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs
+from ..topology import Group, Topology, make_topology
+from .bucket import Bucket
+from .layout import BucketLayout, OptimFn, SchedulerFn
+from .strategy import BucketStrategy, Readiness
+
+if TYPE_CHECKING:
+    from ..topology_edges import Edge
+
+__all__ = ["GossipSetup", "GossipStrategy"]
+
+
+class GossipSetup(NamedTuple):
+    """What a gossip strategy works over: the topology the user sees, the schedule of exchanges
+    over every rank of the group, and the node (None: every rank is a gossip worker)."""
+
+    topology: Topology
+    exchange_topology: Topology
+    node: Optional[Any] = None
+
+
+class GossipStrategy(BucketStrategy):
+    """Bucket-by-bucket mix-and-step inside backward, with exchanges overlapping compute."""
+
+    #: the ``intra_node`` name
+    name = "gossip"
+    #: a bucket's element count is padded to a multiple of this
+    pad_multiple = 1
+    #: each exchange carries this rank's whole model (decent-dp's ``pre_average_hook`` can see it)
+    exchanges_whole_model = True
+
+    @classmethod
+    def configure(cls, topology: Union[str, Topology], rank: int, size: int, local_world_size: int,
+                  timeout: datetime.timedelta) -> GossipSetup:
+        """The topologies (and node) for ``size`` ranks of ``local_world_size`` per node; pure
+        functions of the sizes, so they raise identically on every rank."""
+        t = make_topology(topology, size, local_world_size)
+        return GossipSetup(t, t)
+
+    def __init__(self, params: List[Tensor], names: List[str], optim_fn: OptimFn, scheduler_fn: Optional[SchedulerFn],
+                 setup: GossipSetup, grad_scaling: BucketGradScaling, bucket_cap_bytes: int,
+                 param_as_bucket_view: bool, timeout: datetime.timedelta, group: CommGroup) -> None:
+        """Local only (no collective): builds the buckets and their optimizers; :meth:`attach` then
+        gives the strategy its communicator."""
+        self.setup = setup
+        self.topology = setup.exchange_topology
+        self.grad_scaling = grad_scaling
+        self.timeout = timeout
+        self.group = group
+        self.rank = group.rank
+        self.plans = ExchangeSchedule(self.topology, self.rank)
+        self.comm: Optional[Communicator] = None
+        self.hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], "Edge"]] = None  # for pre_average_hook
+        self.step = 0                       # iterations completed (schedule index of the next mix)
+        self.adaptive_factor = 1.0          # p <- (1-f) p + f mix(p)
+        self.layout = BucketLayout(params, names, optim_fn, scheduler_fn, bucket_cap_bytes, param_as_bucket_view,
+                                   group, self.pad_multiple, self.shard_of)
+
+    def shard_of(self, numel: int) -> Optional[Tuple[int, int]]:
+        """The part of a bucket of ``numel`` elements this rank steps: None, all of it."""
+        return None
+
+    @property
+    def buckets(self) -> List[Bucket]:
+        return self.layout.buckets
+
+    def attach(self, comm: Communicator,
+               hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], "Edge"]] = None) -> None:
+        """The communicator (and, for optimizers with ``pre_average_hook``, the edges) to exchange with."""
+        self.comm = comm
+        self.hook_edges = hook_edges
+        self.layout.pre_average_hook = hook_edges is not None
+
+    def connect(self, device: torch.device) -> None:
+        """Collective set-up of the strategy's own groups, if any (every rank, at construction)."""
+
+    def close(self) -> None:
+        """Release what :meth:`connect` created."""
+
+    def module_hooks(self, model: nn.Module) -> List[Any]:
+        """Hooks the strategy needs on the wrapped model (handles, removed by the wrapper's close)."""
+        return []
+
+    # -- the driver's interface ----------------------------------------------------------------
+    def readiness(self) -> Optional[Readiness]:
+        return self.layout.readiness()
+
+    def settle_layout(self, order: Sequence[int]) -> None:
+        self.layout.settle(order)
+
+    def begin_iteration(self, in_join: bool, active: bool) -> None:
+        if not active and not self.layout.final:
+            raise RuntimeError(
+                f"rank {self.rank} joined before its first training iteration; every rank needs at least one "
+                "iteration (which fixes the bucket layout) before it runs out of data")
+        self.wait_params()
+        self.layout.moved_check()
+        for b in self.buckets:
+            b.reset_iteration()
+
+    def stray_grad(self, index: int) -> None:
+        raise RuntimeError(self._twice_message(index))
+
+    def grad_ready(self, index: int, first: bool, sent: bool) -> bool:
+        layout = self.layout
+        # A separately allocated gradient is copied in and freed at once.
+        layout.buckets[layout.bucket_of[index]].adopt_grad(layout.slot_of[index], strict=layout.final)
+        if not first:
+            raise RuntimeError(self._twice_message(index))
+        return True
+
+    def begin_backward(self) -> None:
+        self.grad_scaling.begin_iteration()
+
+    def bucket_ready(self, bucket: int, joined: bool) -> None:
+        b = self.layout.buckets[bucket]
+        if not joined:
+            b.adopt_grads()  # every gradient in grad_block before its norm is taken
+        self.mix_and_step(b, not joined)
+
+    def end_backward(self, joined: bool) -> None:
+        skipped = self.grad_scaling.end_iteration()  # the iteration's one read-back, if any
+        for b in self.buckets:
+            b.finish_iteration(skipped.get(b.index))
+        self.step += 1
+
+    def _twice_message(self, index: int) -> str:
+        return (f"parameter '{self.layout.names[index]}' received a gradient twice in one training iteration (two "
+                "backward passes over one forward, reentrant checkpointing, or a backward without a "
+                "training-mode forward of the wrapper); decentpy steps each parameter once per iteration. "
+                "Run forward and backward once per iteration, use non-reentrant checkpointing, or wrap "
+                "extra backward passes in ddp.no_sync()")
+
+    # -- the per-bucket work -------------------------------------------------------------------
+    def mix_and_step(self, b: Bucket, local_step: bool, reduction: Optional[Any] = None) -> None:
+        """Wait, plan, step (unless ``local_step`` is False: a joined worker), launch the next exchange.
+        ``reduction``: the bucket's gradient reduction in flight (see :meth:`grad_args`)."""
+        self.wait_exchange(b)
+        received, nxt = self.plans.at(self.step), self.plans.at(self.step + 1)
+        recv: Optional[Tensor] = None
+        a, c = 1.0, 0.0
+        if received.mixes and not b.skip_mix:
+            if not b.comm_valid:
+                raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
+            self._pre_average_hook(b, received.group)
+            recv = b.comm
+            a, c = received.mix_coefficients(self.adaptive_factor)
+        grads = self.grad_args(b, reduction) if local_step else UNSCALED
+        b.step(recv, a, c, nxt.send_scale(), grads, local_step)
+        b.comm_valid = False
+        b.skip_mix = False
+        assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
+        b.work = nxt.launch(self.comm, b.index, b.param, b.comm)
+        self.stepped(b)
+
+    def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:
+        """How the kernel scales the bucket's gradient (its norm taken on the device, if needed)."""
+        return self.grad_scaling.bucket_args(b.index, b.grad)
+
+    def stepped(self, b: Bucket) -> None:
+        """After the bucket's step and the launch of its exchange."""
+
+    def wait_exchange(self, b: Bucket) -> None:
+        if b.work is not None:
+            work, b.work = b.work, None
+            work.wait(self.timeout)  # type: ignore[attr-defined]
+            b.comm_valid = True
+
+    def wait_params(self) -> None:
+        """Wait for whatever still writes the parameters after a step (before they are used again)."""
+
+    def wait_all(self) -> None:
+        for b in self.buckets:
+            self.wait_exchange(b)
+        self.wait_params()
+
+    def _pre_average_hook(self, b: Bucket, group: Group) -> None:
+        """decent-dp's extension point: ``optimizer.pre_average_hook(edge, weight)`` right before the
+        bucket mixes with ``group`` (after its exchange completed, before the optimizer step)."""
+        hook = getattr(b.optimizer, "pre_average_hook", None)
+        if hook is None:
+            return
+        assert self.hook_edges is not None  # BucketLayout.build refuses such optimizers otherwise
+        edge = self.hook_edges[(group.ranks, group.weight)]
+        hook(edge, edge.weight)
+
+    # -- whole-model operations ----------------------------------------------------------------
+    def mark_equal(self) -> None:
+        """All workers hold the same parameters: the next mix is the identity."""
+        for b in self.buckets:
+            b.skip_mix = True

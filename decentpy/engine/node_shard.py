@@ -1,0 +1,81 @@
+"""Node reduce-scatter, shard mix-and-step, all-gather (``intra_node='shard'``).
+
+Per bucket, the gradients are reduce-scattered over the node, so local rank ``l`` holds shard
+``l`` of the node's mean gradient; it mixes its shard of the parameters with the ranks holding
+shard ``l`` on the peer nodes (:func:`decentpy.topology.shard_topology`), steps it with optimizer
+state for that shard only, sends it, and the node then all-gathers the updated shards, waited for
+before the parameters are next used (the next forward, ``wait()``, checkpoints, ``global_avg``).
+Per rank: optimizer state and inter-node bytes ``1/L`` of plain gossip's, and the ``L`` ranks of a
+node use their links at once. Buckets are padded to a multiple of ``L`` elements.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from torch import Tensor, nn
+
+from ..grad_scaling import GradArgs
+from .bucket import Bucket
+from .node import NodeGossip
+
+__all__ = ["NodeShard"]
+
+
+class NodeShard(NodeGossip):
+    """Each rank of a node steps and gossips its ``1/L`` shard of every bucket."""
+
+    name = "shard"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._gathers: Dict[int, Any] = {}  # the node's all-gathers in flight, by bucket
+        super().__init__(*args, **kwargs)
+
+    @property
+    def pad_multiple(self) -> int:  # type: ignore[override]
+        return self.node.local
+
+    def shard_of(self, numel: int) -> Optional[Tuple[int, int]]:
+        size = numel // self.node.local
+        return self.node.local_rank * size, (self.node.local_rank + 1) * size
+
+    def module_hooks(self, model: nn.Module) -> List[Any]:
+        # The node's all-gather of the updated shards is in flight after a step: whoever reads the
+        # parameters next (a forward of the model, with or without the wrapper; a state dict) waits.
+        wait = self.wait_params
+        return [model.register_forward_pre_hook(lambda *_: wait()),
+                model.register_state_dict_pre_hook(lambda *_: wait())]
+
+    def start_reduction(self, b: Bucket) -> Optional[Any]:
+        group = self.node.group
+        if group is None:
+            b.grad.copy_(b.grad_block)
+            return None
+        return group.reduce_scatter(b.grad, b.grad_block)
+
+    def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:
+        self.node.mean(reduction, b.grad)
+        b.grad_block.zero_()  # the shard's gradient has a buffer of its own; the block starts the next iteration
+        return self.grad_scaling.bucket_args(b.index, b.grad, self._node_squared_norm)
+
+    def _node_squared_norm(self, shard_sq: Tensor) -> Tensor:
+        """The node's sum of the shards' squared gradient norms (the whole bucket's), so that every
+        rank of the node takes the same clip factor and found-inf decision."""
+        group = self.node.group
+        if group is not None:
+            self.node.wait(group.all_reduce(shard_sq), "the node's gradient norm")
+        return shard_sq
+
+    def stepped(self, b: Bucket) -> None:
+        group = self.node.group
+        if group is not None:
+            self._gathers[b.index] = group.all_gather(b.param_block, b.param)
+        else:  # a node of one rank: its shard is the whole block
+            b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
+
+    def wait_params(self) -> None:
+        for b in self.buckets:
+            work = self._gathers.pop(b.index, None)
+            if work is not None:
+                self.node.wait(work, f"the node's all-gather of bucket {b.index}'s updated shards")
+                b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
