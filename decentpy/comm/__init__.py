@@ -13,7 +13,7 @@
 * :mod:`.waits` -- bounded waits and :class:`PeerTimeoutError`.
 """
 
-from .agreement import everyone, first_difference_across_ranks, raise_if_any_rank_failed
+from .agreement import check_on_every_rank, everyone, first_difference_across_ranks, raise_if_any_rank_failed
 from .groups import CommGroup, SubGroup, group_ranks, or_world
 from .nccl import (NcclCommunicator, NcclExchange, nccl_available, nccl_compiled, nccl_library_candidates,
                    nccl_unavailable_reason)
@@ -25,5 +25,5 @@ from .waits import PeerTimeoutError, default_timeout, wait_bounded
 __all__ = ["Communicator", "Work", "TorchCommunicator", "Exchange", "NcclCommunicator", "NcclExchange",
            "nccl_available", "nccl_compiled", "nccl_library_candidates", "nccl_unavailable_reason", "COMM_CHOICES",
            "check_comm", "resolve_comm", "select_communicator", "CommGroup", "SubGroup", "group_ranks", "or_world",
-           "everyone", "first_difference_across_ranks", "raise_if_any_rank_failed", "PeerTimeoutError",
+           "check_on_every_rank", "everyone", "first_difference_across_ranks", "raise_if_any_rank_failed", "PeerTimeoutError",
            "default_timeout", "wait_bounded"]

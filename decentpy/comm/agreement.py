@@ -3,11 +3,11 @@ that would hang on it (each helper is one collective over the group, the same an
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["first_difference_across_ranks", "raise_if_any_rank_failed", "everyone"]
+__all__ = ["first_difference_across_ranks", "raise_if_any_rank_failed", "check_on_every_rank", "everyone"]
 
 
 def everyone(mine: Any, group: Optional[dist.ProcessGroup] = None) -> List[Any]:
@@ -52,3 +52,14 @@ def raise_if_any_rank_failed(failure: Optional[BaseException], what: str,
     if bad:
         r, m = bad[0]
         raise RuntimeError(f"{what} failed on rank {r}: {m}")
+
+
+def check_on_every_rank(check: Callable[[], None], what: str, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Run the local ``check`` (raising on bad input), then :func:`raise_if_any_rank_failed`: a bad
+    input on one rank raises on every rank, before any collective that would hang on it."""
+    failure: Optional[BaseException] = None
+    try:
+        check()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+        failure = exc
+    raise_if_any_rank_failed(failure, what, group)

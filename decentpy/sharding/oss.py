@@ -27,7 +27,8 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from ..comm import default_timeout, first_difference_across_ranks, group_ranks, or_world, raise_if_any_rank_failed
+from ..comm import (check_on_every_rank, default_timeout, first_difference_across_ranks, group_ranks, or_world,
+                    raise_if_any_rank_failed)
 from ..engine.bucket import flatten_params
 from ..engine.driver import BoundedWait
 from ..kernels import flat_alias
@@ -114,12 +115,7 @@ class OSS(Optimizer, Joinable):
         if broadcast_buffer_size != -1:
             logger.debug("OSS: broadcast_buffer_size is accepted for compatibility and unused")
 
-        failure: Optional[BaseException] = None
-        try:
-            self._check_params_local()
-        except Exception as exc:  # noqa: BLE001 - raised on every rank just below
-            failure = exc
-        raise_if_any_rank_failed(failure, "constructing OSS", group=self.group)
+        check_on_every_rank(self._check_params_local, "constructing OSS", group=self.group)
         self._check_same_params()
         self._assign_owners(self._params())
         self.optim = self._build_shard_optimizer()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..comm import default_timeout, first_difference_across_ranks, group_ranks, or_world, raise_if_any_rank_failed
+from ..comm import check_on_every_rank, default_timeout, first_difference_across_ranks, group_ranks, or_world
 from ..engine.driver import BackwardDriver, DriverJoinHook
 from ..engine.sharded_grads import ShardedGrads
 from .oss import OSS, comm_device
@@ -65,12 +65,7 @@ class ShardedDataParallel(nn.Module, Joinable):
         self._driver = BackwardDriver()
         self._grads: Optional[ShardedGrads] = None
 
-        failure: Optional[BaseException] = None
-        try:
-            self._check_local()
-        except Exception as exc:  # noqa: BLE001 - raised on every rank just below
-            failure = exc
-        raise_if_any_rank_failed(failure, "constructing ShardedDataParallel", group=self._process_group)
+        check_on_every_rank(self._check_local, "constructing ShardedDataParallel", group=self._process_group)
         self._check_same_module()
         if sync_models_at_startup:
             self._broadcast(list(self.module.parameters()) + list(self.module.buffers()))
