@@ -63,7 +63,6 @@ __all__ = ["AsyncPipe", "PipelineError", "CHECKPOINT_MODES"]
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_MODES = ("always", "except_last", "never")
-_NO_FAILURE = NO_FAILURE
 _COUNTS = 4  # per rank after its code: sent to prev, sent to next, consumed from prev, consumed from next
 
 
@@ -768,10 +767,10 @@ class AsyncPipe(nn.Module):
         a stage failed. After a failure the stages settle their links from every rank's counts
         (read what is left unread, fill the receives posted ahead; so the next step starts in
         step), then every rank raises."""
-        code = _NO_FAILURE if failure is None else failure[0]
+        code = NO_FAILURE if failure is None else failure[0]
         try:
             origin, table = self._agreement.agree(code, self._counts())
-            if origin != _NO_FAILURE:
+            if origin != NO_FAILURE:
                 assert table is not None
                 self._settle(table)
             for link in self._links():
@@ -779,7 +778,7 @@ class AsyncPipe(nn.Module):
         except Exception as exc:
             self._broken = f"a stage did not finish the step ({exc})"
             raise
-        if origin == _NO_FAILURE:
+        if origin == NO_FAILURE:
             return
         text = [failure[1] if failure is not None and failure[0] == origin and failure[2] is not None else None]
         src = self._ranks[origin] if origin >= 0 else None
