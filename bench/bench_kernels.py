@@ -29,9 +29,9 @@ import time
 
 import torch
 
-from decentpy import _C
+from decentpy import kernels
 
-ADAM = _C.OptKind.ADAM
+ADAM = kernels.OptKind.ADAM
 TARGET_A, TARGET_B, TARGET_COPY = 1.5, 4.0, 0.70
 
 
@@ -93,27 +93,28 @@ def bench_device(device, numel, repeats, zero_grad=True):
     w, s = 0.5, 0.5  # all-reduce style: p = (w - s) p + c, send = s p
     lr, wd, betas, eps = 1e-3, 0.01, (0.9, 0.999), 1e-8
     step = 10  # bias-correction step (the kernel derives the corrections from it)
-    groups = [_C.GroupHyper(lr=lr, weight_decay=wd, beta1=betas[0], beta2=betas[1], eps=eps,
+    groups = [kernels.GroupHyper(lr=lr, weight_decay=wd, beta1=betas[0], beta2=betas[1], eps=eps,
                             bias_step=step)]
-    segments = torch.tensor([[0, numel, 0]], dtype=torch.int64, device=device)
+    segments = kernels.segments_for_numel(numel, device)
 
     # Fused kernel buffers.
     p, c, g = rnd(), rnd(), rnd(1e-3)
     m, v = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
 
+    def step(param, grad, states, comm, zero):
+        # all-reduce style: the received sum is the send buffer itself
+        kernels.fused_step(ADAM, param, grad, states, segments, groups, comm=comm, send=comm,
+                           mix_a=w - s, mix_b=1.0, send_scale=s, decoupled_weight_decay=True, zero_grad=zero)
+
     def fused():
-        _C.mix_and_step(kind=ADAM, param=p, grad=g, states=[m, v], comm=c, send=c,
-                        segments=segments, groups=groups, mix_a=w - s, mix_b=1.0, send_scale=s,
-                        grad_scale=1.0, decoupled_weight_decay=True, zero_grad=zero_grad)
+        step(p, g, [m, v], c, zero_grad)
 
     # (d) the unfused zeroing that zero_grad replaces (own buffers: same traffic as `fused`).
     pd, cd, gd = rnd(), rnd(), rnd(1e-3)
     md, vd = torch.zeros(numel, device=device), torch.zeros(numel, device=device)
 
     def fused_then_zero():
-        _C.mix_and_step(kind=ADAM, param=pd, grad=gd, states=[md, vd], comm=cd, send=cd,
-                        segments=segments, groups=groups, mix_a=w - s, mix_b=1.0, send_scale=s,
-                        grad_scale=1.0, decoupled_weight_decay=True, zero_grad=False)
+        step(pd, gd, [md, vd], cd, False)
         gd.zero_()
 
     # Torch sequences.
@@ -165,7 +166,7 @@ def bench_device(device, numel, repeats, zero_grad=True):
     gbs = lambda b, t: b / t / 1e9
     zg = ", zero_grad" if zero_grad else ""
     rows = [
-        (f"fused _C.mix_and_step (AdamW, comm+send{zg})", t_fused, gbs(bytes_moved, t_fused)),
+        (f"fused kernels.fused_step (AdamW, comm+send{zg})", t_fused, gbs(bytes_moved, t_fused)),
         (f"(a) torch mix + AdamW {used_a} + mul", t_a, gbs(bytes_moved, t_a)),
         (f"(b) torch mix + AdamW {used_b} + mul", t_b, gbs(bytes_moved, t_b)),
         ("(c) dst.copy_(src), same bytes", t_copy, gbs(copy_bytes, t_copy)),
@@ -210,7 +211,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     numel = int(args.size_mb * 2**20) // 4
-    info = _C.build_info()
+    info = kernels.build_info()
     print(f"machine: {cpu_model()}, {os.cpu_count()} logical cores, torch threads "
           f"{torch.get_num_threads()}, torch {torch.__version__}, python {platform.python_version()}")
     print(f"decentpy._C: cpu kernels {info.get('cpu_kernel_isa', '?')} "

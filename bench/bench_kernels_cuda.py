@@ -32,17 +32,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_ext():
+    """decentpy.kernels when its extension carries the CUDA kernels, else (None, why)."""
     try:
-        from decentpy import _C
+        from decentpy import kernels
     except Exception as e:  # noqa: BLE001
-        return None, f"decentpy._C not importable ({e})"
+        return None, f"decentpy.kernels not importable ({e})"
     try:
-        info = _C.build_info()
+        info = kernels.build_info()
     except Exception as e:  # noqa: BLE001
-        return None, f"decentpy._C.build_info() failed ({e})"
+        return None, f"decentpy.kernels.build_info() failed ({e})"
     if not info.get("cuda_kernels", False):
         return None, "decentpy._C was built without CUDA kernels"
-    return _C, ""
+    return kernels, ""
 
 
 def time_ms(fn, runs, warmup):
@@ -70,14 +71,14 @@ def copy_ms(total_bytes, runs, warmup):
     return ms
 
 
-def group(_C, lr=1e-3, wd=0.01, momentum=0.0, beta1=0.9, beta2=0.999, eps=1e-8, step=10,
+def group(K, lr=1e-3, wd=0.01, momentum=0.0, beta1=0.9, beta2=0.999, eps=1e-8, step=10,
           accum_iter=4):
     """One parameter group (the kernel derives the bias corrections from the 1-based step)."""
-    return _C.GroupHyper(lr=lr, weight_decay=wd, momentum=momentum, beta1=beta1, beta2=beta2,
+    return K.GroupHyper(lr=lr, weight_decay=wd, momentum=momentum, beta1=beta1, beta2=beta2,
                          eps=eps, bias_step=step, accum_iter=accum_iter)
 
 
-# name -> (kind name in _C.OptKind, number of fp32 state buffers read, written, decoupled,
+# name -> (kind name in kernels.OptKind, number of fp32 state buffers read, written, decoupled,
 #          accum_boundary, group keyword arguments)
 CASES = {
     "SGD-momentum": ("SGD", 1, 1, False, False, dict(lr=1e-2, momentum=0.9)),
@@ -113,10 +114,10 @@ def torch_sequence(name, p, c, g, send, impl, a, b, s):
     return run
 
 
-def bench_one(_C, name, dtype, nbytes, runs, warmup, rows):
+def bench_one(K, name, dtype, nbytes, runs, warmup, rows):
     kind_name, st_read, st_write, decoupled, boundary, group_kw = CASES[name]
-    kind = getattr(_C.OptKind, kind_name)
-    groups = [group(_C, **group_kw)]
+    kind = getattr(K.OptKind, kind_name)
+    groups = [group(K, **group_kw)]
     esize = torch.finfo(dtype).bits // 8
     numel = nbytes // esize
     dev = "cuda"
@@ -126,15 +127,14 @@ def bench_one(_C, name, dtype, nbytes, runs, warmup, rows):
     send = torch.empty_like(p)
     nstates = {"SGD": 1, "ADAM": 2, "ACCUM_ADAM": 3}[kind_name]
     states = [torch.zeros(numel, device=dev, dtype=torch.float32) for _ in range(nstates)]
-    if kind != _C.OptKind.SGD:
+    if kind != K.OptKind.SGD:
         states[1].fill_(1e-4)
-    segs = torch.tensor([[0, numel, 0]], dtype=torch.int64, device=dev)
+    segs = K.segments_for_numel(numel, torch.device(dev))
     a, b, s = 0.5, 0.5, 1.0
 
     def ours():
-        _C.mix_and_step(kind=kind, param=p, grad=g, states=states, comm=c, send=send,
-                        segments=segs, groups=groups, mix_a=a, mix_b=b, send_scale=s,
-                        grad_scale=1.0, decoupled_weight_decay=decoupled, accum_boundary=boundary)
+        K.fused_step(kind, p, g, states, segs, groups, comm=c, send=send, mix_a=a, mix_b=b, send_scale=s,
+                     decoupled_weight_decay=decoupled, accum_boundary=boundary)
 
     # reads p, c, g; writes p, send; state reads / writes (fp32)
     moved = 5 * numel * esize + (st_read + st_write) * numel * 4
@@ -156,13 +156,13 @@ def bench_one(_C, name, dtype, nbytes, runs, warmup, rows):
     torch.cuda.empty_cache()
 
 
-def bench_scale_copy(_C, dtype, nbytes, runs, warmup, rows):
+def bench_scale_copy(K, dtype, nbytes, runs, warmup, rows):
     esize = torch.finfo(dtype).bits // 8
     numel = nbytes // esize
     src = torch.randn(numel, device="cuda").to(dtype)
     dst = torch.empty_like(src)
     moved = 2 * numel * esize
-    t_ours = time_ms(lambda: _C.scale_copy_(dst, src, 0.5), runs, warmup)
+    t_ours = time_ms(lambda: K.scale_copy(dst, src, 0.5), runs, warmup)
     t_copy = copy_ms(moved, runs, warmup)
     t_torch = time_ms(lambda: torch.mul(src, 0.5, out=dst), runs, warmup)
     rows.append({"kernel": "scale_copy", "dtype": dtype, "MiB": nbytes >> 20, "ms": t_ours,
@@ -190,8 +190,8 @@ def main():
     if not torch.cuda.is_available():
         print("no CUDA device, skipping")
         return 0
-    _C, why = load_ext()
-    if _C is None:
+    K, why = load_ext()
+    if K is None:
         print(f"{why}; skipping the kernel benchmark")
         return 0
 
@@ -199,7 +199,7 @@ def main():
     print(f"device: {torch.cuda.get_device_name(0)} ({props.multi_processor_count} SMs, "
           f"{props.total_memory / 2**30:.0f} GiB)")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
-          f"decentpy kernels for {_C.build_info().get('cuda_archs', '?')}")
+          f"decentpy kernels for {K.build_info().get('cuda_archs', '?')}")
     print(f"median of {args.runs} runs after {args.warmup} warmup; GB/s = bytes moved (reads + "
           f"writes) / time; copy = dst.copy_(src) of the same bytes in the same run")
     print()
@@ -210,9 +210,9 @@ def main():
             dtype = DTYPES[dname]
             for k in args.kernels:
                 if k == "scale_copy":
-                    bench_scale_copy(_C, dtype, mib << 20, args.runs, args.warmup, rows)
+                    bench_scale_copy(K, dtype, mib << 20, args.runs, args.warmup, rows)
                 elif k in CASES:
-                    bench_one(_C, k, dtype, mib << 20, args.runs, args.warmup, rows)
+                    bench_one(K, k, dtype, mib << 20, args.runs, args.warmup, rows)
                 else:
                     print(f"unknown kernel {k!r}", file=sys.stderr)
                     return 2

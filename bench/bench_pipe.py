@@ -65,7 +65,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_workers
 from bench.common.machine import report_machine
-from bench.common.plots import pyplot, save_figure
+from bench.common.plots import finish_axes, finish_figure, pyplot
 from bench.common.tables import cell, check_choices, csv_list, fmt, percentile, print_targets
 from bench.common.tables import print_table as print_table_rows
 from bench.common.tables import write_csv as write_rows_csv
@@ -727,14 +727,10 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], plan: 
         ax.set_xticks(chunks)
         ax.set_xticklabels([str(m) for m in chunks])
         ax.set_xlabel("chunks m (micro-batches per batch)")
-        ax.set_ylabel("median step time (ms)")
         note = f" ({s} processes on {machine['cores']} cores)" if s > int(machine["cores"]) else ""
-        ax.set_title(f"S={s} stages{note}", fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"{plan['blocks']} x (Linear({plan['width']}) + ReLU), batch {plan['batch']}, gloo on CPU; lines: "
-                 f"median, whiskers: p25-p75; {machine['cpu']}, torch {machine['torch']}", fontsize=8)
-    return save_figure(fig, path)
+        finish_axes(ax, "median step time (ms)", f"S={s} stages{note}", legend_size=7)
+    return finish_figure(fig, f"{plan['blocks']} x (Linear({plan['width']}) + ReLU), batch {plan['batch']}, gloo on "
+                         f"CPU; lines: median, whiskers: p25-p75; {machine['cpu']}, torch {machine['torch']}", path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from bench.common.machine import report_machine
 from bench.common.measure import (AER_LOCAL, Config, Runner, gather_results, measure_and_time, prime, rss_bytes,
                                   timing_row, trim)
 from bench.common.models import LR, MODEL_DESC, MODELS, adamw_fn
-from bench.common.plots import pyplot, save_figure
+from bench.common.plots import finish_axes, finish_figure, pyplot
 from bench.common.tables import cell, check_choices, csv_list, fmt, print_targets
 from bench.common.tables import print_table as print_table_rows
 from bench.common.tables import write_csv as write_rows_csv
@@ -411,13 +411,9 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> Opt
                 ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, color=colors[fw], label=fw)
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels([f"n={n}\n{SHORT_TOPO.get(t, t)}" for n, t in groups], fontsize=7)
-        ax.set_ylabel("median step time (ms)")
-        ax.set_title(f"{model}: {MODEL_DESC[model]}", fontsize=8)
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"step time per configuration (bars: median, whiskers: p25-p75), {machine['cpu']}, "
-                 f"{machine['cores']} cores, torch {machine['torch']}", fontsize=9)
-    return save_figure(fig, path)
+        finish_axes(ax, "median step time (ms)", f"{model}: {MODEL_DESC[model]}", grid_axis="y")
+    return finish_figure(fig, f"step time per configuration (bars: median, whiskers: p25-p75), {machine['cpu']}, "
+                         f"{machine['cores']} cores, torch {machine['torch']}", path, fontsize=9)
 
 
 # ----------------------------------------------------------------------------------------------

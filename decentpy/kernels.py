@@ -9,7 +9,7 @@ call with pybind's message instead of silently reading the wrong slot.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -18,13 +18,19 @@ from . import _C
 
 __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "mix", "scale_copy",
            "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
-           "make_flat_block"]
+           "make_flat_block", "build_info"]
 
 OptKind = _C.OptKind
 GroupHyper = _C.GroupHyper
 MAX_GROUPS: int = int(_C.MAX_GROUPS)
 # Parameter dtypes the kernels step (fp32 math, fp32 state); others take torch's path.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def build_info() -> Dict[str, Any]:
+    """What the extension was compiled with (CPU ISA and vector width, CUDA kernels and archs,
+    NCCL, OpenMP, compiler): what benchmarks and ``python -m decentpy`` report."""
+    return dict(_C.build_info())
 
 
 def fused_step(kind: "_C.OptKind", param: Tensor, grad: Optional[Tensor], states: Sequence[Tensor],

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["pyplot", "save_figure"]
+__all__ = ["pyplot", "save_figure", "finish_axes", "finish_figure"]
 
 
 def pyplot(hint: str = "") -> Any:
@@ -32,3 +32,17 @@ def save_figure(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def finish_axes(ax: Any, ylabel: str, title: str, *, grid_axis: str = "both", legend_size: int = 8) -> None:
+    """The common dressing of one panel: y label, small title, light grid, legend."""
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    ax.grid(True, axis=grid_axis, alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def finish_figure(fig: Any, suptitle: str, path: Path, fontsize: int = 8) -> Path:
+    """Title the whole figure (what was measured, on which machine) and save it (see save_figure)."""
+    fig.suptitle(suptitle, fontsize=fontsize)
+    return save_figure(fig, path)
