@@ -285,12 +285,9 @@ class Topology:
                 f"local_world_size={local} (world_size={n}); divisors of {n} that would work: "
                 f"{_fmt_list(_divisors(n))}"
             )
-        if n % local != 0:
-            raise TopologyError(
-                f"topology {self.name!r}: local_world_size must divide world_size (every node "
-                f"runs the same number of workers), got world_size={n}, local_world_size={local}; "
-                f"local world sizes that would work for world_size={n}: {_fmt_list(_divisors(n))}"
-            )
+        # local need not divide n: the last node then holds the n mod L remaining workers (what a
+        # job of full nodes becomes when a worker dies or leaves); strategies that need equal
+        # nodes (intra_node all-reduce / shard) check that themselves.
         self._world_size = n
         self._local_world_size = local
         schedule = [list(step) for step in self._build()]
@@ -327,7 +324,17 @@ class Topology:
 
     @property
     def num_nodes(self) -> int:
-        return self._world_size // self._local_world_size
+        """``ceil(world_size / local_world_size)``: the last node may hold fewer workers."""
+        return -(-self._world_size // self._local_world_size)
+
+    def node_ranks(self, node: int) -> Tuple[int, ...]:
+        """The global ranks of ``node`` (``node = rank // local_world_size``; the last node holds the
+        ``world_size mod local_world_size`` remaining ranks when the division is uneven)."""
+        node = _as_int(node, "node")
+        if not 0 <= node < self.num_nodes:
+            raise TopologyError(f"topology {self.name!r}: node must be in [0, {self.num_nodes}), got {node}")
+        local = self._local_world_size
+        return tuple(range(node * local, min((node + 1) * local, self._world_size)))
 
     @property
     def period(self) -> int:
@@ -531,7 +538,9 @@ class AlternatingExpRingTopology(Topology):
     paired node thus talks across nodes once in every round (every other step on average) and
     inside its node otherwise, keeping the slow inter-node link busy only half the time per node.
     When N is not a power of two a node left without a partner in a round averages inside its
-    node for both of the round's steps.
+    node for both of the round's steps. When L does not divide n the last node holds the
+    remaining ``n mod L`` workers (N = ceil(n / L)); every group averages uniformly over its
+    members (``w = 1 / |group|``), so each step stays doubly stochastic.
     """
 
     name = "alternating-exp-ring"
@@ -542,41 +551,45 @@ class AlternatingExpRingTopology(Topology):
         if n == 1:
             return self._single_rank_schedule()
         if local < 2:
-            locals_ok = [d for d in _divisors(n) if 2 <= d <= n // 2]
-            fits = (f"local world sizes that work for world_size={n}: {_fmt_list(locals_ok)}"
-                    if locals_ok else f"no local world size works for world_size={n} (valid world "
-                    f"sizes are n = k * L with k >= 2 nodes of L >= 2 workers: 4, 6, 8, 9, 10, ...)")
+            fits = (f"local world sizes that work for world_size={n}: 2 to {n - 1} (the last node may "
+                    f"hold fewer workers)" if n >= 3 else f"no local world size works for world_size={n} "
+                    f"(it needs >= 2 nodes with >= 2 workers on the first: world_size >= 3)")
             raise TopologyError(
                 f"topology 'alternating-exp-ring' needs at least 2 workers per node "
                 f"(local_world_size >= 2), got world_size={n}, local_world_size={local}; {fits}; "
                 f"use 'one-peer-exp' or 'ring' when each node has one worker, or set "
                 f"LOCAL_WORLD_SIZE to the number of workers per node"
             )
-        nodes = n // local
+        nodes = self.num_nodes
         if nodes < 2:
             raise TopologyError(
                 f"topology 'alternating-exp-ring' needs at least 2 nodes N = world_size / "
                 f"local_world_size, got world_size={n}, local_world_size={local} (N={nodes}; on "
                 f"a single node use 'complete'); valid world sizes for local_world_size={local}: "
-                f"{_fmt_list([local * k for k in range(2, 5)])}, ... (any multiple kL, k >= 2)"
+                f"any n > {local}, e.g. {_fmt_list([local * k for k in range(2, 5)])} (full nodes) or "
+                f"{local + 1} (a last node of one worker)"
             )
 
-        def node_ranks(j: int) -> Tuple[int, ...]:
-            return tuple(range(j * local, (j + 1) * local))
+        def node(j: int) -> Group:
+            ranks = self.node_ranks(j)
+            return Group(ranks, 1.0 / len(ranks))
+
+        def across(a: int, b: int) -> Group:
+            ranks = self.node_ranks(a) + self.node_ranks(b)
+            return Group(ranks, 1.0 / len(ranks))
 
         schedule: List[List[Group]] = []
         counter = 0  # running pair counter over the whole schedule
         for pairs in _exp_matchings(nodes):
             paired = {j for pair in pairs for j in pair}
-            alone = [Group(node_ranks(j), 1.0 / local) for j in range(nodes) if j not in paired]
+            alone = [node(j) for j in range(nodes) if j not in paired]
             for phase in (0, 1):
                 step: List[Group] = list(alone)
                 for c, (a, b) in enumerate(pairs, start=counter):
                     if c % 2 == phase:
-                        step.append(Group(node_ranks(a) + node_ranks(b), 1.0 / (2 * local)))
+                        step.append(across(a, b))
                     else:
-                        step.append(Group(node_ranks(a), 1.0 / local))
-                        step.append(Group(node_ranks(b), 1.0 / local))
+                        step += [node(a), node(b)]
                 schedule.append(_sorted_groups(step))
             counter += len(pairs)
         return schedule

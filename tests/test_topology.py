@@ -505,12 +505,34 @@ def test_aer_any_node_count_and_single_node_error():
 
 
 @pytest.mark.parametrize("name", BUILTINS)
-def test_local_not_dividing_error(name):
-    with pytest.raises(TopologyError) as e:
-        topo.make_topology(name, 8, 3)
-    msg = str(e.value)
-    assert "divide" in msg and "world_size=8" in msg and "local_world_size=3" in msg
-    assert "1, 2, 4, 8" in msg
+def test_local_not_dividing_builds_with_a_partial_last_node(name):
+    # was test_local_not_dividing_error: a local world size that does not divide the world size is
+    # now accepted (what a job of full nodes becomes after a worker dies); the last node holds the
+    # remaining workers, and every step stays symmetric and doubly stochastic.
+    t = topo.make_topology(name, 8, 3)
+    assert (t.num_nodes, t.node_ranks(0), t.node_ranks(2)) == (3, (0, 1, 2), (6, 7))
+    for step in range(t.period):
+        w = t.mixing_matrix(step).double()
+        assert torch.allclose(w, w.T) and torch.allclose(w.sum(0), torch.ones(8, dtype=torch.float64))
+        assert bool((w >= 0).all())
+    assert 0.0 < t.period_spectral_gap() <= 1.0
+
+
+def test_aer_partial_last_node_groups():
+    # 7 workers, L = 2: nodes (0,1) (2,3) (4,5) (6); round t pairs nodes at distance 2^t mod 4
+    t = topo.make_topology("alternating-exp-ring", 7, 2)
+    assert (t.num_nodes, t.period) == (4, 4)
+    for step in range(t.period):
+        for g in t.groups(step):
+            assert g.weight == pytest.approx(1.0 / g.size)  # uniform average in every group
+        nodes = {tuple(sorted({r // 2 for r in g.ranks})) for g in t.groups(step)}
+        assert all(len(ns) in (1, 2) for ns in nodes)
+    across = [g.ranks for s in range(t.period) for g in t.groups(s) if len({r // 2 for r in g.ranks}) == 2]
+    assert (4, 5, 6) in across or (0, 1, 6) in across or (2, 3, 6) in across  # the partial node talks across
+    with pytest.raises(TopologyError, match="world_size >= 3"):
+        topo.make_topology("alternating-exp-ring", 2, 1)
+    with pytest.raises(TopologyError, match="2 to 6"):
+        topo.make_topology("alternating-exp-ring", 7, 1)
 
 
 def test_bad_sizes_never_crash_with_other_errors():
@@ -599,8 +621,9 @@ def test_custom_from_groups_other_errors():
         topo.CustomTopology.from_groups(lambda s: [((0,), 0.5), ((1,), 1.0)], 1, 2)
     with pytest.raises(TopologyError, match="period"):
         topo.CustomTopology.from_groups(lambda s: [((0,), 1.0)], 0, 1)
-    with pytest.raises(TopologyError, match="divide"):
-        topo.CustomTopology.from_groups(lambda s: [((0, 1, 2), 1 / 3)], 1, 3, 2)
+    # was: refused because local_world_size=2 does not divide 3; now a partial last node
+    t = topo.CustomTopology.from_groups(lambda s: [((0, 1, 2), 1 / 3)], 1, 3, 2)
+    assert (t.num_nodes, t.node_ranks(1)) == (2, (2,))
 
 
 def test_custom_from_matrices_valid_roundtrip():
