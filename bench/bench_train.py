@@ -259,6 +259,8 @@ def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         r["vs_ffloor"] = r["step"] / ffloor["step"] if ffloor else None
         r["vs_ddp"] = ddp["step"] / r["step"] if ddp else None  # > 1: faster than DDP
         r["vs_ref"] = ref["step"] / r["step"] if ref else None  # > 1: faster than decent-dp
+        r["cpu_vs_ref"] = ref["cpu"] / r["cpu"] if ref else None  # > 1: less CPU per step than decent-dp
+        r["cpu_vs_floor"] = r["cpu"] / floor["cpu"] if floor else None
         mfloor = floor or ffloor
         r["extra"] = r["peak_delta"] - mfloor["peak_delta"] if mfloor else None
         r["extra_steady"] = r["steady_delta"] - mfloor["steady_delta"] if mfloor else None
@@ -271,8 +273,8 @@ def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def print_table(rows: List[Dict[str, Any]]) -> None:
     hdr = ["model", "n", "framework", "topology", "median ms", "p25-p75 ms", "steps",
-           "dp-ref/this", "DDP/this", "this/floor", "this/ffloor", "peak RSS MiB", "extra MiB", "P MiB",
-           "MB/step"]
+           "dp-ref/this", "DDP/this", "this/floor", "this/ffloor", "CPU ms", "CPU dp-ref/this", "peak RSS MiB",
+           "extra MiB", "P MiB", "MB/step"]
     table = []
     for r in rows:
         c = r["cfg"]
@@ -282,6 +284,7 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
                       fmt(r["vs_ref"], ".2f", "x") if c.framework == "decentpy" else "",
                       fmt(r["vs_ddp"], ".2f", "x") if c.framework != "torch-ddp" else "",
                       fmt(r["vs_floor"], ".2f", "x"), fmt(r["vs_ffloor"], ".2f", "x"),
+                      f"{r['cpu'] * 1e3:.1f}", fmt(r["cpu_vs_ref"], ".2f", "x") if c.framework == "decentpy" else "",
                       f"{r['peak_rss'] / 2**20:.0f}", fmt(None if r["extra"] is None else r["extra"] / 2**20,
                                                           "+.1f"),
                       f"{r['param_bytes'] / 2**20:.2f}", f"{r['bytes'] / 1e6:.2f}"])
@@ -290,7 +293,9 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
           "DDP/this = torch DDP / this (>1: faster than DDP);\nthis/floor = this / no-communication "
           "floor with torch AdamW (1.00 = no overhead); this/ffloor = this / no-communication floor "
           "with decentpy's fused AdamW\n(decentpy.optim.AdamW, standalone step: the same kernel decentpy "
-          "runs, without the mixing); extra = peak RSS minus the torch-AdamW floor's")
+          "runs, without the mixing); extra = peak RSS minus the torch-AdamW floor's;\nCPU ms = CPU time of one "
+          "step summed over the workers (all threads; median over steps): the cost to the machine, robust to other "
+          "load, where wall times on an oversubscribed machine are not; CPU dp-ref/this = decent-dp's / this")
 
 
 def _target(title: str, rows: List[Dict[str, Any]], met: Any, score: Any, fmt: Any,
@@ -354,8 +359,8 @@ def check_targets(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
 CSV_FIELDS = ["framework", "topology", "workers", "model", "step_time_s", "bytes_per_step", "compute_time_s",
               "model_bytes", "local_world_size", "step_time_p25_s", "step_time_p75_s", "timed_steps",
               "own_compute_time_s", "peak_rss_mib", "extra_rss_mib", "extra_steady_rss_mib", "wrap_rss_mib",
-              "speedup_vs_decent_dp", "speedup_vs_ddp", "ratio_vs_floor", "ratio_vs_fused_floor", "cpu", "cores",
-              "torch"]
+              "speedup_vs_decent_dp", "speedup_vs_ddp", "ratio_vs_floor", "ratio_vs_fused_floor", "cpu_time_s",
+              "cpu_speedup_vs_decent_dp", "cpu_ratio_vs_floor", "cpu", "cores", "torch"]
 
 
 def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> None:
@@ -374,7 +379,8 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -
             wrap_rss_mib=f"{r['wrap_delta'] / 2**20:.2f}",
             speedup_vs_decent_dp=cell(r["vs_ref"], ".4f"), speedup_vs_ddp=cell(r["vs_ddp"], ".4f"),
             ratio_vs_floor=cell(r["vs_floor"], ".4f"), ratio_vs_fused_floor=cell(r["vs_ffloor"], ".4f"),
-            cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"])
+            cpu_time_s=f"{r['cpu']:.6g}", cpu_speedup_vs_decent_dp=cell(r["cpu_vs_ref"], ".4f"),
+            cpu_ratio_vs_floor=cell(r["cpu_vs_floor"], ".4f"), cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"])
 
     write_rows_csv(path, CSV_FIELDS, (row(r) for r in rows))
 

@@ -104,6 +104,7 @@ class Runner:
         self.i = 0
         self.times: List[float] = []
         self.compute: List[float] = []
+        self.cpu: List[float] = []  # CPU seconds of this process (all its threads) per timed step
         self.opt: Any = None
         self.zero_grad_kwargs: Dict[str, Any] = {}  # build() may ask for another zero_grad mode
         self.batches = self.load_batches(seed)
@@ -253,7 +254,9 @@ def measure_and_time(cfgs: Sequence[Config], rank: int, plan: Dict[str, Any],
             for _ in range(plan["rewarm"]):
                 r.step()
             for _ in range(plan["chunk"]):
+                c0 = time.process_time()
                 t, c = r.step()
+                r.cpu.append(time.process_time() - c0)
                 r.times.append(t)
                 r.compute.append(c)
     dist.barrier()
@@ -269,19 +272,22 @@ def gather_results(runners: Sequence[Runner], mems: Sequence[List[float]], base_
 
     results = []
     for r, m in zip(runners, mems):
-        t = torch.tensor([r.times, r.compute], dtype=torch.float64)
+        t = torch.tensor([r.times, r.compute, r.cpu], dtype=torch.float64)
         allt = [torch.empty_like(t) for _ in range(n)]
         dist.all_gather(allt, t)
         mem = torch.tensor(list(m) + [base_rss], dtype=torch.float64)
         allm = [torch.empty_like(mem) for _ in range(n)]
         dist.all_gather(allm, mem)
         if rank == 0:
-            st = torch.stack(allt)  # [n, 2, steps]
+            st = torch.stack(allt)  # [n, 3, steps]
             step_max = st[:, 0].max(0).values.tolist()
             comp_max = st[:, 1].max(0).values.tolist()
+            # CPU of one step of the whole job: what the step costs the machine, independent of
+            # how other load shares the cores (wall times on an oversubscribed machine are not)
+            cpu_sum = st[:, 2].sum(0).tolist()
             mm = torch.stack(allm)  # [n, 5]: rss0, rss_model, rss1, hwm, base
             results.append(dict(
-                cfg=asdict(r.cfg), step_max=step_max, compute_max=comp_max,
+                cfg=asdict(r.cfg), step_max=step_max, compute_max=comp_max, cpu_sum=cpu_sum,
                 param_bytes=r.param_bytes,
                 base_rss=float(mm[:, 4].max()),
                 peak_delta=float((mm[:, 3] - mm[:, 0]).max()),
@@ -298,8 +304,10 @@ def gather_results(runners: Sequence[Runner], mems: Sequence[List[float]], base_
 
 def timing_row(res: Dict[str, Any]) -> Dict[str, Any]:
     """One configuration's gathered results as a report row: its Config, median / quartile step
-    times (the max over ranks per step), compute time, parameter bytes and peak RSS."""
+    times (the max over ranks per step), compute time, CPU seconds per step summed over the
+    workers, parameter bytes and peak RSS."""
     return dict(cfg=Config(**res["cfg"]), step=statistics.median(res["step_max"]),
+                cpu=statistics.median(res["cpu_sum"]),
                 p25=percentile(res["step_max"], 0.25), p75=percentile(res["step_max"], 0.75),
                 steps=len(res["step_max"]), compute=statistics.median(res["compute_max"]),
                 param_bytes=res["param_bytes"], peak_rss=res["base_rss"] + res["peak_delta"])
