@@ -1,4 +1,4 @@
-"""AFTER: fairscale_before.py on decentpy: only the two import lines changed (sharded optimizer
+"""AFTER: fairscale_before.py on decentpy: the imports changed, and zero_grad() may use torch's default (sharded optimizer
 state and gradients, OSS + ShardedDataParallel, same constructors and results).
 
     torchrun --standalone --nproc_per_node=2 examples/migration/fairscale_after.py
