@@ -18,6 +18,7 @@
 #   make build   create .venv, install the dependencies, build the extension (editable install)
 #   make wheel   build a wheel into dist/ (e.g. decentpy-0.1.0+cu130.torch213.sm80.sm90-...whl);
 #                honours DECENTPY_CUDA_ARCHS, CUDA_HOME, DECENTPY_NO_CUDA (docs/wheels.md)
+#   make docs    the documentation site (Sphinx, warnings are errors) into docs/_build/html
 #   make clean   remove build outputs (keeps .venv);  make distclean  also removes .venv
 #
 # The first run creates .venv and installs torch==2.13.0 only when no torch is importable there
@@ -44,10 +45,11 @@ CMAKE_BUILD_DIR := build/cmake
 
 DEPS_STAMP  := $(VENV)/.deps-stamp
 BENCH_DEPS_STAMP := $(VENV)/.bench-deps-stamp
+DOCS_DEPS_STAMP := $(VENV)/.docs-deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 EXT_INPUTS  := $(shell find csrc -type f 2>/dev/null) $(wildcard setup.py pyproject.toml)
 
-.PHONY: build deps wheel train test ctest pytest bench clean distclean
+.PHONY: build deps docs-deps docs wheel train test ctest pytest bench clean distclean
 
 build: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 deps: $(DEPS_STAMP) $(BENCH_DEPS_STAMP)
@@ -74,6 +76,19 @@ $(DEPS_STAMP): | $(PY)
 $(BENCH_DEPS_STAMP): $(DEPS_STAMP)
 	$(PIP) install $(PIP_Q) scipy
 	@touch $@
+
+# The docs' tools (Sphinx, MyST, furo, matplotlib for the topology pictures); none pulls torch. Its own
+# stamp, redone when docs/requirements.txt changes.
+docs-deps: $(DOCS_DEPS_STAMP)
+$(DOCS_DEPS_STAMP): $(DEPS_STAMP) docs/requirements.txt
+	$(PIP) install $(PIP_Q) -r docs/requirements.txt
+	@touch $@
+
+# The site, from a fresh clone: warnings are errors (-W), all of them reported (--keep-going). conf.py
+# imports decentpy (autodoc, the topology pictures), hence the build; -E: no stale pages.
+docs: $(BUILD_STAMP) $(DOCS_DEPS_STAMP)
+	$(PY) -m sphinx -b html -W --keep-going -E -q docs docs/_build/html
+	@echo "docs: $(abspath docs/_build/html/index.html)"
 
 # --no-build-isolation: build against the torch installed above, never a freshly pulled one.
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
@@ -149,7 +164,7 @@ runtime-model: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 	$(PY) -m tools.runtime_model $(BENCH_ARGS)
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache bench/out $(BUILD_STAMP)
+	rm -rf build dist *.egg-info .pytest_cache bench/out docs/_build docs/_generated $(BUILD_STAMP)
 	rm -f decentpy/_C*.so decentpy/_C*.pyd
 	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 

@@ -13,20 +13,82 @@ def _yes_no(flag: Any) -> str:
     return "yes" if flag else "no"
 
 
-def _version() -> str:
-    """The full build version (e.g. ``0.1.0+cu130.torch213.sm80.sm90``) when setup.py recorded it."""
+def _recorded_build() -> Optional[Any]:
+    """``decentpy._build_info`` (written by setup.py at build time), or None in an unbuilt tree."""
     try:
-        from . import _build_info  # written by setup.py at build time
+        from . import _build_info
 
-        return f"{_build_info.version} (built against torch {_build_info.torch_version})"
+        return _build_info
     except ImportError:
-        pass
-    try:
-        from .version import __version__
+        return None
 
-        return str(__version__)
+
+def _version() -> str:
+    """``decentpy.__version__`` (the build's full version, e.g. ``0.1.0+cu130.torch213.sm80.sm90``)."""
+    try:
+        from .version import __version__, base_version
+
+        if __version__ != base_version:
+            return f"{__version__} (release {base_version}; the local version names what was compiled)"
+        return f"{__version__} (no build recorded: decentpy/_build_info.py is missing)"
     except Exception as exc:  # pragma: no cover - only when the package is broken
         return f"unknown ({type(exc).__name__}: {exc})"
+
+
+def _major_minor(version: str) -> Tuple[str, ...]:
+    return tuple(version.split("+")[0].split(".")[:2])
+
+
+def _arch_list(raw: str) -> List[str]:
+    return [a.strip() for a in raw.split(",") if a.strip()]
+
+
+def _cuda_status(info: Dict[str, Any], torch: Any) -> str:
+    """"compiled (...), usable here: ..." / "compiled (...), not usable here: <why>" / "not compiled"."""
+    if not info.get("cuda_kernels"):
+        return "not compiled (built without nvcc, or with DECENTPY_NO_CUDA=1): the CPU kernels run everything"
+    archs = _arch_list(str(info.get("cuda_archs") or ""))
+    sass = [a for a in archs if a.startswith("sm_")]
+    ptx = [a for a in archs if a.startswith("compute_")]
+    what = ", ".join(sass) + (f", PTX {', '.join(ptx)}" if ptx else "") if archs else "archs unknown"
+    head = f"compiled ({what})"
+    if torch is None:
+        return f"{head}, not usable here: torch is not importable"
+    if not getattr(torch.version, "cuda", None):
+        return f"{head}, not usable here: torch {torch.__version__} is a CPU build"
+    try:
+        available = torch.cuda.is_available()
+    except Exception as exc:  # pragma: no cover - a broken driver
+        return f"{head}, not usable here: torch.cuda.is_available() failed ({type(exc).__name__}: {exc})"
+    if not available:
+        return f"{head}, not usable here: no CUDA device visible (torch.cuda.is_available() is False)"
+    sm = [int(a[3:]) for a in sass if a[3:].isdigit()]
+    ptx_sm = [int(a[8:]) for a in ptx if a[8:].isdigit()]
+    usable, not_usable = [], []
+    for i in range(torch.cuda.device_count()):
+        major, minor = torch.cuda.get_device_capability(i)
+        cc = 10 * major + minor
+        # SASS runs on its own major with an equal or lower minor; PTX is JIT-compiled for newer GPUs.
+        if any(s // 10 == major and s <= cc for s in sm) or any(p <= cc for p in ptx_sm):
+            usable.append(f"cuda:{i} sm_{cc}")
+        else:
+            not_usable.append(f"cuda:{i} sm_{cc}")
+    if not usable:
+        return f"{head}, not usable here: no kernel for {', '.join(not_usable)}"
+    tail = f" (not on {', '.join(not_usable)}: no kernel for it)" if not_usable else ""
+    return f"{head}, usable here on {', '.join(usable)}{tail}"
+
+
+def _nccl_status(info: Dict[str, Any]) -> str:
+    if not info.get("nccl"):
+        return "not compiled (needs nvcc and nccl.h at build time; torch.distributed's NCCL is used instead)"
+    try:
+        from .comm.nccl import nccl_unavailable_reason
+
+        why = nccl_unavailable_reason()
+    except Exception as exc:  # pragma: no cover
+        why = f"{type(exc).__name__}: {exc}"
+    return "compiled, usable here" if why is None else f"compiled, not usable here: {why}"
 
 
 def _build_info() -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
@@ -46,6 +108,7 @@ def config_report() -> str:
     """Build the multi-line configuration report as a string (no printing)."""
     rows: List[Tuple[str, str]] = []
     rows.append(("decentpy", _version()))
+    built = _recorded_build()
 
     try:
         import torch
@@ -57,6 +120,12 @@ def config_report() -> str:
     except Exception as exc:  # pragma: no cover - torch is a hard dependency
         torch = None  # type: ignore[assignment]
         rows.append(("torch", f"not importable ({type(exc).__name__}: {exc})"))
+    if built is not None:
+        against = f"torch {built.torch_version}"
+        if torch is not None and _major_minor(str(torch.__version__)) != _major_minor(str(built.torch_version)):
+            against += (f" -- MISMATCH: this is torch {torch.__version__}; decentpy._C needs torch "
+                        f"{'.'.join(_major_minor(str(built.torch_version)))}.x (rebuild, or install that torch)")
+        rows.append(("compiled against", against))
 
     rows.append(("python", f"{platform.python_version()} ({sys.executable})"))
     rows.append(("platform", f"{platform.platform()} {platform.machine()}"))
@@ -65,17 +134,17 @@ def config_report() -> str:
     if info is None:
         rows.append(("extension", f"decentpy._C NOT available: {err}"))
     else:
-        cpu = _yes_no(info.get("cpu_kernels"))
-        width = info.get("vector_width_fp32")
-        if info.get("cpu_kernels") and width:
-            cpu += f" (fp32 vector width {width})"
+        if info.get("cpu_kernels"):
+            cpu = "compiled, usable here"
+            isa, width = info.get("cpu_kernel_isa"), info.get("vector_width_fp32")
+            detail = ", ".join(x for x in (f"{isa} picked at run time" if isa else "",
+                                           f"fp32 vector width {width}" if width else "") if x)
+            cpu += f" ({detail})" if detail else ""
+        else:
+            cpu = "not compiled"
         rows.append(("CPU kernels", cpu))
-        cuda = _yes_no(info.get("cuda_kernels"))
-        archs = str(info.get("cuda_archs") or "").strip()
-        if info.get("cuda_kernels"):
-            cuda += f" (archs: {archs or 'unknown'})"
-        rows.append(("CUDA kernels", cuda))
-        rows.append(("NCCL communicator", _yes_no(info.get("nccl"))))
+        rows.append(("CUDA kernels", _cuda_status(info, torch)))
+        rows.append(("NCCL communicator", _nccl_status(info)))
         rows.append(("OpenMP", _yes_no(info.get("openmp"))))
         if info.get("compiler"):
             rows.append(("compiler", str(info.get("compiler"))))
@@ -116,11 +185,15 @@ def config_report() -> str:
 def show_config(file: Optional[TextIO] = None) -> str:
     """Print the decentpy build/runtime configuration and return it as a string.
 
-    Reports the decentpy, torch (and its CUDA) and Python versions, the platform, whether the
-    compiled extension ``decentpy._C`` has CPU kernels (and their fp32 vector width), CUDA
-    kernels (and for which architectures), the NCCL communicator and OpenMP, torch's intra-op
-    thread count and whether a CUDA device is visible. If ``decentpy._C`` cannot be imported,
-    the import error is reported instead of raised.
+    Reports ``decentpy.__version__`` (the build's full version, whose local part names what was
+    compiled), the torch running and the torch decentpy was compiled against (a major.minor
+    mismatch is flagged), Python and the platform, then for each compiled part of the extension
+    ``decentpy._C`` what was compiled and whether it can run on this machine, and why not: the
+    CPU kernels (and the vector ISA picked at run time), the CUDA kernels (their SASS/PTX archs,
+    checked against torch's CUDA and the visible devices, e.g. "compiled (sm_80, sm_90, PTX
+    compute_90), not usable here: torch 2.13.0+cpu is a CPU build"), decentpy's NCCL communicator;
+    then OpenMP, torch's intra-op thread count, the CUDA devices and torch.distributed's backends.
+    If ``decentpy._C`` cannot be imported, the import error is reported instead of raised.
 
     Args:
         file: where to print; defaults to ``sys.stdout``.

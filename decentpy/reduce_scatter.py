@@ -115,7 +115,7 @@ def _reduce_scatter(output: Tensor, rows: Sequence[Tensor], flat: Optional[Tenso
         except Exception as exc:
             if mode is not None or not _is_capability_error(exc):
                 raise
-            logger.info("backend %s on %s has no %s reduce-scatter (%s); using all-reduce + row select "
+            logger.debug("backend %s on %s has no %s reduce-scatter (%s); using all-reduce + row select "
                         "from now on", key[0], key[1], form, str(exc).splitlines()[0] if str(exc) else exc)
             _MODE_CACHE[key] = _ALL_REDUCE
         else:

@@ -922,12 +922,12 @@ def spectral_gap(
     ``topology`` is a registered name (then ``world_size`` is required; ``local_world_size``
     defaults to 1) or an instance (sizes optional, checked when given).
 
-    ``kind='average'`` (the default, the README's figures) uses the period-averaged matrix
+    ``kind='average'`` (the default, the figures of the docs) uses the period-averaged matrix
     ``mean_t W(t)``: it is symmetric, so the gap is real and well defined, it is a per-step rate
     that compares topologies of different periods, and it is what custom topologies have always
     reported. ``kind='period'`` uses the product of one period, ``W(p-1) ... W(0)``: asymptotically
     the factor ``1 - gap`` by which the actual schedule shrinks the disagreement per period (1.0
-    when a period is an exact average). With self weights in (0, 1) (every built-in: w = 1/|R|)
+    when a period is an exact average). With self weights in (0, 1) (every built-in: ``w = 1/|R|``)
     both are > 0 exactly when the union of a period's groups connects every rank.
     """
     if kind not in _GAP_KINDS:

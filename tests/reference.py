@@ -1,9 +1,9 @@
 """A plain-PyTorch, float64, single-process re-computation of decentralized training.
 
 All workers live in one process. Iteration k on worker i: gradient at the un-mixed parameters,
-mix ``z_i = sum_j W(k)_ij x_j``, then the worker's own optimizer steps from z_i (README, How a step runs).
+mix ``z_i = sum_j W(k)_ij x_j``, then the worker's own optimizer steps from z_i (docs/concepts/buckets.md, How a step runs).
 Optimizers are torch's own (SGD/Adam/AdamW/RMSprop) or, for AccumAdam, a direct transcription
-of the equations in the README (Optimizers). Nothing here uses decentpy's kernels or wrapper.
+of the equations in docs/concepts/algorithm.md (Optimizers). Nothing here uses decentpy's kernels or wrapper.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def decay_groups(model: nn.Module, wd: float) -> List[dict]:
 
 
 class RefAccumAdam:
-    """AccumAdam(W) transcribed from the README's equations, float64."""
+    """AccumAdam(W) transcribed from the equations of docs/concepts/algorithm.md, float64."""
 
     def __init__(self, groups: List[dict], lr: float, betas: Tuple[float, float], eps: float, accum_iter: int,
                  decoupled: bool) -> None:

@@ -278,7 +278,7 @@ def test_builtin_names_match_decent_dp_definitions() -> None:
     assert edges("ring", 4) == [[([0, 1], 0.5), ([2, 3], 0.5)], [([0, 3], 0.5), ([1, 2], 0.5)]]
     assert edges("one-peer-exp", 4) == [[([0, 1], 0.5), ([2, 3], 0.5)], [([0, 2], 0.5), ([1, 3], 0.5)]]
     # 2 nodes of 2: the pair of nodes, and each node alone (decentpy starts the period with the
-    # inter-node step, decent-dp's list with the intra-node one; README, differences)
+    # inter-node step, decent-dp's list with the intra-node one; docs/differences.md)
     aer = edges("alternating-exp-ring", 4, 2)
     assert sorted(aer) == sorted([[([0, 1], 0.5), ([2, 3], 0.5)], [([0, 1, 2, 3], 0.25)]])
     assert {"complete", "ring", "one-peer-exp", "alternating-exp-ring"} <= set(TopologyReg.registry)

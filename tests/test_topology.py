@@ -1,6 +1,6 @@
 """Tests for decentpy.topology: pure, no processes.
 
-Expected schedules are re-derived here from the README's topology definitions independently of
+Expected schedules are re-derived here from the topology definitions of docs/concepts/topologies.md independently of
 the implementation, then compared with what the module builds.
 """
 
@@ -34,7 +34,7 @@ LOCALS = [1, 2, 4]
 
 
 # ------------------------------------------------------------------------------------------
-# independent re-derivation (from the README's definitions, not from the module)
+# independent re-derivation (from the definitions in docs/concepts/topologies.md, not from the module)
 # ------------------------------------------------------------------------------------------
 
 GroupSet = Set[Tuple[Tuple[int, ...], float]]

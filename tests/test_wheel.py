@@ -120,9 +120,12 @@ def test_wheel_tag_and_metadata(wheel):
     with zipfile.ZipFile(wheel) as zf:
         sos = [n for n in zf.namelist() if re.fullmatch(r"decentpy/_C\..*\.so", n)]
         assert len(sos) == 1, zf.namelist()
+        assert "decentpy/py.typed" in zf.namelist(), zf.namelist()  # PEP 561 marker ships
+        assert any(n.endswith(".dist-info/licenses/LICENSE") for n in zf.namelist()), zf.namelist()
         metadata = _read(zf, ".dist-info/METADATA")
         info_src = _read(zf, "decentpy/_build_info.py")
     assert f"\nVersion: {version}\n" in metadata
+    assert "\nLicense-Expression: BSD-3-Clause\n" in metadata, metadata[:2000]
     # compiled against this torch: the wheel must pin its major.minor
     major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     requires = re.findall(r"^Requires-Dist: (torch\b.*)$", metadata, re.M)
@@ -161,19 +164,20 @@ def test_wheel_installs_and_runs_in_fresh_venv(wheel, tmp_path):
 
     out = _run([py, "-m", "decentpy"], cwd=work, env=env, timeout=300)
     assert re.search(rf"^\s*decentpy:\s+{re.escape(version)}\b", out, re.M), out  # the full build version
-    assert re.search(r"^\s*CPU kernels:\s+yes", out, re.M), out
+    assert re.search(r"^\s*CPU kernels:\s+compiled, usable here", out, re.M), out
     assert "NOT available" not in out, out
     has_cuda = "+cu" in version
-    assert re.search(rf"^\s*CUDA kernels:\s+{'yes' if has_cuda else 'no'}", out, re.M), out
+    assert re.search(rf"^\s*CUDA kernels:\s+{'compiled' if has_cuda else 'not compiled'}", out, re.M), out
 
     probe = _run([py, "-c",
                   "import json, decentpy, decentpy._build_info as b; "
-                  "print(json.dumps([decentpy.__file__, b.version, "
+                  "print(json.dumps([decentpy.__file__, b.version, decentpy.__version__, "
                   "decentpy._C.build_info()['cuda_archs']]))"],
                  cwd=work, env=env, timeout=300)
-    where, built_version, archs = json.loads(probe.strip().splitlines()[-1])
+    where, built_version, package_version, archs = json.loads(probe.strip().splitlines()[-1])
     assert Path(where).resolve().is_relative_to(venv.resolve()), where  # not the source tree
     assert built_version == version
+    assert package_version == version  # decentpy.__version__ is the wheel's version, local part included
     # the archs the tag names are the ones the binary carries
     tag_archs = [p[2:] for p in version.partition("+")[2].split(".") if p.startswith("sm")]
     assert sorted(a.strip() for a in archs.split(",") if a.strip().startswith("sm_")) == \

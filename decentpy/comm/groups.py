@@ -166,6 +166,6 @@ class CommGroup:
             c = counts.pop()
             if all(nodes[r] == nodes[(r // c) * c] for r in range(self.size)):
                 return c
-        logger.info("process group %s does not fill nodes of %d ranks evenly; its local world size is 1",
+        logger.debug("process group %s does not fill nodes of %d ranks evenly; its local world size is 1",
                     list(self.global_ranks), env)
         return 1

@@ -91,6 +91,6 @@ def select_communicator(comm: str, topology: Topology, timeout: datetime.timedel
     else:
         chosen = TorchCommunicator(topology, timeout, group=group)
     chosen.selection_reason = reason  # type: ignore[attr-defined]
-    logger.info("rank %d: decentpy exchanges over %s (%s)", dist.get_rank(),
+    logger.debug("rank %d: decentpy exchanges over %s (%s)", dist.get_rank(),
                 "decentpy's NCCL communicator" if kind == "nccl" else "torch.distributed", reason)
     return chosen

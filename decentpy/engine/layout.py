@@ -95,10 +95,12 @@ class BucketLayout:
             # gradients arrive in an order other than reverse registration (or that were given new
             # storage after wrapping).
             self.build(plan)
-            logger.info("rank %d: buckets rebuilt in gradient-ready order", self.group.rank)
+            logger.debug("rank %d: buckets rebuilt in gradient-ready order", self.group.rank)
         self.final = True
-        logger.info("rank %d: %d buckets (%s), %d parameters without gradient in the first iteration",
-                    self.group.rank, len(self.buckets), ", ".join(str(b.numel) for b in self.buckets), len(unused))
+        # Once per job: rank 0 of the group at INFO, every other rank at DEBUG.
+        logger.log(logging.INFO if self.group.rank == 0 else logging.DEBUG,
+                   "rank %d: %d buckets (%s), %d parameters without gradient in the first iteration",
+                   self.group.rank, len(self.buckets), ", ".join(str(b.numel) for b in self.buckets), len(unused))
 
     def _holds(self, plan: BucketPlan) -> bool:
         """Same bucket membership (the order inside a bucket does not matter) and intact views."""

@@ -162,7 +162,7 @@ def pipeline_groups(stages: int, replicas: int, ranks: Optional[Sequence[int]] =
     stage_groups = [dist.new_group(list(r), backend=backend) for r in layout.stage_replicas]
     where = layout.position(me)
     if where is None:
-        logger.info("rank %d is not in the pipeline layout %s", me, layout.pipelines)
+        logger.debug("rank %d is not in the pipeline layout %s", me, layout.pipelines)
         return None
     stage, replica = where
     logger.debug("rank %d: stage %d of pipeline %d (pipeline ranks %s, stage replicas %s)", me, stage, replica,

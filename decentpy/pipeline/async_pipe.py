@@ -191,7 +191,7 @@ class AsyncPipe(nn.Module):
             logger.warning("AsyncPipe: group rank %d holds no stage (%d stages on %d ranks)", rank, self.num_stages,
                            len(self._ranks))
         else:
-            logger.info("AsyncPipe: an empty pipe (no layers): every rank's forward returns its input")
+            logger.debug("AsyncPipe: an empty pipe (no layers): every rank's forward returns its input")
         del module, layers
 
         nccl = dist.get_backend(self.group) == dist.Backend.NCCL

@@ -161,7 +161,7 @@ class ShardedDataParallel(nn.Module, Joinable):
                                    "or a gradient set by hand): ShardedDataParallel reduces plain gradients only; "
                                    "zero_grad() first, or use torch DDP for higher-order gradients")
         if self._auto_refresh_trainable and self._trainable_mask() != self._mask:
-            logger.info("ShardedDataParallel: the trainable parameters changed; rebuilding the gradient buckets")
+            logger.debug("ShardedDataParallel: the trainable parameters changed; rebuilding the gradient buckets")
             self.refresh_trainable()
         if self.module.training and torch.is_grad_enabled():
             Join.notify_join_context(self)

@@ -79,7 +79,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--out", default="bench/out")
     p.add_argument("--hybrid-plot", default=None,
                    help="plot of the hybrid modes at scale (default: OUT/runtime_hybrid.png; the "
-                   "README's figure is docs/runtime_hybrid.png)")
+                   "the README's and the docs' figure is docs/runtime_hybrid.png)")
     p.add_argument("--hybrid-only", action="store_true",
                    help="only the hybrid modes at scale (DDP, HSDP, AER, sharded AER on the GPU "
                    "cluster of the published comparison): table, CSV and plot")

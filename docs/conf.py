@@ -1,0 +1,47 @@
+"""Sphinx configuration of decentpy's documentation (``make docs`` -> docs/_build/html).
+
+At build time it generates, into docs/_generated/ (not in git): the benchmark tables from the
+CSVs under docs/data/ (and bench/out/ when a local run left some), by tools/docs_tables.py, and
+the topology pictures from decentpy's own schedules, by tools/docs_topologies.py.
+"""
+
+import os
+import sys
+
+DOCS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(DOCS)
+sys.path.insert(0, ROOT)
+
+import decentpy  # noqa: E402  (the built package: autodoc and the pictures need decentpy._C)
+from tools import docs_tables, docs_topologies  # noqa: E402
+
+docs_tables.generate(os.path.join(DOCS, "_generated"))
+docs_topologies.generate(os.path.join(DOCS, "_generated", "topologies"))
+
+project = "decentpy"
+author = "The decentpy maintainers"
+copyright = "2026, The decentpy maintainers (BSD-3-Clause)"
+release = decentpy.version.base_version
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3
+exclude_patterns = ["_build", "_generated", "Thumbs.db", ".DS_Store"]
+
+autodoc_default_options = {"members": True, "show-inheritance": True}
+autodoc_member_order = "bysource"
+autodoc_typehints = "signature"
+autoclass_content = "both"
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+html_theme = "furo"
+html_title = f"decentpy {release}"
+html_static_path = []

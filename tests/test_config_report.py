@@ -1,0 +1,81 @@
+"""``python -m decentpy`` / ``decentpy.__version__``: what was compiled, and what can run here."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import torch
+
+import decentpy
+import decentpy._C as C
+from decentpy.config import config_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(report: str, key: str) -> str:
+    m = re.search(rf"^\s*{re.escape(key)}:\s+(.*)$", report, re.M)
+    assert m, report
+    return m.group(1)
+
+
+def test_version_is_the_build_version() -> None:
+    release = re.search(r'^__version__ = "([^"]+)"', (ROOT / "decentpy" / "version.py").read_text(), re.M).group(1)
+    assert decentpy.version.base_version == release
+    try:
+        from decentpy import _build_info
+    except ImportError:  # an unbuilt tree: the bare release
+        assert decentpy.__version__ == release
+    else:
+        assert decentpy.__version__ == _build_info.version
+        assert decentpy.__version__.startswith(release + "+")
+
+
+def test_report_says_what_is_compiled_and_usable() -> None:
+    info = C.build_info()
+    report = config_report()
+    assert _row(report, "decentpy").startswith(decentpy.__version__)
+    assert _row(report, "CPU kernels").startswith("compiled, usable here")
+    cuda = _row(report, "CUDA kernels")
+    if not info["cuda_kernels"]:
+        assert cuda.startswith("not compiled"), cuda
+    else:
+        archs = [a for a in info["cuda_archs"].split(",") if a.startswith("sm_")]
+        assert cuda.startswith("compiled (" + ", ".join(archs)), cuda
+        if torch.version.cuda is None:
+            assert cuda.endswith(f"not usable here: torch {torch.__version__} is a CPU build"), cuda
+        elif not torch.cuda.is_available():
+            assert "not usable here: no CUDA device visible" in cuda, cuda
+        else:
+            assert "usable here on cuda:0" in cuda or "no kernel for" in cuda, cuda
+    nccl = _row(report, "NCCL communicator")
+    assert nccl.startswith("compiled" if info["nccl"] else "not compiled"), nccl
+    if info["nccl"] and not torch.cuda.is_available():
+        assert "not usable here" in nccl, nccl
+
+
+def test_python_m_decentpy_prints_the_report(capsys) -> None:
+    runpy.run_module("decentpy", run_name="__main__")  # what `python -m decentpy` runs
+    out = capsys.readouterr().out
+    assert out.startswith("decentpy configuration\n")
+    assert re.search(r"^\s*CUDA kernels:\s+(compiled|not compiled)", out, re.M), out
+
+
+def test_packaging_metadata() -> None:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        import tomli as tomllib  # type: ignore[no-redef]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    meta = project["project"]
+    assert meta["license"] == "BSD-3-Clause" and meta["license-files"] == ["LICENSE"]
+    assert "BSD 3-Clause License" in (ROOT / "LICENSE").read_text()
+    assert meta["authors"]
+    assert "urls" not in meta  # no made-up address: added with the repository's public one
+    assert "Typing :: Typed" in meta["classifiers"]
+    assert (ROOT / "decentpy" / "py.typed").is_file()
+    assert project["tool"]["setuptools"]["package-data"]["decentpy"] == ["py.typed"]
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"## {decentpy.version.base_version} - " in changelog

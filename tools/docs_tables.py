@@ -1,0 +1,102 @@
+"""The documentation's benchmark tables, generated from CSV files (never typed into a page).
+
+``python -m tools.docs_tables [OUT_DIR]`` (default docs/_generated), and docs/conf.py at every
+docs build, writes one Markdown table per entry of ``TABLES`` (``OUT_DIR/<name>.md``, included by
+docs/benchmarks.md and the other pages) from ``docs/data/<name>.csv``: the measured results the
+pages discuss, committed with the machine and command that produced them (the ``source`` below).
+It also writes ``OUT_DIR/local_runs.md`` with every CSV a local benchmark run left in ``bench/out/``
+(``make bench-train`` and the others write there), column for column, or a note that there is
+none; those are never committed, so a fresh clone's site shows the committed results only.
+
+To publish a new measurement, run the benchmark, copy the figures into the CSV of the same name
+under docs/data/ (the columns the pages use) and update ``source`` here.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "docs" / "data"
+LOCAL = ROOT / "bench" / "out"
+
+# name -> what it measured, how, on what machine (shown under the table)
+TABLES: Dict[str, str] = {
+    "bench_kernels": "`make bench` (bench/bench_kernels.py): one 25 MiB fp32 bucket, median of 9 interleaved runs, "
+                     "AVX-512 picked at run time. Intel Xeon, 2 cores, torch 2.13.0+cpu.",
+    "bench_train": "`make bench-train` (bench/bench_train.py): AdamW, gloo, 1 torch thread per worker, median step "
+                   "time over 32 steps (CNN rows: 48), max over ranks; decent-dp 0.2.3 and torch DDP in the same "
+                   "run. Intel Xeon, 2 cores shared by the 4 or 8 workers, torch 2.13.0+cpu.",
+    "bench_convergence": "`make bench-convergence` (bench/bench_convergence.py): digits, 4 workers, 10 epochs, seed 0, "
+                         "test accuracy of the averaged model (360 test samples: one sample is 0.28 points). "
+                         "Intel Xeon, 2 cores, torch 2.13.0+cpu.",
+    "bench_hybrid": "`make bench-hybrid` (bench/bench_hybrid.py): 4 gloo workers as 2 nodes x 2 ranks, "
+                    "4 x Linear(1024) + ReLU, batch 64 per rank, AdamW, 1 thread per worker, 24 timed steps per "
+                    "configuration, medians with p25-p75. AMD EPYC, 2 cores shared by the 4 workers.",
+    "runtime_hybrid": "`python -m tools.runtime_model --hybrid-only` (tools/runtime_model): predicted ms per "
+                      "iteration on an assumed GPU cluster (8 GPUs per node; assumptions below), speedup vs DDP in "
+                      "parentheses. A model, not a measurement.",
+    "bench_shard": "`make bench-shard` (bench/bench_shard.py): the bench-train MLP, 3 x Linear(1024, 1024), batch 64 "
+                   "per rank, AdamW, gloo, 1 thread per worker, medians of 64 steps timed in interleaved rounds, the "
+                   "four set-ups in the same processes. AMD EPYC, 2 cores.",
+    "bench_pipe": "`make bench-pipe` (bench/bench_pipe.py): 8 x (Linear(512) + ReLU), batch 256, MSE, gradients "
+                  "only, one gloo worker per stage (1 thread each), medians of 40 steps in interleaved rounds, each "
+                  "step after a barrier; every row's first step checked against one process (rel. error <= 2e-7). "
+                  "AMD EPYC, 2 cores.",
+    "bench_fairscale_parity": "`make bench-fairscale-parity` (bench/bench_fairscale_parity.py): fairscale's "
+                              "benchmarks/oss.py on CPU, ResNet-18 on digits upscaled to 32x32, 2 gloo workers, "
+                              "batch 64 per rank, RMSprop(lr=1e-4, momentum=0.9), 4 epochs of 14 steps; rank 0's "
+                              "last-batch loss per epoch. The same cells for torch DDP, fairscale 0.4.13 and decentpy.",
+    "fairscale_compat": "`python tools/fairscale_compat.py --fairscale-git <dir>`: fairscale 0.4.13's own unit tests "
+                        "for these classes, adapted to CPU/gloo, run against fairscale and decentpy side by side.",
+}
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(rows: List[List[str]]) -> str:
+    if not rows:
+        return "*(no rows)*\n"
+    header, body = rows[0], rows[1:]
+    out = ["| " + " | ".join(_cell(c) for c in header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in body]
+    return "\n".join(out) + "\n"
+
+
+def read_csv(path: Path) -> List[List[str]]:
+    with open(path, newline="") as fh:
+        return [row for row in csv.reader(fh)]
+
+
+def generate(out_dir: str) -> List[str]:
+    """Write every table of TABLES and local_runs.md into ``out_dir``; returns the files written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, source in TABLES.items():
+        path = DATA / f"{name}.csv"
+        text = markdown_table(read_csv(path))
+        text += f"\n*Source: `docs/data/{name}.csv`, measured by {source}*\n"
+        (out / f"{name}.md").write_text(text)
+        written.append(str(out / f"{name}.md"))
+    local = sorted(LOCAL.glob("*.csv")) if LOCAL.is_dir() else []
+    parts = ["The CSV files a local benchmark run left in `bench/out/` (not committed; rebuilt with the "
+             "site):\n"]
+    if not local:
+        parts.append("\n*None in this checkout: run a `make bench-*` target, then `make docs`.*\n")
+    for path in local:
+        parts.append(f"\n**`bench/out/{path.name}`**\n\n{markdown_table(read_csv(path))}")
+    (out / "local_runs.md").write_text("".join(parts))
+    written.append(str(out / "local_runs.md"))
+    return written
+
+
+if __name__ == "__main__":
+    for p in generate(sys.argv[1] if len(sys.argv) > 1 else os.path.join("docs", "_generated")):
+        print(p)
