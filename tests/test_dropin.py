@@ -16,6 +16,7 @@ import json
 import math
 import os
 import uuid
+import warnings
 from typing import Any, Dict, List
 
 import pytest
@@ -33,12 +34,25 @@ needs_decent_dp = pytest.mark.skipif(
     not HAVE_DECENT_DP, reason="decent-dp 0.2.3 is not installed (make deps installs it with --no-deps)")
 
 
-def run_script(tmp: str, text: str) -> List[Dict[str, Any]]:
+def _worker_errors(stderr: str) -> str:
+    """The workers' own error lines (torchrun's summary at the end of stderr hides them)."""
+    keys = ("Error", "error:", "what()", "terminate called", "Traceback", "EnforceNotMet")
+    return "\n".join(line for line in stderr.splitlines() if any(k in line for k in keys))[-4000:]
+
+
+def run_script(tmp: str, text: str, attempts: int = 1) -> List[Dict[str, Any]]:
     path = os.path.join(tmp, "script.py")
     with open(path, "w") as f:
         f.write(text)
-    proc = torchrun(path, WORLD, {"DROPIN_OUT": tmp}, timeout=300)
-    assert proc.returncode == 0, f"the script failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    for attempt in range(attempts):
+        proc = torchrun(path, WORLD, {"DROPIN_OUT": tmp}, timeout=300)
+        if proc.returncode == 0:
+            break
+        if attempt + 1 < attempts:
+            warnings.warn(f"{os.path.basename(tmp)}: run {attempt + 1} failed (exit {proc.returncode}), "
+                          f"retrying:\n{_worker_errors(proc.stderr)}")
+    assert proc.returncode == 0, (f"the script failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                                  f"{_worker_errors(proc.stderr)}\n{proc.stderr[-3000:]}")
     out = []
     for r in range(WORLD):
         with open(os.path.join(tmp, f"rank{r}.json")) as f:
@@ -113,7 +127,10 @@ def test_pre_average_hook_is_called_before_every_averaging(decentpy_run: List[Di
 @needs_decent_dp
 def test_same_losses_as_decent_dp(decentpy_run: List[Dict[str, Any]], tmp_path: Any) -> None:
     with open(SCRIPT) as f:
-        reference = run_script(str(tmp_path), f.read().replace("decentpy", "decent_dp"))
+        # decent-dp itself, the reference: under heavy load one of its workers has been seen to abort
+        # (SIGABRT, about 1 run in 15 here); a second run of the reference, with the first one's
+        # errors reported as a warning, keeps that from failing a test about decentpy
+        reference = run_script(str(tmp_path), f.read().replace("decentpy", "decent_dp"), attempts=2)
     for mine, ref in zip(decentpy_run, reference):
         for run in ("complete", "pairs", "hook"):
             assert mine[run]["losses"] == pytest.approx(ref[run]["losses"], rel=2e-6), f"{run}: losses differ"
