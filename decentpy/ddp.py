@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
-from .comm import CommGroup, default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
+from .comm import CommGroup, agree_across_ranks, default_timeout
 from .comm import check_comm, or_world, select_communicator
 from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node
 from .engine.bucket import Bucket, BucketPlan
@@ -129,13 +129,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if lws is None:
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
-        # Pure functions of the sizes: raise identically on every rank, before any collective.
         self._intra_node = intra_node
         strategy = GOSSIP_STRATEGIES[intra_node]
-        setup = strategy.configure(topology, self._rank, self._world_size, self._local_world_size,
-                                   timeout if timeout is not None else default_timeout())
-        self._topology = setup.topology
-        exchange_topology = setup.exchange_topology
+        self._timeout = timeout if timeout is not None else default_timeout()
 
         self._model = model
         self._scaler = scaler
@@ -143,7 +139,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._param_as_bucket_view = bool(param_as_bucket_view)
         self._sync_buffer_in_global_avg = bool(sync_buffer_in_global_avg)
         self._bucket_size = int(bucket_size_in_mb * 1024 * 1024)
-        self._timeout = timeout if timeout is not None else default_timeout()
         self._closed = False
         self._backups: List[Tensor] = []
         self._skip_mix_before_avg: List[bool] = []
@@ -152,6 +147,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         # the subject of the first collective, so a bad input raises on every rank and none hangs.
         failure: Optional[BaseException] = None
         try:
+            # Pure functions of the sizes and the topology argument; a rank given another topology
+            # fails here alone, which the agreement below reports on every rank.
+            setup = strategy.configure(topology, self._rank, self._world_size, self._local_world_size,
+                                       self._timeout)
+            self._topology = setup.topology
+            exchange_topology = setup.exchange_topology
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             if not named:
                 raise ValueError("the model has no parameter that requires a gradient: nothing to train")
@@ -167,9 +168,25 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._driver.attach(self._params, self._strategy)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
             failure = exc
-        raise_if_any_rank_failed(failure, "constructing DecentralizedDataParallel", group=self._process_group)
-        wants_edges = self._strategy.layout.has_pre_average_hook()
-        self._check_same_model(wants_edges)
+        settings: Dict[str, Any] = {
+            "topology": topology if isinstance(topology, str) else f"{type(topology).__name__} {topology.name!r}",
+            "intra_node": intra_node, "local_world_size": self._local_world_size,
+            "bucket_size_in_mb": bucket_size_in_mb, "comm": comm, "grad_clip_norm": self._grad_clip_norm,
+            "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
+            "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg,
+        }
+        wants_edges = False
+        if failure is None:
+            wants_edges = self._strategy.layout.has_pre_average_hook()
+            settings = {"model": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)],
+                        "optimizer defines pre_average_hook": wants_edges, **settings,
+                        "optimizer (class and hyper-parameters per bucket)": [
+                            (type(b.optimizer), _hyperparameters(b.optimizer)) for b in self._strategy.buckets],
+                        "lr_scheduler": [type(b.scheduler) for b in self._strategy.buckets]}
+        # One collective, before any other: a failure anywhere, or any setting that differs, raises
+        # on every rank (a rank with another bucket size or topology would abort or hang in gloo).
+        agree_across_ranks(failure, settings, "DecentralizedDataParallel", group=self._process_group,
+                           explain={"model": _model_differs, "optimizer defines pre_average_hook": _hook_differs})
         if wants_edges and not strategy.exchanges_whole_model:  # the same verdict on every rank (checked above)
             raise ValueError(
                 f"optimizers with decent-dp's pre_average_hook see each exchange of the whole model; with "
@@ -214,20 +231,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 raise ValueError(
                     f"module '{name}' ({type(mod).__name__}) produces sparse gradients (sparse=True); "
                     "decentpy mixes dense buckets: construct it with sparse=False")
-
-    def _check_same_model(self, wants_edges: bool) -> None:
-        mine: List[Any] = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)]
-        mine.append(("optimizer defines pre_average_hook", wants_edges))
-        diff = first_difference_across_ranks(mine, group=self._process_group)
-        if diff is not None:
-            r, k, a, b = diff
-            if k == len(self._params) and isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0]:
-                raise ValueError(
-                    f"optim_fn returns an optimizer {'with' if a[1] else 'without'} pre_average_hook on rank 0 but "
-                    f"{'with' if b[1] else 'without'} one on rank {r}; every rank must use the same optimizer")
-            raise ValueError(
-                f"the model differs between rank 0 and rank {r}: parameter #{k} is {a} on rank 0 but {b} "
-                f"on rank {r} (name, shape, dtype); every rank must build the same model")
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
@@ -562,6 +565,22 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._scaler.load_state_dict(state_dict["scaler"])
         r.step = int(state_dict["step"])
         return result
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _model_differs(r: int, a: List[Any], b: List[Any]) -> str:
+    k = next((i for i in range(max(len(a), len(b))) if (a[i] if i < len(a) else None) != (b[i] if i < len(b) else None)))
+    show = lambda v, i: tuple(v[i]) if i < len(v) else None  # noqa: E731
+    return (f"the model differs between rank 0 and rank {r}: parameter #{k} is {show(a, k)} on rank 0 but "
+            f"{show(b, k)} on rank {r} (name, shape, dtype); every rank must build the same model")
+
+
+def _hook_differs(r: int, a: bool, b: bool) -> str:
+    return (f"optim_fn returns an optimizer {'with' if a else 'without'} pre_average_hook on rank 0 but "
+            f"{'with' if b else 'without'} one on rank {r}; every rank must use the same optimizer")
 
 
 _MODEL_PREFIX = "_model."

@@ -13,7 +13,8 @@
 * :mod:`.waits` -- bounded waits and :class:`PeerTimeoutError`.
 """
 
-from .agreement import check_on_every_rank, everyone, first_difference_across_ranks, raise_if_any_rank_failed
+from .agreement import (agree_across_ranks, check_on_every_rank, comparable, everyone,
+                        first_difference_across_ranks, raise_if_any_rank_failed)
 from .groups import CommGroup, SubGroup, group_ranks, or_world
 from .nccl import (NcclCommunicator, NcclExchange, nccl_available, nccl_compiled, nccl_library_candidates,
                    nccl_unavailable_reason)
@@ -26,4 +27,4 @@ __all__ = ["Communicator", "Work", "TorchCommunicator", "Exchange", "NcclCommuni
            "nccl_available", "nccl_compiled", "nccl_library_candidates", "nccl_unavailable_reason", "COMM_CHOICES",
            "check_comm", "resolve_comm", "select_communicator", "CommGroup", "SubGroup", "group_ranks", "or_world",
            "check_on_every_rank", "everyone", "first_difference_across_ranks", "raise_if_any_rank_failed", "PeerTimeoutError",
-           "default_timeout", "wait_bounded"]
+           "default_timeout", "wait_bounded", "agree_across_ranks", "comparable"]
