@@ -15,7 +15,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 from . import _C  # noqa: E402  (the compiled extension; fails loudly when not built)
 from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
-from .comm import PeerTimeoutError  # noqa: E402
+from .comm import NonFiniteGradientError, PeerReportedError, PeerTimeoutError, PeerUnreachableError  # noqa: E402
 from .config import show_config  # noqa: E402
 from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
 from .join import Join, Joinable, JoinHook  # noqa: E402
@@ -38,6 +38,9 @@ __all__ = [
     "__version__",
     "DecentralizedDataParallel",
     "PeerTimeoutError",
+    "PeerUnreachableError",
+    "PeerReportedError",
+    "NonFiniteGradientError",
     "Join",
     "Joinable",
     "JoinHook",

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
 from .comm import CommGroup, agree_across_ranks, default_timeout
-from .comm import check_comm, or_world, select_communicator
+from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, select_communicator
 from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node
 from .engine.bucket import Bucket, BucketPlan
 from .engine.layout import OptimFn, SchedulerFn
@@ -61,7 +61,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         bucket_size_in_mb: bucket capacity in MiB.
         local_world_size: workers per node (defaults to ``$LOCAL_WORLD_SIZE``, else 1); used by
             node-aware topologies. ``_local_world_size`` is accepted as in decent-dp.
-        timeout: bound on every wait for a peer (defaults to the process group's timeout).
+        timeout: bound on every wait for a peer that is alive but slow (defaults to the process
+            group's timeout).
+        peer_liveness_timeout: a peer whose process stops beating its heartbeat (killed, stopped,
+            its host gone) for this long ends every wait on it with a
+            :class:`~decentpy.PeerUnreachableError` naming it (default 10 s; ``None`` disables the
+            heartbeats, leaving only ``timeout``). See docs/failures.md.
         comm: ``'auto'`` (decentpy's NCCL communicator when the process group is NCCL and the
             extension has it, else torch.distributed), ``'torch'`` or ``'nccl'``.
         process_group: gossip among the ranks of this group only (default: the world). The
@@ -101,6 +106,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         comm: str = "auto",
         process_group: Optional[dist.ProcessGroup] = None,
         intra_node: str = "gossip",
+        peer_liveness_timeout: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -200,11 +206,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._broadcast_from_rank0()
         self._strategy.connect(self._params[0].device)
         comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
-                                    group=self._group)
+                                    group=self._group, liveness=peer_liveness_timeout)
         # Edges (with process groups) for optimizers that hook into the averaging; collective, so
         # only after the check above proved every rank wants them.
         self._strategy.attach(comm_, hook_edges(self._topology) if wants_edges else None)
         self._comm = comm_
+        self._watch = PeerWatch(self._group.global_ranks, self._timeout, peer_liveness_timeout)
         self._module_hooks: List[Any] = self._strategy.module_hooks(model)
         if self._rank == 0:
             logger.info("decentpy: %s, %s %d, local world size %d, bucket cap %.1f MiB",
@@ -424,6 +431,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         average. ``sync_buffers`` (default: ``sync_buffer_in_global_avg``) also averages float
         buffers. A collective: call it on every rank.
         """
+        with self._watch.guarding("global_avg"):
+            return self._global_avg(will_revert, return_d2c, sync_buffers)
+
+    def _global_avg(self, will_revert: bool, return_d2c: bool, sync_buffers: Optional[bool]) -> Optional[float]:
         r = self._strategy
         r.wait_all()
         tensors = self._param_tensors()
@@ -459,6 +470,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
         sqrt(1/n * sum_i ||x_i - mean||^2), the same value on every rank. A collective.
         """
+        with self._watch.guarding("consensus_distance"):
+            return self._consensus_distance()
+
+    def _consensus_distance(self) -> float:
         self._strategy.wait_all()
         if self._world_size == 1:
             return 0.0

@@ -60,3 +60,58 @@ def test_settings_that_differ_raise_on_every_rank_at_construction() -> None:
             assert key in got["text"] and f"rank {world - 1}" in got["text"], (rank, key, got)
             assert all(v in got["text"] for v in values), (rank, key, got)
             assert got["s"] < 20, (rank, key, got)
+
+
+def killed_worker(rank: int, world: int, victim: int, sig: int) -> Dict[str, Any]:
+    """Trains on a ring; ``victim`` gets ``sig`` (SIGKILL: dies without a goodbye; SIGSTOP: silent)
+    at step 4. Every survivor must raise a PeerTimeoutError naming it."""
+    import datetime
+    import os
+    import signal
+
+    from decentpy import DecentralizedDataParallel, PeerTimeoutError
+    from reference import batch, decentpy_optim_fn, loss_fn
+
+    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="ring",
+                                    bucket_size_in_mb=0.0002, peer_liveness_timeout=datetime.timedelta(seconds=4))
+    pids = [None] * world
+    torch.distributed.all_gather_object(pids, os.getpid())  # a stopped victim is killed by rank 0 at the end
+    start = None
+    out: Dict[str, Any] = {"type": None}
+    try:
+        for k in range(200):
+            if k == 4:
+                if rank == victim:
+                    os.kill(os.getpid(), sig)
+                    time.sleep(60)  # stopped: never gets here before the others gave up
+                start = time.monotonic()
+            x, y = batch(rank, k)
+            loss_fn(ddp(x), y).backward()
+        ddp.consensus_distance()
+    except PeerTimeoutError as exc:
+        out = {"type": type(exc).__name__, "text": str(exc), "ranks": exc.ranks,
+               "elapsed": time.monotonic() - (start or time.monotonic())}
+    except Exception as exc:  # noqa: BLE001 - a raw backend error: the test fails on it
+        out = {"type": type(exc).__name__, "text": str(exc), "ranks": [], "elapsed": -1.0}
+    if rank == 0 and sig == signal.SIGSTOP:
+        os.kill(pids[victim], signal.SIGKILL)
+    return out
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])
+def test_dead_or_silent_peer_is_named_by_every_survivor(sig: str) -> None:
+    import signal
+
+    world, victim = 4, 2
+    # pg_timeout_s: the process group's own timeout (gloo's waits) is far longer than what is allowed here
+    res = run_workers(killed_worker, world, victim, int(getattr(signal, sig)), timeout=100, allow_failures=True,
+                      pg_timeout_s=300)
+    for r in range(world):
+        if r == victim:
+            continue
+        o = res[r]
+        assert isinstance(o, dict) and o["type"] is not None, f"rank {r}: {o}"
+        assert o["type"] in ("PeerUnreachableError", "PeerReportedError"), f"rank {r}: {o}"
+        assert victim in o["ranks"] and f"rank(s) [{victim}]" in o["text"], f"rank {r}: {o}"
+        assert "bucket" in o["text"], f"rank {r}: {o}"
+        assert 0 < o["elapsed"] < 20, f"rank {r}: {o}"

@@ -171,6 +171,8 @@ class GossipStrategy(BucketStrategy):
         b.skip_mix = False
         assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
         b.work = nxt.launch(self.comm, b.index, b.param, b.comm)
+        if b.work is not None and hasattr(b.work, "step"):
+            b.work.step = self.step  # for a failure's message
         self.stepped(b)
 
     def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:
