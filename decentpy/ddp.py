@@ -67,6 +67,14 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             its host gone) for this long ends every wait on it with a
             :class:`~decentpy.PeerUnreachableError` naming it (default 10 s; ``None`` disables the
             heartbeats, leaving only ``timeout``). See docs/failures.md.
+        nonfinite: a bucket whose gradient is not finite (inf/NaN, e.g. a NaN loss) on a rank:
+            ``'skip'`` (default) skips that bucket's update there (it still mixes, and sends its
+            finite parameters: nothing non-finite reaches a peer) and logs a warning naming rank,
+            step and bucket, on that rank at once and on the others within a few seconds;
+            ``'raise'`` raises :class:`~decentpy.NonFiniteGradientError` there and on every other
+            rank (a subclass of it, also a :class:`~decentpy.PeerTimeoutError`); ``'ignore'``
+            checks nothing (no norm per bucket). Uses the bucket norm the GradScaler / clipping
+            path takes anyway; with a GradScaler a skip is its normal back-off (logged at INFO).
         comm: ``'auto'`` (decentpy's NCCL communicator when the process group is NCCL and the
             extension has it, else torch.distributed), ``'torch'`` or ``'nccl'``.
         process_group: gossip among the ranks of this group only (default: the world). The
@@ -107,6 +115,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         process_group: Optional[dist.ProcessGroup] = None,
         intra_node: str = "gossip",
         peer_liveness_timeout: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
+        nonfinite: str = "skip",
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -166,7 +175,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._params = [p for _, p in named]
             self._check_device()
             self._check_dense_gradients()
-            self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
+            self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._strategy: GossipStrategy = strategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
                 self._bucket_size, self._param_as_bucket_view, self._timeout, self._group)
@@ -179,7 +188,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "intra_node": intra_node, "local_world_size": self._local_world_size,
             "bucket_size_in_mb": bucket_size_in_mb, "comm": comm, "grad_clip_norm": self._grad_clip_norm,
             "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
-            "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg,
+            "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg, "nonfinite": nonfinite,
         }
         wants_edges = False
         if failure is None:

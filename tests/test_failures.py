@@ -4,6 +4,7 @@ bad value or rank, on every rank, within a bound of seconds (not the process gro
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Dict
 
@@ -45,10 +46,61 @@ def settings_worker(rank: int, world: int) -> Dict[str, Any]:
     t = torch.ones(1)
     torch.distributed.all_reduce(t)  # nobody is stuck in a half-started collective
     out["allreduce"] = t.item()
+    out.update(nonfinite_probes(rank, world))
     return out
 
 
-def test_settings_that_differ_raise_on_every_rank_at_construction() -> None:
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def nonfinite_probes(rank: int, world: int) -> Dict[str, Any]:
+    """A NaN loss on the last rank at step 2: with nonfinite='skip' no parameter anywhere becomes
+    non-finite and every rank logs a warning naming rank, step and bucket; with 'raise' every rank
+    raises. (Last in the spawn: after 'raise' the job's error board holds that rank's report.)"""
+    import decentpy.comm.failures as failures
+    from decentpy import DecentralizedDataParallel, NonFiniteGradientError
+    from reference import batch, decentpy_optim_fn, loss_fn
+
+    failures.NOTICE_INTERVAL_S = 0.0  # look for the peers' notices every iteration (default: every 5 s)
+    records = _Records()
+    logging.getLogger("decentpy").addHandler(records)
+    logging.getLogger("decentpy").setLevel(logging.INFO)
+    bad = world - 1
+    out: Dict[str, Any] = {}
+    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="ring", bucket_size_in_mb=0.0002)
+    for k in range(6):
+        x, y = batch(rank, k)
+        loss = loss_fn(ddp(x), y)
+        (loss * float("nan") if (rank == bad and k == 2) else loss).backward()
+        time.sleep(0.05)
+    out["finite"] = all(bool(torch.isfinite(p).all()) for p in ddp.parameters())
+    out["consensus"] = ddp.consensus_distance()
+    out["warnings"] = [m for m in records.lines if "not finite" in m]
+    ddp.close()
+
+    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="ring", bucket_size_in_mb=0.0002,
+                                    nonfinite="raise")
+    start = time.monotonic()
+    try:
+        for k in range(20):
+            x, y = batch(rank, k)
+            loss = loss_fn(ddp(x), y)
+            (loss * float("nan") if (rank == bad and k == 2) else loss).backward()
+            if k == 2:
+                start = time.monotonic()
+        out["raise"] = {"type": None}
+    except NonFiniteGradientError as exc:
+        out["raise"] = {"type": type(exc).__name__, "text": str(exc), "s": time.monotonic() - start}
+    return out
+
+
+def test_settings_that_differ_and_nonfinite_gradients_raise_or_warn_on_every_rank() -> None:
     world = 3
     res = run_workers(settings_worker, world, timeout=90)
     names = {"bucket_size_in_mb": ("0.0004", "0.0002"), "topology": ("ring", "complete"), "lr": ("0.1", "0.5")}
@@ -60,6 +112,11 @@ def test_settings_that_differ_raise_on_every_rank_at_construction() -> None:
             assert key in got["text"] and f"rank {world - 1}" in got["text"], (rank, key, got)
             assert all(v in got["text"] for v in values), (rank, key, got)
             assert got["s"] < 20, (rank, key, got)
+        assert out["finite"] and out["consensus"] == out["consensus"], (rank, out)  # no NaN anywhere
+        assert any(f"rank {world - 1}" in m and "step 2" in m and "bucket" in m for m in out["warnings"]), (rank, out)
+        got = out["raise"]
+        assert got["type"] in ("NonFiniteGradientError", "PeerNonFiniteError"), (rank, got)
+        assert f"rank {world - 1}" in got["text"] and "not finite" in got["text"] and got["s"] < 15, (rank, got)
 
 
 def killed_worker(rank: int, world: int, victim: int, sig: int) -> Dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch.distributed as dist
 
 __all__ = ["PeerTimeoutError", "PeerUnreachableError", "PeerReportedError", "NonFiniteGradientError",
-           "PeerMonitor", "PeerWatch", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
+           "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,19 @@ class NonFiniteGradientError(FloatingPointError):
         self.rank, self.step, self.buckets = rank, step, list(buckets)
 
 
+class PeerNonFiniteError(PeerReportedError, NonFiniteGradientError):
+    """On the other ranks: a peer's gradient was not finite and it raised (``nonfinite='raise'``)."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = (), bucket: Optional[int] = None,
+                 step: Optional[int] = None, waited_s: Optional[float] = None) -> None:
+        PeerTimeoutError.__init__(self, message, ranks, bucket, step, waited_s)
+        self.rank, self.buckets = (ranks[0] if ranks else -1), []
+
+
+#: how often (at most) a rank looks for its peers' notices (non-finite skips): one store read
+NOTICE_INTERVAL_S = 5.0
+
+
 class PeerMonitor:
     """This process's heartbeat and the job's notice board of reported errors, in the c10d store."""
 
@@ -87,6 +100,9 @@ class PeerMonitor:
         self.store_lost: Optional[str] = None
         self._seen: Dict[int, Tuple[int, float]] = {}  # rank -> (count, when it last changed)
         self._reported = False
+        self._notices_total = 0
+        self._notices_seen: Dict[int, int] = {}
+        self._notices_checked = time.monotonic()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, name="decentpy-heartbeat", daemon=True)
         self._thread.start()
@@ -140,6 +156,39 @@ class PeerMonitor:
             self.store.add(f"{_PREFIX}errors", 1)
         except Exception:  # noqa: BLE001 - the store is gone: the peers will find this rank unreachable
             logger.debug("could not report the error to the store", exc_info=True)
+
+    def notify(self, text: str) -> None:
+        """Post a notice (not an error) for every rank: they log it at their next look."""
+        try:
+            n = int(self.store.add(f"{_PREFIX}notice/{self.rank}/n", 1))
+            self.store.set(f"{_PREFIX}notice/{self.rank}/{n}", text)
+            self.store.add(f"{_PREFIX}notices", 1)
+        except Exception:  # noqa: BLE001 - best effort: the local warning was logged
+            logger.debug("could not post the notice", exc_info=True)
+
+    def notices(self, ranks: Sequence[int], force: bool = False) -> List[Tuple[int, str]]:
+        """New notices of ``ranks`` since the last look; looks at most every
+        :data:`NOTICE_INTERVAL_S` (one store read) unless ``force``."""
+        now = time.monotonic()
+        if not force and now - self._notices_checked < NOTICE_INTERVAL_S:
+            return []
+        self._notices_checked = now
+        try:
+            total = int(self.store.add(f"{_PREFIX}notices", 0))
+            if total == self._notices_total:
+                return []
+            self._notices_total = total
+            out = []
+            for r in ranks:
+                if r == self.rank:
+                    continue
+                n = int(self.store.add(f"{_PREFIX}notice/{r}/n", 0))
+                for i in range(self._notices_seen.get(r, 0) + 1, n + 1):
+                    out.append((r, self.store.get(f"{_PREFIX}notice/{r}/{i}").decode(errors="replace")))
+                self._notices_seen[r] = n
+            return out
+        except Exception:  # noqa: BLE001 - the store is gone: the next wait reports it
+            return []
 
     def reports(self, ranks: Sequence[int]) -> Dict[int, Tuple[List[int], str]]:
         """The errors reported by ``ranks``: (the ranks each found unreachable, its message); one
@@ -309,8 +358,9 @@ class PeerWatch:
             return PeerUnreachableError(
                 f"{what}: rank(s) {gone} unreachable, as rank {by} reported (this rank gave up after {waited:.1f} s): "
                 f"{reports[by][1]}", gone, bucket, step, waited)
-        return PeerReportedError(f"{what}: rank {first} reported an error after {waited:.1f} s: {reports[first][1]}",
-                                 sorted(reports), bucket, step, waited)
+        cls = PeerNonFiniteError if reports[first][1].startswith(NonFiniteGradientError.__name__) else PeerReportedError
+        return cls(f"{what}: rank {first} reported an error after {waited:.1f} s: {reports[first][1]}",
+                   sorted(reports), bucket, step, waited)
 
     def _store_lost(self, exc: BaseException, what: str, peers: Sequence[int], bucket: Optional[int],
                     step: Optional[int], start: float) -> PeerUnreachableError:
