@@ -21,6 +21,7 @@ from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel 
 from .join import Join, Joinable, JoinHook  # noqa: E402
 from .pipeline import AsyncPipe, PipelineError  # noqa: E402
 from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
+from .preemption import PreemptionCheckpointer  # noqa: E402
 from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
 from .sharding import OSS, ShardedDataParallel, ShardedGradScaler  # noqa: E402
 from .topology import (  # noqa: E402
@@ -41,6 +42,7 @@ __all__ = [
     "PeerUnreachableError",
     "PeerReportedError",
     "NonFiniteGradientError",
+    "PreemptionCheckpointer",
     "Join",
     "Joinable",
     "JoinHook",

@@ -172,3 +172,62 @@ def test_dead_or_silent_peer_is_named_by_every_survivor(sig: str) -> None:
         assert victim in o["ranks"] and f"rank(s) [{victim}]" in o["text"], f"rank {r}: {o}"
         assert "bucket" in o["text"], f"rank {r}: {o}"
         assert 0 < o["elapsed"] < 20, f"rank {r}: {o}"
+
+
+STEPS, EVERY, SIGNAL_AT = 12, 4, 5
+
+
+def _train(rank: int, ddp: Any, start: int, ckpt: Any = None) -> int:
+    """Steps ``start``..STEPS-1 (inputs with RNG noise, so the RNG state matters); with ``ckpt``,
+    stops where it says so. Returns the number of iterations completed."""
+    import os
+    import signal
+
+    from reference import batch, loss_fn
+
+    for k in range(start, STEPS):
+        if ckpt is not None and rank == 1 and k == SIGNAL_AT:
+            os.kill(os.getpid(), signal.SIGTERM)  # preemption, noticed at the next boundary
+        x, y = batch(rank, k)
+        loss_fn(ddp(x + 0.1 * torch.randn_like(x)), y).backward()
+        if ckpt is not None and ckpt.after_step(k + 1, {"next": k + 1}):
+            return k + 1
+    return STEPS
+
+
+def preempted_worker(rank: int, world: int, directory: str, phase: str) -> Dict[str, Any]:
+    from decentpy import DecentralizedDataParallel, PreemptionCheckpointer
+    from reference import decentpy_optim_fn
+
+    def make() -> Any:
+        torch.manual_seed(100 + rank)
+        return DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="ring",
+                                         bucket_size_in_mb=0.0002)
+
+    out: Dict[str, Any] = {}
+    if phase == "first":
+        ddp = make()
+        _train(rank, ddp, 0)
+        out["reference"] = [p.detach().clone() for p in ddp.parameters()]
+        ddp.close()
+        ddp = make()
+        out["stopped_at"] = _train(rank, ddp, 0, PreemptionCheckpointer(ddp, directory, every=EVERY))
+        return out
+    ddp = make()
+    resumed = PreemptionCheckpointer(ddp, directory, every=EVERY).resume()
+    assert resumed is not None
+    out["resumed_at"] = resumed["step"]
+    _train(rank, ddp, resumed["extra"]["next"])
+    out["final"] = [p.detach().clone() for p in ddp.parameters()]
+    return out
+
+
+def test_sigterm_checkpoint_resumes_identically(tmp_path: Any) -> None:
+    world = 3
+    first = run_workers(preempted_worker, world, str(tmp_path), "first", timeout=90)
+    assert [o["stopped_at"] for o in first] == [8] * world  # signalled at 5: every rank saved at 8 and stopped
+    second = run_workers(preempted_worker, world, str(tmp_path), "second", timeout=90)
+    for r in range(world):
+        assert second[r]["resumed_at"] == 8
+        for a, b in zip(first[r]["reference"], second[r]["final"]):
+            assert torch.equal(a, b), f"rank {r}: the resumed run differs from the uninterrupted one"
