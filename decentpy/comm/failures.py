@@ -358,9 +358,15 @@ class PeerWatch:
             return PeerUnreachableError(
                 f"{what}: rank(s) {gone} unreachable, as rank {by} reported (this rank gave up after {waited:.1f} s): "
                 f"{reports[by][1]}", gone, bucket, step, waited)
-        cls = PeerNonFiniteError if reports[first][1].startswith(NonFiniteGradientError.__name__) else PeerReportedError
-        return cls(f"{what}: rank {first} reported an error after {waited:.1f} s: {reports[first][1]}",
-                   sorted(reports), bucket, step, waited)
+        # the rank where it started (its own error, not a relayed one) is the one to name
+        origin = [r for r, (_, text) in sorted(reports.items()) if text.startswith(NonFiniteGradientError.__name__)]
+        relayed = [r for r, (_, text) in sorted(reports.items()) if f"{NonFiniteGradientError.__name__}:" in text]
+        if origin or relayed:
+            first = (origin or relayed)[0]
+            return PeerNonFiniteError(f"{what}: rank {first} reported an error after {waited:.1f} s: "
+                                      f"{reports[first][1]}", sorted(reports), bucket, step, waited)
+        return PeerReportedError(f"{what}: rank {first} reported an error after {waited:.1f} s: {reports[first][1]}",
+                                 sorted(reports), bucket, step, waited)
 
     def _store_lost(self, exc: BaseException, what: str, peers: Sequence[int], bucket: Optional[int],
                     step: Optional[int], start: float) -> PeerUnreachableError:
