@@ -15,12 +15,13 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 from . import _C  # noqa: E402  (the compiled extension; fails loudly when not built)
 from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
-from .comm import PeerTimeoutError  # noqa: E402
+from .comm import NonFiniteGradientError, PeerReportedError, PeerTimeoutError, PeerUnreachableError  # noqa: E402
 from .config import show_config  # noqa: E402
 from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
 from .join import Join, Joinable, JoinHook  # noqa: E402
 from .pipeline import AsyncPipe, PipelineError  # noqa: E402
 from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
+from .preemption import PreemptionCheckpointer  # noqa: E402
 from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
 from .sharding import OSS, ShardedDataParallel, ShardedGradScaler  # noqa: E402
 from .topology import (  # noqa: E402
@@ -38,6 +39,10 @@ __all__ = [
     "__version__",
     "DecentralizedDataParallel",
     "PeerTimeoutError",
+    "PeerUnreachableError",
+    "PeerReportedError",
+    "NonFiniteGradientError",
+    "PreemptionCheckpointer",
     "Join",
     "Joinable",
     "JoinHook",

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
-from .comm import CommGroup, default_timeout, first_difference_across_ranks, raise_if_any_rank_failed
-from .comm import check_comm, or_world, select_communicator
+from .comm import CommGroup, agree_across_ranks, default_timeout
+from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, select_communicator
 from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node
 from .engine.bucket import Bucket, BucketPlan
 from .engine.layout import OptimFn, SchedulerFn
@@ -61,7 +61,20 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         bucket_size_in_mb: bucket capacity in MiB.
         local_world_size: workers per node (defaults to ``$LOCAL_WORLD_SIZE``, else 1); used by
             node-aware topologies. ``_local_world_size`` is accepted as in decent-dp.
-        timeout: bound on every wait for a peer (defaults to the process group's timeout).
+        timeout: bound on every wait for a peer that is alive but slow (defaults to the process
+            group's timeout).
+        peer_liveness_timeout: a peer whose process stops beating its heartbeat (killed, stopped,
+            its host gone) for this long ends every wait on it with a
+            :class:`~decentpy.PeerUnreachableError` naming it (default 10 s; ``None`` disables the
+            heartbeats, leaving only ``timeout``). See docs/failures.md.
+        nonfinite: a bucket whose gradient is not finite (inf/NaN, e.g. a NaN loss) on a rank:
+            ``'skip'`` (default) skips that bucket's update there (it still mixes, and sends its
+            finite parameters: nothing non-finite reaches a peer) and logs a warning naming rank,
+            step and bucket, on that rank at once and on the others within a few seconds;
+            ``'raise'`` raises :class:`~decentpy.NonFiniteGradientError` there and on every other
+            rank (a subclass of it, also a :class:`~decentpy.PeerTimeoutError`); ``'ignore'``
+            checks nothing (no norm per bucket). Uses the bucket norm the GradScaler / clipping
+            path takes anyway; with a GradScaler a skip is its normal back-off (logged at INFO).
         comm: ``'auto'`` (decentpy's NCCL communicator when the process group is NCCL and the
             extension has it, else torch.distributed), ``'torch'`` or ``'nccl'``.
         process_group: gossip among the ranks of this group only (default: the world). The
@@ -101,6 +114,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         comm: str = "auto",
         process_group: Optional[dist.ProcessGroup] = None,
         intra_node: str = "gossip",
+        peer_liveness_timeout: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
+        nonfinite: str = "skip",
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -129,13 +144,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if lws is None:
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
-        # Pure functions of the sizes: raise identically on every rank, before any collective.
         self._intra_node = intra_node
         strategy = GOSSIP_STRATEGIES[intra_node]
-        setup = strategy.configure(topology, self._rank, self._world_size, self._local_world_size,
-                                   timeout if timeout is not None else default_timeout())
-        self._topology = setup.topology
-        exchange_topology = setup.exchange_topology
+        self._timeout = timeout if timeout is not None else default_timeout()
 
         self._model = model
         self._scaler = scaler
@@ -143,7 +154,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._param_as_bucket_view = bool(param_as_bucket_view)
         self._sync_buffer_in_global_avg = bool(sync_buffer_in_global_avg)
         self._bucket_size = int(bucket_size_in_mb * 1024 * 1024)
-        self._timeout = timeout if timeout is not None else default_timeout()
         self._closed = False
         self._backups: List[Tensor] = []
         self._skip_mix_before_avg: List[bool] = []
@@ -152,6 +162,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         # the subject of the first collective, so a bad input raises on every rank and none hangs.
         failure: Optional[BaseException] = None
         try:
+            # Pure functions of the sizes and the topology argument; a rank given another topology
+            # fails here alone, which the agreement below reports on every rank.
+            setup = strategy.configure(topology, self._rank, self._world_size, self._local_world_size,
+                                       self._timeout)
+            self._topology = setup.topology
+            exchange_topology = setup.exchange_topology
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             if not named:
                 raise ValueError("the model has no parameter that requires a gradient: nothing to train")
@@ -159,7 +175,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._params = [p for _, p in named]
             self._check_device()
             self._check_dense_gradients()
-            self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm)
+            self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._strategy: GossipStrategy = strategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
                 self._bucket_size, self._param_as_bucket_view, self._timeout, self._group)
@@ -167,9 +183,25 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._driver.attach(self._params, self._strategy)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
             failure = exc
-        raise_if_any_rank_failed(failure, "constructing DecentralizedDataParallel", group=self._process_group)
-        wants_edges = self._strategy.layout.has_pre_average_hook()
-        self._check_same_model(wants_edges)
+        settings: Dict[str, Any] = {
+            "topology": topology if isinstance(topology, str) else f"{type(topology).__name__} {topology.name!r}",
+            "intra_node": intra_node, "local_world_size": self._local_world_size,
+            "bucket_size_in_mb": bucket_size_in_mb, "comm": comm, "grad_clip_norm": self._grad_clip_norm,
+            "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
+            "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg, "nonfinite": nonfinite,
+        }
+        wants_edges = False
+        if failure is None:
+            wants_edges = self._strategy.layout.has_pre_average_hook()
+            settings = {"model": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)],
+                        "optimizer defines pre_average_hook": wants_edges, **settings,
+                        "optimizer (class and hyper-parameters per bucket)": [
+                            (type(b.optimizer), _hyperparameters(b.optimizer)) for b in self._strategy.buckets],
+                        "lr_scheduler": [type(b.scheduler) for b in self._strategy.buckets]}
+        # One collective, before any other: a failure anywhere, or any setting that differs, raises
+        # on every rank (a rank with another bucket size or topology would abort or hang in gloo).
+        agree_across_ranks(failure, settings, "DecentralizedDataParallel", group=self._process_group,
+                           explain={"model": _model_differs, "optimizer defines pre_average_hook": _hook_differs})
         if wants_edges and not strategy.exchanges_whole_model:  # the same verdict on every rank (checked above)
             raise ValueError(
                 f"optimizers with decent-dp's pre_average_hook see each exchange of the whole model; with "
@@ -183,11 +215,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._broadcast_from_rank0()
         self._strategy.connect(self._params[0].device)
         comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
-                                    group=self._group)
+                                    group=self._group, liveness=peer_liveness_timeout)
         # Edges (with process groups) for optimizers that hook into the averaging; collective, so
         # only after the check above proved every rank wants them.
         self._strategy.attach(comm_, hook_edges(self._topology) if wants_edges else None)
         self._comm = comm_
+        self._watch = PeerWatch(self._group.global_ranks, self._timeout, peer_liveness_timeout)
         self._module_hooks: List[Any] = self._strategy.module_hooks(model)
         if self._rank == 0:
             logger.info("decentpy: %s, %s %d, local world size %d, bucket cap %.1f MiB",
@@ -214,20 +247,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 raise ValueError(
                     f"module '{name}' ({type(mod).__name__}) produces sparse gradients (sparse=True); "
                     "decentpy mixes dense buckets: construct it with sparse=False")
-
-    def _check_same_model(self, wants_edges: bool) -> None:
-        mine: List[Any] = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)]
-        mine.append(("optimizer defines pre_average_hook", wants_edges))
-        diff = first_difference_across_ranks(mine, group=self._process_group)
-        if diff is not None:
-            r, k, a, b = diff
-            if k == len(self._params) and isinstance(a, tuple) and isinstance(b, tuple) and a[0] == b[0]:
-                raise ValueError(
-                    f"optim_fn returns an optimizer {'with' if a[1] else 'without'} pre_average_hook on rank 0 but "
-                    f"{'with' if b[1] else 'without'} one on rank {r}; every rank must use the same optimizer")
-            raise ValueError(
-                f"the model differs between rank 0 and rank {r}: parameter #{k} is {a} on rank 0 but {b} "
-                f"on rank {r} (name, shape, dtype); every rank must build the same model")
 
     @torch.no_grad()
     def _broadcast_from_rank0(self) -> None:
@@ -421,6 +440,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         average. ``sync_buffers`` (default: ``sync_buffer_in_global_avg``) also averages float
         buffers. A collective: call it on every rank.
         """
+        with self._watch.guarding("global_avg"):
+            return self._global_avg(will_revert, return_d2c, sync_buffers)
+
+    def _global_avg(self, will_revert: bool, return_d2c: bool, sync_buffers: Optional[bool]) -> Optional[float]:
         r = self._strategy
         r.wait_all()
         tensors = self._param_tensors()
@@ -456,6 +479,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
         sqrt(1/n * sum_i ||x_i - mean||^2), the same value on every rank. A collective.
         """
+        with self._watch.guarding("consensus_distance"):
+            return self._consensus_distance()
+
+    def _consensus_distance(self) -> float:
         self._strategy.wait_all()
         if self._world_size == 1:
             return 0.0
@@ -562,6 +589,22 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._scaler.load_state_dict(state_dict["scaler"])
         r.step = int(state_dict["step"])
         return result
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _model_differs(r: int, a: List[Any], b: List[Any]) -> str:
+    k = next((i for i in range(max(len(a), len(b))) if (a[i] if i < len(a) else None) != (b[i] if i < len(b) else None)))
+    show = lambda v, i: tuple(v[i]) if i < len(v) else None  # noqa: E731
+    return (f"the model differs between rank 0 and rank {r}: parameter #{k} is {show(a, k)} on rank 0 but "
+            f"{show(b, k)} on rank {r} (name, shape, dtype); every rank must build the same model")
+
+
+def _hook_differs(r: int, a: bool, b: bool) -> str:
+    return (f"optim_fn returns an optimizer {'with' if a else 'without'} pre_average_hook on rank 0 but "
+            f"{'with' if b else 'without'} one on rank {r}; every rank must use the same optimizer")
 
 
 _MODEL_PREFIX = "_model."

@@ -33,18 +33,29 @@ class GradArgs:
 
 UNSCALED = GradArgs()
 
+#: what a bucket whose gradient is not finite does: skip its update (and tell every rank), raise on
+#: every rank, or nothing is checked (the values are stepped and sent as they are)
+NONFINITE_CHOICES = ("skip", "raise", "ignore")
+
 
 class BucketGradScaling:
     """Gradient norms per bucket (on the device) and the end-of-iteration scaler update."""
 
-    def __init__(self, scaler: Optional["torch.amp.GradScaler"], clip_norm: float) -> None:
+    def __init__(self, scaler: Optional["torch.amp.GradScaler"], clip_norm: float, nonfinite: str = "ignore") -> None:
+        if nonfinite not in NONFINITE_CHOICES:
+            raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE_CHOICES))}, got {nonfinite!r}")
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.clip_norm = float(clip_norm)
+        self.nonfinite = nonfinite
+        self.check_finite = nonfinite != "ignore"
         self._norms: Dict[int, Tensor] = {}
 
     @property
     def active(self) -> bool:
-        return self.scaler is not None or self.clip_norm > 0
+        """Whether buckets take a norm: for the scaler, clipping, or the non-finite check (the same
+        norm serves all three; the kernel skips a bucket whose norm is not finite, so its
+        non-finite values are never stepped into the parameters, hence never sent)."""
+        return self.scaler is not None or self.clip_norm > 0 or self.check_finite
 
     def begin_iteration(self) -> None:
         self._norms = {}

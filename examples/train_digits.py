@@ -34,6 +34,7 @@ from torch import Tensor, nn
 import decentpy
 import decentpy.optim as dopt
 from decentpy import DecentralizedDataParallel as DDP
+from decentpy import PreemptionCheckpointer
 from decentpy.utils import initialize_dist
 
 log = logging.getLogger("train_digits")
@@ -116,6 +117,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         help="workers per node as seen by the topology (torchrun --standalone would say all of them; "
         "alternating-exp-ring needs >= 2 per node and >= 2 nodes)",
     )
+    p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                   help="write a consistent checkpoint (every rank, manifest last) every --checkpoint-every steps and "
+                        "on SIGTERM (then stop); see decentpy.PreemptionCheckpointer")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
     p.add_argument("--backend", default=None,
                    help="process-group backend (default: nccl when GPUs are visible, else gloo)")
     p.add_argument("--save", default=None, metavar="DIR",
@@ -225,12 +231,28 @@ def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult
     shuffle = torch.Generator().manual_seed(args.seed * 1000 + rank)  # own shuffling per worker
     loss_sum = correct = count = 0.0
     cons = float("nan")
-    for epoch in range(1, args.epochs + 1):
+    ckpt = None
+    first_epoch, first_offset, step, order_saved = 1, 0, 0, None
+    if args.checkpoint_dir:
+        ckpt = PreemptionCheckpointer(ddp, os.path.join(args.checkpoint_dir, topology), every=args.checkpoint_every)
+        resumed = ckpt.resume() if args.resume else None
+        if resumed is not None:
+            e = resumed["extra"]
+            step, first_epoch, first_offset, order_saved = resumed["step"], e["epoch"], e["offset"], e["order"]
+            shuffle.set_state(e["shuffle"])
+            loss_sum, correct, count = e["sums"]
+            if rank == 0:
+                log.info("[%s] resumed at step %d (epoch %d)", topology, step, first_epoch)
+    stopped = False
+    for epoch in range(first_epoch, args.epochs + 1):
         te = time.perf_counter()
         ddp.train()
-        order = shard[torch.randperm(len(shard), generator=shuffle)]
-        loss_sum = correct = count = 0.0
-        for i in range(0, len(order), args.batch_size):
+        if order_saved is not None:  # resuming inside this epoch
+            order, order_saved = order_saved, None
+        else:
+            order = shard[torch.randperm(len(shard), generator=shuffle)]
+            loss_sum = correct = count = 0.0
+        for i in range(first_offset, len(order), args.batch_size):
             idx = order[i : i + args.batch_size]
             x, y = data.x_train[idx], data.y_train[idx]
             out = ddp(x)
@@ -239,6 +261,17 @@ def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult
             loss_sum += float(loss.detach()) * len(y)
             correct += float((out.detach().argmax(1) == y).sum())
             count += len(y)
+            step += 1
+            if ckpt is not None and ckpt.after_step(step, {
+                    "epoch": epoch, "offset": i + args.batch_size, "order": order, "shuffle": shuffle.get_state(),
+                    "sums": (loss_sum, correct, count)}):
+                stopped = True
+                break
+        first_offset = 0
+        if stopped:
+            if rank == 0:
+                log.info("[%s] preempted: checkpoint of step %d written; run again with --resume", topology, step)
+            break
         loss_sum, correct, count = all_sum([loss_sum, correct, count])
         cons = ddp.consensus_distance()  # collective: every rank calls it
         if rank == 0:

@@ -55,5 +55,6 @@ def run_example_main(filename: str, argv: Sequence[str]) -> Any:
     spec = importlib.util.spec_from_file_location(os.path.splitext(filename)[0], path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses (and pickling) look the module up by name
     spec.loader.exec_module(module)
     return module.main(list(argv))

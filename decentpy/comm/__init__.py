@@ -10,10 +10,15 @@
   its private sub-groups;
 * :mod:`.agreement` -- cross-rank agreement: every rank learns of a difference or a failure before
   a collective that would hang on it;
-* :mod:`.waits` -- bounded waits and :class:`PeerTimeoutError`.
+* :mod:`.failures` -- a peer's failure classified once (:class:`PeerTimeoutError` and its subclasses
+  :class:`PeerUnreachableError`, :class:`PeerReportedError`), heartbeats, :class:`PeerWatch`;
+* :mod:`.waits` -- bounded waits (:class:`PeerTimeoutError` is re-exported there).
 """
 
-from .agreement import check_on_every_rank, everyone, first_difference_across_ranks, raise_if_any_rank_failed
+from .agreement import (agree_across_ranks, check_on_every_rank, comparable, everyone,
+                        first_difference_across_ranks, raise_if_any_rank_failed)
+from .failures import (DEFAULT_LIVENESS_TIMEOUT, NonFiniteGradientError, PeerReportedError, PeerUnreachableError,
+                       PeerWatch, peer_monitor)
 from .groups import CommGroup, SubGroup, group_ranks, or_world
 from .nccl import (NcclCommunicator, NcclExchange, nccl_available, nccl_compiled, nccl_library_candidates,
                    nccl_unavailable_reason)
@@ -26,4 +31,6 @@ __all__ = ["Communicator", "Work", "TorchCommunicator", "Exchange", "NcclCommuni
            "nccl_available", "nccl_compiled", "nccl_library_candidates", "nccl_unavailable_reason", "COMM_CHOICES",
            "check_comm", "resolve_comm", "select_communicator", "CommGroup", "SubGroup", "group_ranks", "or_world",
            "check_on_every_rank", "everyone", "first_difference_across_ranks", "raise_if_any_rank_failed", "PeerTimeoutError",
-           "default_timeout", "wait_bounded"]
+           "default_timeout", "wait_bounded", "agree_across_ranks", "comparable",
+           "DEFAULT_LIVENESS_TIMEOUT", "NonFiniteGradientError", "PeerReportedError", "PeerUnreachableError", "PeerWatch",
+           "peer_monitor"]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..topology import Topology
 from .agreement import everyone
+from .failures import DEFAULT_LIVENESS_TIMEOUT
 from .groups import CommGroup
 from .nccl import DeviceLike, NcclCommunicator, nccl_unavailable_reason
 from .torch_comm import TorchCommunicator
@@ -52,7 +53,8 @@ def resolve_comm(comm: str, device: DeviceLike = None, group: Optional[CommGroup
 
 
 def select_communicator(comm: str, topology: Topology, timeout: datetime.timedelta,
-                        device: DeviceLike = None, group: Optional[CommGroup] = None):
+                        device: DeviceLike = None, group: Optional[CommGroup] = None,
+                        liveness: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT):
     """The communicator for ``comm='auto' | 'torch' | 'nccl'`` (collective over ``group``, default:
     the world; the topology numbers the ranks of that group).
 
@@ -63,11 +65,14 @@ def select_communicator(comm: str, topology: Topology, timeout: datetime.timedel
       has CUDA and ``device`` (the tensors' device, when given) is a CUDA device -- on every rank;
       otherwise torch.distributed.
 
+    ``liveness``: a peer without a heartbeat this long is unreachable (torch.distributed exchanges;
+    None disables the heartbeats; see :mod:`decentpy.comm.failures`).
+
     The returned communicator's ``selection_reason`` says why it was chosen.
     """
     check_comm(comm)
     if comm == "torch":
-        chosen = TorchCommunicator(topology, timeout, group=group)
+        chosen = TorchCommunicator(topology, timeout, group=group, liveness=liveness)
         chosen.selection_reason = "comm='torch' (torch.distributed)"  # type: ignore[attr-defined]
         return chosen
     group = group if group is not None else CommGroup()
@@ -89,7 +94,7 @@ def select_communicator(comm: str, topology: Topology, timeout: datetime.timedel
     if kind == "nccl":
         chosen = NcclCommunicator(topology, timeout, device=device, group=group)
     else:
-        chosen = TorchCommunicator(topology, timeout, group=group)
+        chosen = TorchCommunicator(topology, timeout, group=group, liveness=liveness)
     chosen.selection_reason = reason  # type: ignore[attr-defined]
     logger.debug("rank %d: decentpy exchanges over %s (%s)", dist.get_rank(),
                 "decentpy's NCCL communicator" if kind == "nccl" else "torch.distributed", reason)

@@ -18,8 +18,8 @@ from torch import Tensor
 from .. import _C
 from ..exchange import communication_needs
 from ..topology import Topology
+from .failures import DEFAULT_LIVENESS_TIMEOUT, PeerWatch
 from .groups import CommGroup, SubGroup
-from .waits import wait_bounded
 
 __all__ = ["Exchange", "TorchCommunicator"]
 
@@ -29,16 +29,23 @@ logger = logging.getLogger(__name__)
 class Exchange:
     """An in-flight exchange of one bucket: wait on it before reading or writing its buffers."""
 
-    def __init__(self, works: List[dist.Work], bucket: int, ranks: Tuple[int, ...], rank: int) -> None:
+    def __init__(self, works: List[dist.Work], bucket: int, ranks: Tuple[int, ...], rank: int,
+                 watch: PeerWatch) -> None:
         self._works = works
         self.bucket = bucket
         self.ranks = ranks
         self.rank = rank
+        self.watch = watch
+        self.step: Optional[int] = None  # the iteration that launched it (set by the strategy, for messages)
 
     def wait(self, timeout: datetime.timedelta) -> None:
+        """Bounded by the communicator's timeout (``timeout`` is the same one); a dead peer ends it
+        within the liveness timeout; any failure is a classified PeerTimeoutError."""
         peers = [r for r in self.ranks if r != self.rank]
+        at = f" launched at step {self.step}" if self.step is not None else ""
         for work in self._works:
-            wait_bounded(work, timeout, f"rank {self.rank}: exchange of bucket {self.bucket} with peer(s) {peers}")
+            self.watch.wait(work, f"rank {self.rank}: exchange of bucket {self.bucket}{at} with peer(s) {peers}",
+                            peers, self.bucket, self.step)
         self._works = []
 
 
@@ -49,11 +56,13 @@ class TorchCommunicator:
     default), as the topology numbers them.
     """
 
-    def __init__(self, topology: Topology, timeout: datetime.timedelta, group: Optional[CommGroup] = None) -> None:
+    def __init__(self, topology: Topology, timeout: datetime.timedelta, group: Optional[CommGroup] = None,
+                 liveness: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT) -> None:
         self.group = group if group is not None else CommGroup()
         self.rank = self.group.rank
         self.world_size = self.group.size
         self.timeout = timeout
+        self.watch = PeerWatch(self.group.global_ranks, timeout, liveness)
         self._subgroups: Dict[Tuple[int, ...], Optional[SubGroup]] = {}
         # Sub-group creation is collective over the group: every rank creates every group, in the
         # same (schedule) order. decentpy's traffic never uses the group itself, so it cannot
@@ -80,18 +89,24 @@ class TorchCommunicator:
         """``send`` goes to ``peer``; the peer's counterpart lands in ``recv``."""
         assert self._p2p_group is not None, "internal error: the topology has no pair exchange"
         to = self.group.to_global(peer)
-        with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
-            works = self._p2p_group.send_recv(send, recv, to, bucket)
         me = dist.get_rank()
-        return Exchange(works, bucket, tuple(sorted((me, to))), me)
+        with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
+            works = self.watch.guard_launch(lambda: self._p2p_group.send_recv(send, recv, to, bucket),
+                                            f"rank {me}: starting the exchange of bucket {bucket} with peer {to}",
+                                            [to], bucket)
+        return Exchange(works, bucket, tuple(sorted((me, to))), me, self.watch)
 
     def all_reduce(self, bucket: int, ranks: Tuple[int, ...], buffer: Tensor) -> Exchange:
         """``buffer`` summed in place over ``ranks``."""
         sub = self._subgroups[ranks]
         assert sub is not None, f"internal error: rank {self.rank} is not in group {ranks}"
+        me = dist.get_rank()
+        peers = [r for r in sub.global_ranks if r != me]
         with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
-            work = sub.all_reduce(buffer)
-        return Exchange([work], bucket, sub.global_ranks, dist.get_rank())
+            work = self.watch.guard_launch(lambda: sub.all_reduce(buffer),
+                                           f"rank {me}: starting the all-reduce of bucket {bucket} with peer(s) {peers}",
+                                           peers, bucket)
+        return Exchange([work], bucket, tuple(sub.global_ranks), me, self.watch)
 
 
 @contextlib.contextmanager

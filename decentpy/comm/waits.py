@@ -8,13 +8,11 @@ import logging
 import torch
 import torch.distributed as dist
 
+from .failures import PeerTimeoutError
+
 __all__ = ["PeerTimeoutError", "wait_bounded", "default_timeout"]
 
 logger = logging.getLogger(__name__)
-
-
-class PeerTimeoutError(RuntimeError):
-    """A peer did not complete an exchange within the timeout (it may have died)."""
 
 
 def wait_bounded(work: dist.Work, timeout: datetime.timedelta, what: str) -> None:

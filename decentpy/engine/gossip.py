@@ -11,12 +11,13 @@ while autograd keeps computing the earlier layers. The node strategies
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from ..comm import CommGroup, Communicator
+from ..comm import CommGroup, Communicator, NonFiniteGradientError, peer_monitor
 from ..exchange import ExchangeSchedule
 from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs
 from ..topology import Group, Topology, make_topology
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from ..topology_edges import Edge
 
 __all__ = ["GossipSetup", "GossipStrategy"]
+
+logger = logging.getLogger(__name__)
 
 
 class GossipSetup(NamedTuple):
@@ -142,7 +145,33 @@ class GossipStrategy(BucketStrategy):
         skipped = self.grad_scaling.end_iteration()  # the iteration's one read-back, if any
         for b in self.buckets:
             b.finish_iteration(skipped.get(b.index))
+        bad = sorted(i for i, s in skipped.items() if s)
+        step = self.step
         self.step += 1
+        if self.grad_scaling.check_finite and self.group.size > 1:
+            self._nonfinite(bad, step)
+
+    def _nonfinite(self, bad: List[int], step: int) -> None:
+        """Tell every rank about this rank's skipped buckets (a warning here, a notice for the
+        others, who log it at their next look), or raise on every rank (``nonfinite='raise'``)."""
+        monitor = peer_monitor()
+        me = self.group.to_global(self.rank)
+        if bad:
+            scaler = self.grad_scaling.scaler is not None
+            text = (f"rank {me}: the gradient of bucket(s) {bad} at step {step} is not finite (inf or NaN); "
+                    f"{'their update was skipped' if self.grad_scaling.nonfinite == 'skip' or scaler else 'raising'}"
+                    f"{' (the GradScaler backs off)' if scaler else ''}; nothing non-finite was sent to the peers")
+            if self.grad_scaling.nonfinite == "raise" and not scaler:
+                err = NonFiniteGradientError(f"{NonFiniteGradientError.__name__}: {text}", me, step, bad)
+                if monitor is not None:
+                    monitor.report(str(err))
+                raise err
+            logger.log(logging.INFO if scaler else logging.WARNING, "%s", text)
+            if monitor is not None and not scaler:
+                monitor.notify(text)
+        if monitor is not None:
+            for r, text in monitor.notices(self.group.global_ranks):
+                logger.warning("peer notice from rank %d: %s", r, text)
 
     def _twice_message(self, index: int) -> str:
         return (f"parameter '{self.layout.names[index]}' received a gradient twice in one training iteration (two "
@@ -171,6 +200,8 @@ class GossipStrategy(BucketStrategy):
         b.skip_mix = False
         assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
         b.work = nxt.launch(self.comm, b.index, b.param, b.comm)
+        if b.work is not None and hasattr(b.work, "step"):
+            b.work.step = self.step  # for a failure's message
         self.stepped(b)
 
     def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from ..comm import PeerTimeoutError, default_timeout, first_difference_across_ranks, group_ranks, or_world
+from ..comm import PeerTimeoutError, agree_across_ranks, default_timeout, group_ranks, or_world
 from .agreement import NO_FAILURE, Agreement
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import checkpointing, recomputing
@@ -169,13 +169,10 @@ class AsyncPipe(nn.Module):
         self.input_device = input_device
         self.timeout = (timeout if isinstance(timeout, datetime.timedelta) else
                         datetime.timedelta(seconds=float(timeout)) if timeout is not None else default_timeout())
-        mine = [("balance", self.balance), ("chunks", chunks), ("checkpoint", checkpoint), ("layers", len(layers)),
-                ("schedule", schedule)]
-        diff = first_difference_across_ranks(mine, group=self.group)
-        if diff is not None:
-            r, _, a, b = diff
-            raise ValueError(f"AsyncPipe's arguments differ between group rank 0 and group rank {r}: {a[0]} is {a[1]!r} "
-                             f"on rank 0 but {b[1]!r} on rank {r}; every rank must build the same pipe")
+        # The construction's one agreement (before any other collective): these shape every message.
+        settings = {"balance": self.balance, "chunks": chunks, "checkpoint": checkpoint, "layers": len(layers),
+                    "schedule": schedule, "deferred_batch_norm": bool(deferred_batch_norm)}
+        agree_across_ranks(None, settings, "AsyncPipe's arguments", group=self.group)
 
         rank = dist.get_rank(self.group)
         self.num_stages = len(self.balance)

@@ -27,8 +27,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from ..comm import (check_on_every_rank, default_timeout, first_difference_across_ranks, group_ranks, or_world,
-                    raise_if_any_rank_failed)
+from ..comm import agree_across_ranks, default_timeout, group_ranks, or_world, raise_if_any_rank_failed
 from ..engine.bucket import flatten_params
 from ..engine.driver import BoundedWait
 from ..kernels import flat_alias
@@ -115,8 +114,7 @@ class OSS(Optimizer, Joinable):
         if broadcast_buffer_size != -1:
             logger.debug("OSS: broadcast_buffer_size is accepted for compatibility and unused")
 
-        check_on_every_rank(self._check_params_local, "constructing OSS", group=self.group)
-        self._check_same_params()
+        self._agree()
         self._assign_owners(self._params())
         self.optim = self._build_shard_optimizer()
         self._sync_param_groups(self.optim.param_groups, self.param_groups)
@@ -135,15 +133,19 @@ class OSS(Optimizer, Joinable):
                                      "real floating-point parameters (integer and bool ones, which have no "
                                      "gradient, are kept and skipped)")
 
-    def _check_same_params(self) -> None:
-        mine = [(gi, i, tuple(p.shape), str(p.dtype))
-                for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
-        diff = first_difference_across_ranks(mine, group=self.group)
-        if diff is not None:
-            r, k, a, b = diff
-            raise ValueError(f"OSS: the parameters differ between group rank 0 and group rank {r}: item #{k} is {a} "
-                             f"on rank 0 but {b} on rank {r} (param group, index, shape, dtype); every rank must "
-                             "optimize the same parameters")
+    def _agree(self) -> None:
+        """The construction's one collective: a local failure, or a setting or parameter list that
+        differs from group rank 0's, raises on every rank."""
+        failure: Optional[BaseException] = None
+        try:
+            self._check_params_local()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            failure = exc
+        params = [(gi, i, tuple(p.shape), str(p.dtype))
+                  for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
+        settings = {"parameters": params, "optim": self._optim_class, "optimizer defaults": self._optim_defaults,
+                    "min_split_numel": self._min_split, "broadcast_fp16": self.broadcast_fp16}
+        agree_across_ranks(failure, settings, "OSS", group=self.group, explain={"parameters": _params_differ})
 
     def _assign_owners(self, params: Sequence[Tensor]) -> None:
         """Partition ``params`` on top of what the ranks own. Integer and bool parameters (a frozen
@@ -559,3 +561,11 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def _params_differ(r: int, a: List[Any], b: List[Any]) -> str:
+    k = next(i for i in range(max(len(a), len(b))) if (a[i] if i < len(a) else None) != (b[i] if i < len(b) else None))
+    show = lambda v: (v[k][0], v[k][1], tuple(v[k][2]), v[k][3]) if k < len(v) else None  # noqa: E731
+    return (f"OSS: the parameters differ between group rank 0 and group rank {r}: item #{k} is {show(a)} on rank 0 "
+            f"but {show(b)} on rank {r} (param group, index, shape, dtype); every rank must optimize the same "
+            "parameters")

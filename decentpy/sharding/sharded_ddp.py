@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..comm import check_on_every_rank, default_timeout, first_difference_across_ranks, group_ranks, or_world
+from ..comm import agree_across_ranks, default_timeout, group_ranks, or_world
 from ..engine.driver import BackwardDriver, DriverJoinHook
 from ..engine.sharded_grads import ShardedGrads
 from .oss import OSS, comm_device
@@ -65,8 +65,7 @@ class ShardedDataParallel(nn.Module, Joinable):
         self._driver = BackwardDriver()
         self._grads: Optional[ShardedGrads] = None
 
-        check_on_every_rank(self._check_local, "constructing ShardedDataParallel", group=self._process_group)
-        self._check_same_module()
+        self._agree(broadcast_buffers, sync_models_at_startup)
         if sync_models_at_startup:
             self._broadcast(list(self.module.parameters()) + list(self.module.buffers()))
         self.refresh_trainable()
@@ -105,13 +104,21 @@ class ShardedDataParallel(nn.Module, Joinable):
                            "their gradients are not reduced", len(left_out), left_out[0])
         self._devices = {id(p): p.device for p in self.module.parameters()}
 
-    def _check_same_module(self) -> None:
-        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()]
-        diff = first_difference_across_ranks(mine, group=self._process_group)
-        if diff is not None:
-            r, k, a, b = diff
-            raise ValueError(f"the module differs between group rank 0 and group rank {r}: parameter #{k} is {a} on "
-                             f"rank 0 but {b} on rank {r} (name, shape, dtype); every rank must build the same model")
+    def _agree(self, broadcast_buffers: bool, sync_models_at_startup: bool) -> None:
+        """The construction's one collective: a local failure, or a setting or module structure that
+        differs from group rank 0's, raises on every rank."""
+        failure: Optional[BaseException] = None
+        try:
+            self._check_local()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            failure = exc
+        module = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()] \
+            if isinstance(self.module, nn.Module) else []
+        settings = {"module": module, "reduce_buffer_size": self._cap, "broadcast_buffers": broadcast_buffers,
+                    "sync_models_at_startup": sync_models_at_startup, "reduce_fp16": self._reduce_fp16,
+                    "auto_refresh_trainable": self._auto_refresh_trainable}
+        agree_across_ranks(failure, settings, "ShardedDataParallel", group=self._process_group,
+                           explain={"module": _module_differs})
 
     @torch.no_grad()
     def _broadcast(self, tensors: List[Tensor]) -> None:
@@ -227,3 +234,10 @@ class ShardedDataParallel(nn.Module, Joinable):
     @property
     def join_process_group(self) -> Any:
         return self._process_group
+
+
+def _module_differs(r: int, a: List[Any], b: List[Any]) -> str:
+    k = next(i for i in range(max(len(a), len(b))) if (a[i] if i < len(a) else None) != (b[i] if i < len(b) else None))
+    show = lambda v: tuple(v[k]) if k < len(v) else None  # noqa: E731
+    return (f"the module differs between group rank 0 and group rank {r}: parameter #{k} is {show(a)} on rank 0 but "
+            f"{show(b)} on rank {r} (name, shape, dtype); every rank must build the same model")
