@@ -77,7 +77,9 @@ class BucketGradScaling:
         sums a squared norm over the ranks that hold the rest of the bucket (intra_node='shard')."""
         if not self.active:
             return UNSCALED
-        norm = torch.linalg.vector_norm(grad_block, dtype=torch.float32).reshape(1)
+        # fp32 accumulation for the half types; float64 blocks (torch's path) keep their precision
+        wide = grad_block.dtype == torch.float64
+        norm = torch.linalg.vector_norm(grad_block, dtype=None if wide else torch.float32).float().reshape(1)
         if reduce_sq is not None:
             norm = reduce_sq(norm.square()).sqrt()
         self._norms[bucket] = norm
