@@ -555,6 +555,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     frameworks = csv_list(args.frameworks or ",".join(FRAMEWORKS if link else DEFAULT_FRAMEWORKS))
     check_choices(models, MODELS, "model")
     check_choices(frameworks, FRAMEWORKS, "framework")
+    if "torch-ddp-bf16" in frameworks:  # torch refuses it on CPU: "requires CUDA 11+ and NCCL 2.10+"
+        print("torch-ddp-bf16 skipped: torch's bf16_compress_hook needs NCCL (CUDA) or XCCL; these workers run gloo "
+              "on CPU")
+        frameworks = [f for f in frameworks if f != "torch-ddp-bf16"]
     if "decent-dp" in frameworks:
         try:
             import decent_dp.ddp  # noqa: F401
