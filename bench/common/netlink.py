@@ -13,7 +13,7 @@ Layouts (``LAYOUTS``):
 The switch is a bridge in a namespace of its own, so nothing is added to the machine's own network
 namespace: the addresses (``SUBNET``) exist only inside namespaces this module creates. Namespace
 names are ``dpbench-<pid>-...``; :class:`ThrottledNetwork` removes its own at exit (``with`` block,
-``close``, ``atexit``, also after a failure), and :func:`cleanup_leftovers` removes those of
+``close``, ``atexit``, also after a failure or a SIGTERM), and :func:`cleanup_leftovers` removes those of
 processes that are gone (a run killed with SIGKILL) before a new network is built.
 
 Workers enter their namespace with ``setns(2)`` as the first thing they do (see
@@ -107,6 +107,18 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
+def _exit_on_sigterm() -> None:
+    """A SIGTERM (``kill``, a CI timeout) exits through ``SystemExit``, so that ``finally`` blocks and
+    ``atexit`` remove the namespaces; only where SIGTERM still has its default action."""
+    import signal
+    import sys
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def _tbf(ns: str, dev: str, mbit: float) -> None:
     """Limit ``dev``'s egress in ``ns`` to ``mbit`` Mbit/s: a token bucket of ~2 ms of traffic (at
     least 64 KiB, so that one GSO super-packet fits) and a queue of 20 ms."""
@@ -140,6 +152,7 @@ class ThrottledNetwork:
         self.namespaces = [self.node_ns[r // self.node_size] for r in range(world)]
         self._created: List[str] = []
         atexit.register(self.close)
+        _exit_on_sigterm()
         cleanup_leftovers()
         try:
             self._build()
