@@ -3,7 +3,8 @@
 #   make train   a real 4-worker decentralized training run on CPU (WORKERS=4 ARGS="--epochs 5")
 #   make test    C++ tests (ctest, when cmake is present) and the Python tests
 #   make bench   kernel microbenchmarks
-#   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...)
+#   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...;
+#                           BENCH_ARGS="--link-mbit 400 --link-layout two-nodes": throttled links, root only)
 #   make bench-shard        sharded data parallel: decentpy OSS+ShardedDataParallel vs torch ZeRO vs DDP vs
 #                           fairscale (2 and 4 workers; BENCH_ARGS=...)
 #   make bench-fairscale-parity  fairscale's benchmarks/oss.py on CPU (ResNet-18, digits, 2 workers, RMSprop,

@@ -57,7 +57,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_workers
+from bench.common.launch import add_link_args, add_run_args, bench_parser, open_network, quick_timing, spawn_workers
 from bench.common.machine import report_machine
 from bench.common.measure import (Config, Runner, gather_results, measure_and_time, prime, rss_bytes, state_bytes,
                                   timing_row)
@@ -583,6 +583,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS), help=f"comma-separated, from {','.join(FRAMEWORKS)}")
     p.add_argument("--topologies", default=f"{BASE_TOPO},one-peer-exp", help="decentpy topologies (first: baseline)")
     add_run_args(p, rounds=6, chunk=4)
+    add_link_args(p)
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: mlp-small, 2 warm-up steps, 1 round of 3 timed steps, no primer set-ups")
     args = p.parse_args(argv)
@@ -625,14 +626,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 rewarm=args.rewarm, seed=args.seed, primer=not args.quick)
     print(f"[{WORLD} workers] {len(cfgs)} set-ups ({', '.join(_label(c) for c in cfgs)}) ...", flush=True)
     t0 = time.perf_counter()
-    raw = spawn_workers(_worker_body, WORLD, plan, args.timeout, pg_timeout_s=300.0)["results"]
+    net = open_network(args, WORLD)  # None: loopback; else the --link-mbit namespaces
+    try:
+        if net is not None:
+            print(f"network: {net.describe()}", flush=True)
+        raw = spawn_workers(_worker_body, WORLD, plan, args.timeout, pg_timeout_s=300.0, net=net)["results"]
+    finally:
+        if net is not None:
+            net.close()
     print(f"[{WORLD} workers] done in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = summarize(raw)
     print()
     print_table(rows)
     print("\n" + BYTES)
     print_targets(check_targets(rows))
-    csv_path = Path(args.out) / "bench_hybrid.csv"
+    csv_path = Path(args.out) / ("bench_hybrid.csv" if args.link_mbit is None
+                                  else f"bench_hybrid_link{args.link_mbit:g}_{args.link_layout}.csv")
     write_csv(csv_path, rows, machine)
     print(f"\nwrote {csv_path} (total {time.perf_counter() - t_start:.0f} s)")
     return 0

@@ -45,7 +45,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_workers
+from bench.common.launch import add_link_args, add_run_args, bench_parser, open_network, quick_timing, spawn_workers
 from bench.common.machine import report_machine
 from bench.common.measure import (Config, Runner, gather_results, measure_and_time, prime, rss_bytes, state_bytes,
                                   timing_row)
@@ -323,6 +323,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     # finer interleaving than bench_train's 4 x 8 at the same 32 timed steps: on a small shared
     # machine the load drifts within seconds, and every configuration should see the same drift
     add_run_args(p, rounds=8, chunk=4)
+    add_link_args(p)
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: 2 workers, 2 warm-up steps, 1 round of 3 timed steps, no primer configurations")
     p.add_argument("--no-probe", action="store_true",
@@ -387,7 +388,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[{n} workers] {len(cfgs)} configurations ({', '.join(frameworks)}) ...", flush=True)
         plan = dict(configs=[asdict(c) for c in cfgs], warmup=args.warmup, rounds=args.rounds, chunk=args.chunk,
                     rewarm=args.rewarm, seed=args.seed, primer=not args.quick)
-        raw += spawn_workers(_worker_body, n, plan, args.timeout, pg_timeout_s=300.0)["results"]
+        net = open_network(args, n)  # None: loopback; else the --link-mbit namespaces
+        try:
+            if net is not None:
+                print(f"network: {net.describe()}", flush=True)
+            raw += spawn_workers(_worker_body, n, plan, args.timeout, pg_timeout_s=300.0, net=net)["results"]
+        finally:
+            if net is not None:
+                net.close()
         print(f"[{n} workers] done in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = summarize(raw, args.model)
     print()
@@ -395,7 +403,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("\nmemory: peak RSS per worker measured as bench/bench_train.py does: worker baseline RSS + (VmHWM after "
           "building the configuration alone and its warm-up steps - RSS before its model was built), max over ranks")
     print_targets(check_targets(rows, workers, skipped, requested))
-    csv_path = Path(args.out) / "bench_shard.csv"
+    csv_path = Path(args.out) / ("bench_shard.csv" if args.link_mbit is None
+                                  else f"bench_shard_link{args.link_mbit:g}_{args.link_layout}.csv")
     write_csv(csv_path, rows, machine)
     print(f"\nwrote {csv_path} (total {time.perf_counter() - t_start:.0f} s)")
     return 0

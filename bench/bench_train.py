@@ -23,7 +23,16 @@ All configurations of one (workers, model) live in the same worker processes and
 interleaved rounds (a few steps of each configuration in turn, order rotated each round), so a
 slow phase of the shared machine hits every configuration alike.
 
-Writes ``bench/out/bench_train.csv`` (the columns ``python -m tools.runtime_model --calibrate`` reads,
+Throttled links (``--link-mbit B [--link-layout per-worker|two-nodes]``, root only): the workers
+run inside network namespaces (:mod:`bench.common.netlink`), every worker behind its own B Mbit/s
+full-duplex NIC (``per-worker``) or two simulated nodes of n/2 workers joined by one B Mbit/s link
+(``two-nodes``); the default frameworks then add torch DDP with its compression comm hooks
+(``torch-ddp-fp16``, ``torch-ddp-bf16``: ``fp16_compress_hook`` / ``bf16_compress_hook``;
+``torch-ddp-powersgd``: PowerSGD rank POWERSGD_RANK with error feedback), and the table reports each
+configuration's compute-to-communication ratio (compute = the no-communication floor's step,
+communication = step - compute).
+
+Writes ``bench/out/bench_train.csv`` (throttled: ``bench_train_link<B>_<layout>.csv`` / ``.png``) (the columns ``python -m tools.runtime_model --calibrate`` reads,
 plus more) and ``bench/out/bench_train.png``.
 
     python -m bench.bench_train                      # everything (~10 minutes on 2 cores)
@@ -41,7 +50,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_workers
+from bench.common.launch import add_link_args, add_run_args, bench_parser, open_network, quick_timing, spawn_workers
 from bench.common.machine import report_machine
 from bench.common.measure import (AER_LOCAL, Config, Runner, gather_results, measure_and_time, prime, rss_bytes,
                                   timing_row, trim)
@@ -52,7 +61,12 @@ from bench.common.tables import print_table as print_table_rows
 from bench.common.tables import write_csv as write_rows_csv
 
 
-FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "local", "local-fused")
+FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "torch-ddp-fp16", "torch-ddp-bf16", "torch-ddp-powersgd", "local",
+              "local-fused")
+DEFAULT_FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "local", "local-fused")  # on loopback
+DDP_HOOKS = ("torch-ddp-fp16", "torch-ddp-bf16", "torch-ddp-powersgd")  # DDP + a compression comm hook
+DDPS = ("torch-ddp",) + DDP_HOOKS
+POWERSGD_RANK = 4  # matrix_approximation_rank of PowerSGD (error feedback on, 2 warm-up steps of plain all-reduce)
 FLOORS = ("local", "local-fused")
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 SHORT_TOPO = {"complete": "complete", "ring": "ring", "one-peer-exp": "1-peer-exp",
@@ -65,7 +79,8 @@ ranks (P = parameter bytes, m = size of the worker's group at that step):
   decentpy   m == 1: 0;  m == 2: P (peer exchange: send own bucket, receive the peer's);
              m > 2: 2(m-1)/m * P (in-place all-reduce of the group, ring algorithm)
   decent-dp  m == 1: 0;  m >= 2: 2(m-1)/m * P (all-reduce on a per-edge group, pairs too: 1.0 P)
-  torch-ddp  2(n-1)/n * P (ring all-reduce of the gradients)
+  torch-ddp  2(n-1)/n * P (ring all-reduce of the gradients); fp16/bf16 hooks: half of it;
+             powersgd: 2(n-1)/n * (sum over matrices (rows + cols) * rank * 4 + vector bytes)
   local, local-fused   0"""
 
 MEMORY = """\
@@ -97,12 +112,12 @@ def _decent_dp_accepts(topo: str, n: int, local: int) -> bool:
     return topo == "complete" or size & (size - 1) == 0
 
 
-def topology_valid(topo: str, n: int, framework: str = "decentpy") -> bool:
+def topology_valid(topo: str, n: int, framework: str = "decentpy", node_size: Optional[int] = None) -> bool:
     """Whether ``framework`` runs ``topo`` on n workers: decentpy takes any n its topology module
     accepts, decent-dp fewer (_decent_dp_accepts)."""
     from decentpy import make_topology
 
-    local = AER_LOCAL if topo == "alternating-exp-ring" else n
+    local = (node_size or AER_LOCAL) if topo == "alternating-exp-ring" else n
     if framework == "decent-dp" and n > 1 and not _decent_dp_accepts(topo, n, local):
         return False
     try:
@@ -113,14 +128,17 @@ def topology_valid(topo: str, n: int, framework: str = "decentpy") -> bool:
 
 
 def build_configs(workers: Sequence[int], models: Sequence[str], frameworks: Sequence[str],
-                  topologies: Sequence[str]) -> List[Config]:
+                  topologies: Sequence[str], two_nodes: bool = False) -> List[Config]:
+    """Every configuration; ``two_nodes``: alternating-exp-ring's nodes are the two simulated
+    nodes of n/2 workers (the two-nodes link layout)."""
     out = []
     for n in workers:
         for model in models:
             for fw in frameworks:
                 if fw in ("decentpy", "decent-dp"):
-                    out += [Config(fw, t, n, model) for t in topologies if topology_valid(t, n, fw)]
-                elif fw == "torch-ddp":
+                    out += [Config(fw, t, n, model, n // 2 if two_nodes and t == "alternating-exp-ring" else 0)
+                            for t in topologies if topology_valid(t, n, fw, n // 2 if two_nodes else None)]
+                elif fw in DDPS:
                     out.append(Config(fw, "allreduce", n, model))
                 elif fw == "local":
                     out.append(Config(fw, "none", n, model))
@@ -131,6 +149,22 @@ def build_configs(workers: Sequence[int], models: Sequence[str], frameworks: Seq
     return out
 
 
+def powersgd_bytes(model: str, rank: int = POWERSGD_RANK) -> float:
+    """Bytes PowerSGD all-reduces per step for ``model``: its low-rank factors P (rows x rank) and Q
+    (cols x rank) of each matrix-shaped gradient, the vectors (biases, norms) uncompressed."""
+    from bench.common.models import make_model
+
+    tot = 0.0
+    for p in make_model(model, 0).parameters():
+        if p.dim() <= 1:
+            tot += p.numel() * 4
+        else:
+            rows, cols = p.shape[0], p.numel() // p.shape[0]
+            r = min(rank, rows, cols)
+            tot += (rows + cols) * r * 4
+    return tot
+
+
 def bytes_per_step(cfg: Config, param_bytes: int) -> float:
     """Bytes sent per worker per step (see BYTES)."""
     n, p = cfg.workers, float(param_bytes)
@@ -138,6 +172,10 @@ def bytes_per_step(cfg: Config, param_bytes: int) -> float:
         return 0.0
     if cfg.framework == "torch-ddp":
         return 2.0 * (n - 1) / n * p
+    if cfg.framework in ("torch-ddp-fp16", "torch-ddp-bf16"):
+        return (n - 1) / n * p
+    if cfg.framework == "torch-ddp-powersgd":
+        return 2.0 * (n - 1) / n * powersgd_bytes(cfg.model)
     from decentpy import make_topology
 
     topo = make_topology(cfg.topology, n, cfg.local_world_size)
@@ -180,10 +218,19 @@ class TrainRunner(Runner):
 
             self.net = RefDDP(model, optim_fn=adamw_fn, topology=cfg.topology,
                               _local_world_size=cfg.local_world_size)
-        elif cfg.framework == "torch-ddp":
+        elif cfg.framework in DDPS:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
             from torch.nn.parallel import DistributedDataParallel
 
             self.net = DistributedDataParallel(model)
+            if cfg.framework == "torch-ddp-fp16":
+                self.net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif cfg.framework == "torch-ddp-bf16":
+                self.net.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            elif cfg.framework == "torch-ddp-powersgd":
+                state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                                    start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+                self.net.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
             self.opt = torch.optim.AdamW(self.net.parameters(), lr=LR)
         elif cfg.framework == "local-fused":
             import decentpy.optim
@@ -231,9 +278,10 @@ def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
     return dict(results=results, ru_maxrss=max(allru))
 
 
-def run_group(n: int, plan: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
-    """Spawn ``n`` workers running ``plan``; rank 0's results, or raise with every traceback."""
-    return spawn_workers(_worker_body, n, plan, timeout_s, pg_timeout_s=plan["pg_timeout_s"])
+def run_group(n: int, plan: Dict[str, Any], timeout_s: float, net: Any = None) -> Dict[str, Any]:
+    """Spawn ``n`` workers running ``plan`` (inside ``net``'s namespaces, if given); rank 0's results,
+    or raise with every traceback."""
+    return spawn_workers(_worker_body, n, plan, timeout_s, pg_timeout_s=plan["pg_timeout_s"], net=net)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,10 +289,35 @@ def run_group(n: int, plan: Dict[str, Any], timeout_s: float) -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 
 
-def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def period_of(cfg: Config) -> int:
+    """Steps after which ``cfg``'s exchange pattern repeats (1 for all-reduce and the floors)."""
+    if cfg.framework not in ("decentpy", "decent-dp") or cfg.workers == 1:
+        return 1
+    from decentpy import make_topology
+
+    return make_topology(cfg.topology, cfg.workers, cfg.local_world_size).period
+
+
+def per_period(res: Dict[str, Any], chunk: int) -> Dict[str, Any]:
+    """``res`` with each timed chunk's steps replaced by the means of its whole periods: on a slow
+    link a ring alternates fast (inside a node) and slow (across) steps, whose median would be
+    either kind; the median of period means is the typical step. Unchanged when the chunk is not
+    a multiple of the period."""
+    p = period_of(Config(**res["cfg"]))
+    if p == 1 or chunk % p:
+        return res
+    out = dict(res)
+    for key in ("step_max", "compute_max", "cpu_sum"):
+        xs = res[key]
+        out[key] = [sum(xs[i:i + p]) / p for i in range(0, len(xs) - p + 1, p)]
+    return out
+
+
+def summarize(raw: List[Dict[str, Any]], chunk: int = 0) -> List[Dict[str, Any]]:
+    """Report rows; ``chunk`` (throttled links): steps averaged over each period first (per_period)."""
     rows = []
     for res in raw:
-        row = timing_row(res)
+        row = timing_row(per_period(res, chunk) if chunk else res)
         rows.append(dict(row, steady_delta=res["steady_delta"], peak_delta=res["peak_delta"],
                          wrap_delta=res["wrap_delta"], bytes=bytes_per_step(row["cfg"], res["param_bytes"])))
     by = {(r["cfg"].model, r["cfg"].workers, r["cfg"].framework, r["cfg"].topology): r for r in rows}
@@ -264,6 +337,10 @@ def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
         mfloor = floor or ffloor
         r["extra"] = r["peak_delta"] - mfloor["peak_delta"] if mfloor else None
         r["extra_steady"] = r["steady_delta"] - mfloor["steady_delta"] if mfloor else None
+        # compute-to-communication: compute = the floor's step (no communication), communication =
+        # what the configuration adds to it
+        r["comm"] = max(0.0, r["step"] - floor["step"]) if floor else None
+        r["comp_comm"] = floor["step"] / r["comm"] if floor and r["comm"] else None
     order = {f: i for i, f in enumerate(FRAMEWORKS)}
     torder = {t: i for i, t in enumerate(TOPOLOGIES + ("allreduce", "none", "none-fused"))}
     rows.sort(key=lambda r: (MODELS.index(r["cfg"].model), r["cfg"].workers, order[r["cfg"].framework],
@@ -271,13 +348,16 @@ def summarize(raw: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return rows
 
 
-def print_table(rows: List[Dict[str, Any]]) -> None:
+def print_table(rows: List[Dict[str, Any]], link: bool = False) -> None:
     hdr = ["model", "n", "framework", "topology", "median ms", "p25-p75 ms", "steps",
            "dp-ref/this", "DDP/this", "this/floor", "this/ffloor", "CPU ms", "CPU dp-ref/this", "peak RSS MiB",
            "extra MiB", "P MiB", "MB/step"]
+    if link:
+        hdr += ["comm ms", "compute/comm"]
     table = []
     for r in rows:
         c = r["cfg"]
+        extra = [fmt(None if r["comm"] is None else r["comm"] * 1e3, ".0f"), fmt(r["comp_comm"], ".2f")] if link else []
         table.append([c.model, str(c.workers), c.framework, SHORT_TOPO.get(c.topology, c.topology),
                       f"{r['step'] * 1e3:.2f}", f"{r['p25'] * 1e3:.1f}-{r['p75'] * 1e3:.1f}",
                       str(r["steps"]),
@@ -287,7 +367,7 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
                       f"{r['cpu'] * 1e3:.1f}", fmt(r["cpu_vs_ref"], ".2f", "x") if c.framework == "decentpy" else "",
                       f"{r['peak_rss'] / 2**20:.0f}", fmt(None if r["extra"] is None else r["extra"] / 2**20,
                                                           "+.1f"),
-                      f"{r['param_bytes'] / 2**20:.2f}", f"{r['bytes'] / 1e6:.2f}"])
+                      f"{r['param_bytes'] / 2**20:.2f}", f"{r['bytes'] / 1e6:.2f}"] + extra)
     print_table_rows(hdr, table, group=lambda t: (t[0], t[1]))
     print("dp-ref/this = decent-dp step time / this (>1: faster than decent-dp, same topology); "
           "DDP/this = torch DDP / this (>1: faster than DDP);\nthis/floor = this / no-communication "
@@ -296,6 +376,9 @@ def print_table(rows: List[Dict[str, Any]]) -> None:
           "runs, without the mixing); extra = peak RSS minus the torch-AdamW floor's;\nCPU ms = CPU time of one "
           "step summed over the workers (all threads; median over steps): the cost to the machine, robust to other "
           "load, where wall times on an oversubscribed machine are not; CPU dp-ref/this = decent-dp's / this")
+    if link:
+        print("comm ms = step - the no-communication floor's step (same n): the time communication adds; "
+              "compute/comm = floor step / comm ms (the compute-to-communication ratio; < 1: communication-bound)")
 
 
 def _target(title: str, rows: List[Dict[str, Any]], met: Any, score: Any, fmt: Any,
@@ -311,9 +394,21 @@ def _target(title: str, rows: List[Dict[str, Any]], met: Any, score: Any, fmt: A
     return title, not bad, detail
 
 
-def check_targets(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
+def check_targets(rows: List[Dict[str, Any]], link: Optional[str] = None) -> List[Tuple[str, bool, str]]:
     out = []
     dp = [r for r in rows if r["cfg"].framework == "decentpy"]
+    if link is not None:  # the throttled-link targets (issue 24) replace the loopback ones
+        t1 = [r for r in dp if r["vs_ref"] is not None]
+        if t1:
+            out.append(_target(f"{link}: decentpy >= 1.2x faster per step than decent-dp on every topology", t1,
+                               lambda r: r["vs_ref"] >= 1.2, lambda r: r["vs_ref"],
+                               lambda r: f"{r['vs_ref']:.2f}x", higher_is_better=True))
+        t2 = [r for r in dp if r["vs_ddp"] is not None]
+        if t2:
+            out.append(_target(f"{link}: decentpy >= 1.2x faster per step than torch DDP on every topology", t2,
+                               lambda r: r["vs_ddp"] >= 1.2, lambda r: r["vs_ddp"],
+                               lambda r: f"DDP/decentpy {r['vs_ddp']:.2f}x", higher_is_better=True))
+        return out
     t1 = [r for r in dp if r["cfg"].workers in (4, 8) and r["vs_ref"] is not None]
     if t1:
         out.append(_target("decentpy >= 1.3x faster per step than decent-dp on every topology at 4 and 8 workers",
@@ -360,10 +455,12 @@ CSV_FIELDS = ["framework", "topology", "workers", "model", "step_time_s", "bytes
               "model_bytes", "local_world_size", "step_time_p25_s", "step_time_p75_s", "timed_steps",
               "own_compute_time_s", "peak_rss_mib", "extra_rss_mib", "extra_steady_rss_mib", "wrap_rss_mib",
               "speedup_vs_decent_dp", "speedup_vs_ddp", "ratio_vs_floor", "ratio_vs_fused_floor", "cpu_time_s",
-              "cpu_speedup_vs_decent_dp", "cpu_ratio_vs_floor", "cpu", "cores", "torch"]
+              "cpu_speedup_vs_decent_dp", "cpu_ratio_vs_floor", "comm_time_s", "compute_to_comm", "link_mbit",
+              "link_layout", "cpu", "cores", "torch"]
 
 
-def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> None:
+def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], link_mbit: Optional[float] = None,
+              link_layout: str = "") -> None:
     def row(r: Dict[str, Any]) -> Dict[str, Any]:
         c = r["cfg"]
         return dict(
@@ -380,18 +477,21 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -
             speedup_vs_decent_dp=cell(r["vs_ref"], ".4f"), speedup_vs_ddp=cell(r["vs_ddp"], ".4f"),
             ratio_vs_floor=cell(r["vs_floor"], ".4f"), ratio_vs_fused_floor=cell(r["vs_ffloor"], ".4f"),
             cpu_time_s=f"{r['cpu']:.6g}", cpu_speedup_vs_decent_dp=cell(r["cpu_vs_ref"], ".4f"),
-            cpu_ratio_vs_floor=cell(r["cpu_vs_floor"], ".4f"), cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"])
+            cpu_ratio_vs_floor=cell(r["cpu_vs_floor"], ".4f"), comm_time_s=cell(r["comm"], ".6g"),
+            compute_to_comm=cell(r["comp_comm"], ".4f"), link_mbit=cell(link_mbit, "g"),
+            link_layout=link_layout if link_mbit is not None else "", cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"])
 
     write_rows_csv(path, CSV_FIELDS, (row(r) for r in rows))
 
 
-def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> Optional[Path]:
+def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], link: str = "") -> Optional[Path]:
     """Step time per configuration: a panel per model, bars per framework (whiskers p25-p75)."""
     plt = pyplot()
     if plt is None:
         return None
     models = [m for m in MODELS if any(r["cfg"].model == m for r in rows)]
-    colors = {"decentpy": "#1f77b4", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "local": "#7f7f7f",
+    colors = {"decentpy": "#1f77b4", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "torch-ddp-fp16": "#98df8a",
+              "torch-ddp-bf16": "#17becf", "torch-ddp-powersgd": "#9467bd", "local": "#7f7f7f",
               "local-fused": "#bcbd22"}
     fig, axes = plt.subplots(len(models), 1, figsize=(13, 4.2 * len(models)), squeeze=False)
     for ax, model in zip(axes[:, 0], models):
@@ -418,7 +518,7 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -> Opt
         ax.set_xticks(range(len(groups)))
         ax.set_xticklabels([f"n={n}\n{SHORT_TOPO.get(t, t)}" for n, t in groups], fontsize=7)
         finish_axes(ax, "median step time (ms)", f"{model}: {MODEL_DESC[model]}", grid_axis="y")
-    return finish_figure(fig, f"step time per configuration (bars: median, whiskers: p25-p75), {machine['cpu']}, "
+    return finish_figure(fig, f"step time per configuration (bars: median, whiskers: p25-p75){link}, {machine['cpu']}, "
                          f"{machine['cores']} cores, torch {machine['torch']}", path, fontsize=9)
 
 
@@ -431,10 +531,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = bench_parser(__doc__)
     p.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
     p.add_argument("--models", default="mlp,cnn", help=f"comma-separated, from {','.join(MODELS)}")
-    p.add_argument("--frameworks", default=",".join(FRAMEWORKS),
-                   help=f"comma-separated, from {','.join(FRAMEWORKS)} (decent-dp is skipped when not installed)")
+    p.add_argument("--frameworks", default=None,
+                   help=f"comma-separated, from {','.join(FRAMEWORKS)} (decent-dp is skipped when not installed); "
+                   f"default: {','.join(DEFAULT_FRAMEWORKS)}, and the DDP comm hooks with --link-mbit")
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="comma-separated")
     add_run_args(p, rounds=4, chunk=8, plot=True)
+    add_link_args(p)
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: 2 warm-up steps, 1 round of 3 timed steps, no primer "
                    "configurations (memory numbers less exact)")
@@ -449,9 +551,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     workers = [int(w) for w in csv_list(args.workers)]
     models = csv_list(args.models)
-    frameworks = csv_list(args.frameworks)
+    link = args.link_mbit is not None
+    frameworks = csv_list(args.frameworks or ",".join(FRAMEWORKS if link else DEFAULT_FRAMEWORKS))
     check_choices(models, MODELS, "model")
     check_choices(frameworks, FRAMEWORKS, "framework")
+    if "torch-ddp-bf16" in frameworks:  # torch refuses it on CPU: "requires CUDA 11+ and NCCL 2.10+"
+        print("torch-ddp-bf16 skipped: torch's bf16_compress_hook needs NCCL (CUDA) or XCCL; these workers run gloo "
+              "on CPU")
+        frameworks = [f for f in frameworks if f != "torch-ddp-bf16"]
     if "decent-dp" in frameworks:
         try:
             import decent_dp.ddp  # noqa: F401
@@ -460,14 +567,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "install it with `pip install --no-deps decent-dp==0.2.3 loguru` (or run `make deps`)")
             frameworks = [f for f in frameworks if f != "decent-dp"]
     machine = report_machine("decent-dp")
+    where = "127.0.0.1"
+    if link:
+        where = (f"throttled links of {args.link_mbit:g} Mbit/s ({args.link_layout}: " +
+                 ("one namespace and NIC per worker" if args.link_layout == "per-worker" else
+                  "2 nodes of n/2 workers, fast inside a node") + ")")
     print(f"optimizer: torch.optim.AdamW(lr={LR}) everywhere (decentpy fuses it; decent-dp, DDP and the "
-          "floor run torch's default CPU implementation); gloo on 127.0.0.1, 1 torch thread per worker")
+          f"floor run torch's default CPU implementation); gloo on {where}, 1 torch thread per worker")
     for m in models:
         print(f"model {m}: {MODEL_DESC[m]}")
     print(f"timing: {args.warmup} warm-up steps per configuration, then {args.rounds} interleaved rounds x "
           f"({args.rewarm} untimed + {args.chunk} timed) steps = {args.rounds * args.chunk} timed steps; per "
-          "step the max over ranks; median")
-    configs = build_configs(workers, models, frameworks, csv_list(args.topologies))
+          "step the max over ranks; median" + (" of the means over each period of the topology's schedule"
+                                               if link else ""))
+    configs = build_configs(workers, models, frameworks, csv_list(args.topologies),
+                            two_nodes=link and args.link_layout == "two-nodes")
     raw: List[Dict[str, Any]] = []
     ru_max = 0.0
     t_start = time.perf_counter()
@@ -480,23 +594,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = dict(configs=[asdict(c) for c in cfgs], models=models, warmup=args.warmup, rounds=args.rounds,
                     chunk=args.chunk, rewarm=args.rewarm, seed=args.seed, pg_timeout_s=300,
                     primer=not args.quick)
-        payload = run_group(n, plan, args.timeout)
+        net = open_network(args, n)
+        try:
+            if net is not None:
+                print(f"[{n} workers] network: {net.describe()}", flush=True)
+            payload = run_group(n, plan, args.timeout, net)
+        finally:
+            if net is not None:
+                net.close()
         raw += payload["results"]
         ru_max = max(ru_max, payload["ru_maxrss"])
         print(f"[{n} workers] done in {time.perf_counter() - t0:.0f} s", flush=True)
-    rows = summarize(raw)
+    rows = summarize(raw, args.chunk if link else 0)
     print()
-    print_table(rows)
+    print_table(rows, link)
     print()
     print(BYTES)
     print(MEMORY)
     print(f"process-wide ru_maxrss (max over all workers, all configurations of a worker alive together): "
           f"{ru_max / 2**20:.0f} MiB")
-    print_targets(check_targets(rows))
+    link_label = f"{args.link_mbit:g} Mbit/s {args.link_layout} link" if link else None
+    print_targets(check_targets(rows, link_label))
     out = Path(args.out)
-    csv_path = out / "bench_train.csv"
-    write_csv(csv_path, rows, machine)
-    png = None if args.no_plot else plot(out / "bench_train.png", rows, machine)
+    stem = f"bench_train_link{args.link_mbit:g}_{args.link_layout}" if link else "bench_train"  # not the calibration CSV
+    csv_path = out / f"{stem}.csv"
+    write_csv(csv_path, rows, machine, args.link_mbit, args.link_layout)
+    png = None if args.no_plot else plot(out / f"{stem}.png", rows, machine,
+                                         f", {link_label}" if link_label else "")
     print(f"\nwrote {csv_path}" + (f", {png}" if png else "") +
           f" (total {time.perf_counter() - t_start:.0f} s)")
     return 0

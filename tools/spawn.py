@@ -1,9 +1,11 @@
-"""Run a function on N gloo worker processes on 127.0.0.1, with a hard deadline.
+"""Run a function on N gloo worker processes on 127.0.0.1 (or inside network namespaces), with a hard deadline.
 
 The one spawn harness of the tests (``tests/dist_harness.py`` re-exports it) and the benchmarks
 (``bench/common/launch.py`` adapts it): workers are spawned (not forked), each with one torch
 thread; the parent collects every rank's return value or traceback and kills all of them when the
-deadline passes, so a hang fails fast instead of waiting for a collective's timeout.
+deadline passes, so a hang fails fast instead of waiting for a collective's timeout. With ``netns`` each worker first
+enters its network namespace (``bench.common.netlink``: the throttled-link benchmarks) and
+``rank_env`` gives it that namespace's rendezvous address and interface.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 __all__ = ["DEFAULT_TIMEOUT_S", "WorkerError", "free_port", "run_workers"]
 
@@ -43,12 +45,22 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any,
-            env: Dict[str, str], pg_timeout_s: float, local_ranks: bool) -> None:
+            env: Dict[str, str], pg_timeout_s: float, local_ranks: bool, netns: Optional[str] = None,
+            rank_env: Optional[Dict[str, str]] = None) -> None:
+    if netns is not None:  # first: every socket this process opens from here on is in the namespace
+        try:
+            from bench.common.netlink import enter_netns
+
+            enter_netns(netns)
+        except BaseException:
+            queue.put((rank, "error", traceback.format_exc()))
+            return
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "GLOO_SOCKET_IFNAME": "lo"})
     if local_ranks:
         os.environ.update({"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    os.environ.update(rank_env or {})
     import torch
     import torch.distributed as dist
 
@@ -70,7 +82,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
 
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
                 env: Optional[Dict[str, str]] = None, pg_timeout_s: float = 60.0, allow_failures: bool = False,
-                stop_on_failure: bool = False, local_ranks: bool = False) -> List[Any]:
+                stop_on_failure: bool = False, local_ranks: bool = False, netns: Optional[Sequence[str]] = None,
+                rank_env: Optional[Sequence[Dict[str, str]]] = None) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled into the spawned processes); ``env`` is
@@ -78,7 +91,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     torchrun does on one node. Raises :class:`WorkerError` if any rank fails (or, with
     ``allow_failures``, returns the traceback strings as those ranks' results), TimeoutError if the
     workers do not all finish within ``timeout`` seconds. ``stop_on_failure``: stop at the first
-    failure (the other ranks would only wait in a collective until ``pg_timeout_s``).
+    failure (the other ranks would only wait in a collective until ``pg_timeout_s``). ``netns``:
+    rank r runs inside network namespace ``netns[r]`` (entered before anything else), ``rank_env[r]``
+    is added to its environment last (e.g. MASTER_ADDR and GLOO_SOCKET_IFNAME of that namespace).
     """
     import torch.multiprocessing as mp
 
@@ -86,7 +101,9 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, env or {}, pg_timeout_s,
-                                               local_ranks), daemon=True) for r in range(world_size)]
+                                               local_ranks, None if netns is None else netns[r],
+                                               None if rank_env is None else rank_env[r]), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: Dict[int, Any] = {}

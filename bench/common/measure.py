@@ -34,10 +34,11 @@ class Config:
     topology: str  # a topology name, "allreduce" (torch-ddp) or "none" (local), or a set-up label
     workers: int
     model: str
+    node_size: int = 0  # ranks per node of alternating-exp-ring; 0: AER_LOCAL (the simulated nodes)
 
     @property
     def local_world_size(self) -> int:
-        return AER_LOCAL if self.topology == "alternating-exp-ring" else self.workers
+        return (self.node_size or AER_LOCAL) if self.topology == "alternating-exp-ring" else self.workers
 
     @property
     def key(self) -> str:

@@ -50,6 +50,18 @@ class SubGroup:
         to = self.global_ranks.index(peer)
         return [self.pg.send([send], to, tag), self.pg.recv([recv], to, tag)]
 
+    def send(self, send: Tensor, peer: int, tag: int) -> Any:
+        """``send`` to global rank ``peer`` (in flight)."""
+        if self.registered:
+            return dist.isend(send, peer, group=self.pg, tag=tag)
+        return self.pg.send([send], self.global_ranks.index(peer), tag)
+
+    def recv(self, recv: Tensor, peer: int, tag: int) -> Any:
+        """``recv`` from global rank ``peer`` (in flight)."""
+        if self.registered:
+            return dist.irecv(recv, peer, group=self.pg, tag=tag)
+        return self.pg.recv([recv], self.global_ranks.index(peer), tag)
+
     def all_reduce(self, buffer: Tensor) -> Any:
         """Sum ``buffer`` in place over the group (in flight)."""
         if self.registered:
