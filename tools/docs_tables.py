@@ -31,6 +31,11 @@ TABLES: Dict[str, str] = {
     "bench_train": "`make bench-train` (bench/bench_train.py): AdamW, gloo, 1 torch thread per worker, median step "
                    "time over 32 steps (CNN rows: 48), max over ranks; decent-dp 0.2.3 and torch DDP in the same "
                    "run. Intel Xeon, 2 cores shared by the 4 or 8 workers, torch 2.13.0+cpu.",
+    "bench_train_link": "`make bench-train BENCH_ARGS=\"--link-mbit 400 --link-layout two-nodes\"` (bench/bench_train.py "
+                        "in network namespaces, bench/common/netlink.py): 4 workers as 2 nodes of 2 joined by one "
+                        "400 Mbit/s link (tbf on both ends), MLP 3 x Linear(1024,1024), AdamW; median over 12 timed "
+                        "steps of the means over each period of the schedule, max over ranks per step; one run. AMD "
+                        "EPYC, 2 cores shared with other load, torch 2.13.0+cpu, decent-dp 0.2.3.",
     "bench_convergence": "`make bench-convergence` (bench/bench_convergence.py): digits, 4 workers, 10 epochs, seed 0, "
                          "test accuracy of the averaged model (360 test samples: one sample is 0.28 points). "
                          "Intel Xeon, 2 cores, torch 2.13.0+cpu.",
