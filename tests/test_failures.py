@@ -281,3 +281,67 @@ def test_train_digits_resumes_identically(tmp_path: Any) -> None:
         assert a.keys() == b.keys() and a
         for k in a:
             assert torch.equal(a[k], b[k]), f"rank {r}: {k} differs after the resume"
+
+
+# --- the other wrappers: a killed rank is named too ------------------------------------------------
+
+def killed_other_worker(rank: int, world: int, kind: str, victim: int) -> Dict[str, Any]:
+    """``kind`` "sharded": OSS + ShardedDataParallel on 3 ranks; "pipe": a 3-stage AsyncPipe. The
+    victim SIGKILLs itself at step 3; the survivors must raise a PeerTimeoutError naming it."""
+    import os
+    import signal
+
+    from torch import nn
+
+    from decentpy import AsyncPipe, OSS, PeerTimeoutError, ShardedDataParallel
+
+    torch.manual_seed(0)
+    if kind == "sharded":
+        model = make_mlp(0)
+        opt = OSS(model.parameters(), optim=torch.optim.SGD, lr=0.1)
+        net = ShardedDataParallel(model, opt)
+
+        def step(k: int) -> None:
+            x = torch.randn(8, 6)
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    else:
+        layers = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+        pipe = AsyncPipe(layers, [2, 2, 1], chunks=2)
+
+        def step(k: int) -> None:
+            out = pipe(torch.randn(8, 6))
+            if rank == world - 1:
+                out.sum().backward()
+            else:
+                pipe.back_helper(out)
+
+    out: Dict[str, Any] = {"type": None}
+    start = None
+    try:
+        for k in range(50):
+            if k == 3:
+                if rank == victim:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                start = time.monotonic()
+            step(k)
+    except PeerTimeoutError as exc:
+        out = {"type": type(exc).__name__, "text": str(exc), "ranks": exc.ranks,
+               "elapsed": time.monotonic() - (start or time.monotonic())}
+    except Exception as exc:  # noqa: BLE001 - a raw backend error: the test fails on it
+        out = {"type": type(exc).__name__, "text": str(exc), "ranks": [], "elapsed": -1.0}
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sharded", "pipe"])
+def test_killed_rank_is_named_by_the_sharding_and_pipeline_wrappers(kind: str) -> None:
+    world, victim = 3, 1
+    res = run_workers(killed_other_worker, world, kind, victim, timeout=90, allow_failures=True, pg_timeout_s=300)
+    for r in range(world):
+        if r == victim:
+            continue
+        o = res[r]
+        assert isinstance(o, dict) and o["type"] in ("PeerUnreachableError", "PeerReportedError"), f"rank {r}: {o}"
+        assert victim in o["ranks"] and f"[{victim}]" in o["text"], f"rank {r}: {o}"
+        assert 0 < o["elapsed"] < 20, f"rank {r}: {o}"

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch.distributed as dist
 
 __all__ = ["PeerTimeoutError", "PeerUnreachableError", "PeerReportedError", "NonFiniteGradientError",
-           "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
+           "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "running_monitor", "start_heartbeat", "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +229,26 @@ def peer_monitor() -> Optional[PeerMonitor]:
         if _MONITOR is None:
             _MONITOR = PeerMonitor(store, dist.get_rank())
         return _MONITOR
+
+
+def running_monitor() -> Optional[PeerMonitor]:
+    """The monitor of the current default process group if one is beating already (never starts
+    one: a monitor started only after a failure would find every peer without heartbeats)."""
+    with _MONITOR_LOCK:
+        if _MONITOR is None:
+            return None
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:  # noqa: BLE001 - the process group is gone
+            return None
+        return _MONITOR if _MONITOR.store is store else None
+
+
+def start_heartbeat() -> None:
+    """Beat this process's heartbeat from now on (wrappers call it at construction, so that every
+    process of a job beats before any wait could need to tell a dead peer from a slow one)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        peer_monitor()
 
 
 class _Waiter:

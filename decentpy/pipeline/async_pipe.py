@@ -50,6 +50,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from ..comm import PeerTimeoutError, agree_across_ranks, default_timeout, group_ranks, or_world
+from ..comm.failures import start_heartbeat
 from .agreement import NO_FAILURE, Agreement
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import checkpointing, recomputing
@@ -172,6 +173,7 @@ class AsyncPipe(nn.Module):
         # The construction's one agreement (before any other collective): these shape every message.
         settings = {"balance": self.balance, "chunks": chunks, "checkpoint": checkpoint, "layers": len(layers),
                     "schedule": schedule, "deferred_batch_norm": bool(deferred_batch_norm)}
+        start_heartbeat()  # so that a dead peer is named in any later failed wait
         agree_across_ranks(None, settings, "AsyncPipe's arguments", group=self.group)
 
         rank = dist.get_rank(self.group)

@@ -239,7 +239,8 @@ class Link:
         self._wait(work, what)
 
     def _wait(self, work: Any, what: str) -> None:
-        wait_bounded(work, self.timeout, f"stage {self.stage}: receiving {what} from stage {self.peer_stage}")
+        wait_bounded(work, self.timeout, f"stage {self.stage}: receiving {what} from stage {self.peer_stage}",
+                     [self.peer])
 
     def recv(self, what: str) -> Message:
         """The next message from the neighbour (``what``: what it should be, for a timeout's
@@ -321,7 +322,7 @@ class Link:
             raise RuntimeError(f"stage {self.stage}: a receive from stage {self.peer_stage} was posted ahead for a "
                                "message that never came (an AsyncPipe bug)")
         for work, _ in self._inflight:
-            wait_bounded(work, self.timeout, f"stage {self.stage}: a send to stage {self.peer_stage}")
+            wait_bounded(work, self.timeout, f"stage {self.stage}: a send to stage {self.peer_stage}", [self.peer])
         self._inflight = []
         # the pool keeps this step's buffers only (shapes that stopped coming free their memory)
         self._pool = {}

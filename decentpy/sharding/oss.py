@@ -28,6 +28,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from ..comm import agree_across_ranks, default_timeout, group_ranks, or_world, raise_if_any_rank_failed
+from ..comm.failures import start_heartbeat
 from ..engine.bucket import flatten_params
 from ..engine.driver import BoundedWait
 from ..kernels import flat_alias
@@ -145,6 +146,7 @@ class OSS(Optimizer, Joinable):
                   for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])]
         settings = {"parameters": params, "optim": self._optim_class, "optimizer defaults": self._optim_defaults,
                     "min_split_numel": self._min_split, "broadcast_fp16": self.broadcast_fp16}
+        start_heartbeat()  # so that a dead peer is named in any later failed wait
         agree_across_ranks(failure, settings, "OSS", group=self.group, explain={"parameters": _params_differ})
 
     def _assign_owners(self, params: Sequence[Tensor]) -> None:

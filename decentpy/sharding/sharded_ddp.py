@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..comm import agree_across_ranks, default_timeout, group_ranks, or_world
+from ..comm.failures import start_heartbeat
 from ..engine.driver import BackwardDriver, DriverJoinHook
 from ..engine.sharded_grads import ShardedGrads
 from .oss import OSS, comm_device
@@ -117,6 +118,7 @@ class ShardedDataParallel(nn.Module, Joinable):
         settings = {"module": module, "reduce_buffer_size": self._cap, "broadcast_buffers": broadcast_buffers,
                     "sync_models_at_startup": sync_models_at_startup, "reduce_fp16": self._reduce_fp16,
                     "auto_refresh_trainable": self._auto_refresh_trainable}
+        start_heartbeat()  # so that a dead peer is named in any later failed wait
         agree_across_ranks(failure, settings, "ShardedDataParallel", group=self._process_group,
                            explain={"module": _module_differs})
 
