@@ -9,6 +9,11 @@ model, whose test accuracy is reported. The baseline is ``torch.nn.parallel.Dist
 (all-reduce of gradients) with the *same* optimizer object type (the decentpy optimizer helper,
 stepped standalone), same schedule, seed, shards and batches.
 
+Compressed gossip (``--compression int8,bf16``): every topology that exchanges in pairs (ring,
+one-peer-exp) also runs as ``<topology>+<kind>`` with ``DecentralizedDataParallel(compression=...)``
+(``--gamma``: the consensus step size, default the kind's default); its row also shows the
+difference to the same topology uncompressed at the same number of steps.
+
 Prints a table and writes ``bench/out/bench_convergence.csv``.
 
     python -m bench.bench_convergence                     # ~1-2 minutes on 2 cores
@@ -32,6 +37,7 @@ from bench.common.tables import print_table, write_csv
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 OPTIMIZERS = ("sgd", "adamw", "accum-adam")
 LOCAL_WORLD_SIZE = 2
+PAIR_TOPOLOGIES = ("ring", "one-peer-exp")  # what compressed gossip supports
 
 
 def _train_one(rank: int, world: int, data: Any, args: Dict[str, Any], optimizer: str, method: str,
@@ -63,8 +69,12 @@ def _train_one(rank: int, world: int, data: Any, args: Dict[str, Any], optimizer
         opt = optim_fn(list(model.named_parameters()))
         sched = sched_fn(opt)
     else:
-        net = DecentralizedDataParallel(model, optim_fn, lr_scheduler_fn=sched_fn, topology=method,
-                                        local_world_size=LOCAL_WORLD_SIZE)
+        from decentpy import Compression
+
+        topology, _, kind = method.partition("+")
+        compression = Compression(kind, gamma=args.get("gamma")) if kind else None
+        net = DecentralizedDataParallel(model, optim_fn, lr_scheduler_fn=sched_fn, topology=topology,
+                                        local_world_size=LOCAL_WORLD_SIZE, compression=compression)
         opt = sched = None
     shuffle = torch.Generator().manual_seed(seed * 1000 + rank)
     loss_sum = count = 0.0
@@ -106,7 +116,7 @@ def _worker_body(rank: int, world: int, plan: Dict[str, Any]) -> List[Dict[str, 
     for seed in plan["seeds"]:
         data = td.load_data(seed)
         for optimizer in plan["optimizers"]:
-            for method in ["ddp", *plan["topologies"]]:
+            for method in _methods(plan):
                 res = _train_one(rank, world, data, plan, optimizer, method, seed)
                 accs: List[Any] = [None] * world
                 dist.all_gather_object(accs, res["acc"])
@@ -117,6 +127,14 @@ def _worker_body(rank: int, world: int, plan: Dict[str, Any]) -> List[Dict[str, 
                     print(f"  seed {seed} {optimizer:10s} {method:22s} test acc {res['acc']:.4f}  "
                           f"({res['wall_s']:.1f} s)", flush=True)
     return rows
+
+
+def _methods(plan: Dict[str, Any]) -> List[str]:
+    """'ddp', the topologies, then '<topology>+<kind>' for each compressor and pair topology."""
+    out = ["ddp", *plan["topologies"]]
+    for kind in plan.get("compression", []):
+        out += [f"{t}+{kind}" for t in plan["topologies"] if t in PAIR_TOPOLOGIES]
+    return out
 
 
 def run(world: int, plan: Dict[str, Any], timeout_s: float) -> List[Dict[str, Any]]:
@@ -134,6 +152,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0", help="comma-separated; accuracies are averaged over seeds")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    p.add_argument("--compression", default="", help="comma-separated compressors (int8, bf16) to add for the "
+                   "pair topologies, e.g. int8,bf16 (default: none)")
+    p.add_argument("--gamma", type=float, default=None, help="consensus step size of compressed gossip "
+                   "(default: decentpy.compression.DEFAULT_GAMMA of the kind)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default=str(OUT_DIR))
     return p.parse_args(argv)
@@ -146,7 +168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     plan = dict(seeds=seeds, optimizers=[o for o in args.optimizers.split(",") if o],
                 topologies=[t for t in args.topologies.split(",") if t], epochs=args.epochs,
-                batch_size=args.batch_size, lr=args.lr, accum_iter=args.accum_iter)
+                batch_size=args.batch_size, lr=args.lr, accum_iter=args.accum_iter,
+                compression=[c for c in args.compression.split(",") if c], gamma=args.gamma)
     print(f"digits (sklearn, 1797 8x8 images, 80/20 split), SmallCNN from examples/train_digits.py, "
           f"{args.workers} workers (local world size {LOCAL_WORLD_SIZE}), batch {args.batch_size}/worker, "
           f"{args.epochs} epochs, cosine schedule with 10% warm-up, seeds {seeds}, torch {torch.__version__}",
@@ -165,21 +188,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         a["cons"].append(r["consensus"])
         a["wall"].append(r["wall_s"])
         a["spread"].append(r["acc_spread"])
-    hdr = ["optimizer", "method", "lr", "steps", "test acc", "DDP acc", "delta vs DDP", "final train loss",
-           "consensus", "wall s"]
+    hdr = ["optimizer", "method", "lr", "steps", "test acc", "DDP acc", "delta vs DDP", "delta vs uncompressed",
+           "final train loss", "consensus", "wall s"]
     table, out_rows = [], []
     for optimizer in plan["optimizers"]:
         base = agg.get((optimizer, "ddp"))
-        for method in ["ddp", *plan["topologies"]]:
+        for method in _methods(plan):
             a = agg.get((optimizer, method))
             if a is None:
                 continue
             acc = statistics.mean(a["acc"])
+            plain = agg.get((optimizer, method.partition("+")[0])) if "+" in method else None
+            vs_plain = f"{acc - statistics.mean(plain['acc']):+.4f}" if plain else ""
             bacc = statistics.mean(base["acc"]) if base else float("nan")
             name = "all-reduce DDP" if method == "ddp" else (
                 "alternating-exp-ring (L=2)" if method == "alternating-exp-ring" else method)
             table.append([optimizer, name, f"{a['lr']:g}", str(a["steps"]), f"{acc:.4f}", f"{bacc:.4f}",
-                          "" if method == "ddp" else f"{acc - bacc:+.4f}", f"{statistics.mean(a['loss']):.4f}",
+                          "" if method == "ddp" else f"{acc - bacc:+.4f}", vs_plain,
+                          f"{statistics.mean(a['loss']):.4f}",
                           "" if method == "ddp" else f"{statistics.mean(a['cons']):.2e}",
                           f"{statistics.mean(a['wall']):.1f}"])
             out_rows.append(dict(optimizer=optimizer, topology="allreduce" if method == "ddp" else method,
@@ -188,6 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  batch_size=args.batch_size, lr=a["lr"], seeds=";".join(map(str, seeds)),
                                  test_acc=f"{acc:.6f}", ddp_test_acc=f"{bacc:.6f}",
                                  delta_vs_ddp="" if method == "ddp" else f"{acc - bacc:+.6f}",
+                                 delta_vs_uncompressed=vs_plain,
                                  final_train_loss=f"{statistics.mean(a['loss']):.6f}",
                                  consensus_before_avg="" if method == "ddp" else f"{statistics.mean(a['cons']):.4e}",
                                  rank_acc_spread=f"{max(a['spread']):.2e}",

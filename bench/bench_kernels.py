@@ -17,8 +17,14 @@ Compared with:
 After the first zero_grad call the gradient stays zero: same memory traffic and the same
 arithmetic (AdamW has no data-dependent branch), so the timing is that of a training step.
 
+Compressed gossip (--compression int8|bf16|all|none, default all): the fused compressing pass
+(kernels.compressed_step: received q into the peer's copy, CHOCO mix, AdamW, zero_grad, next
+q = Q(p - copy) into the send bytes and the copy update) against the same work as torch ops
+(dequantise, two adds, torch AdamW fused/foreach, grad.zero_(), the difference, per-block amax,
+scale, round, clamp, the int8/bf16 casts, the copy update). Target: >= 1.5x on CPU.
+
 Usage: python bench/bench_kernels.py [--size-mb 25] [--repeats 9] [--threads N] [--device cpu|cuda|all]
-                                     [--zero-grad | --no-zero-grad]
+                                     [--zero-grad | --no-zero-grad] [--compression int8|bf16|all|none]
 """
 import argparse
 import os
@@ -197,6 +203,98 @@ def bench_device(device, numel, repeats, zero_grad=True):
     return out
 
 
+TARGET_COMPRESSED = 1.5
+
+
+def bench_compressed(device, numel, repeats, kind):
+    """The compressing fused pass vs the same work as torch ops (AdamW, int8 or bf16)."""
+    block = kernels.INT8_BLOCK
+    numel = max(block, numel // block * block)
+    nb = numel // block
+    gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def rnd(scale=1.0):
+        return (torch.randn(numel, generator=gen) * scale).to(device)
+
+    lr, wd, betas, eps, gw = 1e-3, 0.01, (0.9, 0.999), 1e-8, 0.4
+    comp = kernels.Compressor.INT8 if kind == "int8" else kernels.Compressor.BF16
+    wire = kernels.compressed_bytes(comp, numel)
+    groups = [kernels.GroupHyper(lr=lr, weight_decay=wd, beta1=betas[0], beta2=betas[1], eps=eps, bias_step=10)]
+    segments = kernels.segments_for_numel(numel, device)
+    # a received q: a real compression of a small difference
+    base = rnd()
+    q_recv = torch.zeros(wire, dtype=torch.uint8, device=device)
+    kernels.compressed_step(kernels.OptKind.NONE, comp, base + rnd(1e-3), None, [], None, [], q_send=q_recv,
+                            self_copy_next=base.clone())
+
+    p, g, m, v = rnd(), rnd(1e-3), torch.zeros(numel, device=device), torch.zeros(numel, device=device)
+    pc, sm, sn = base.clone(), base + rnd(1e-4), base + rnd(1e-4)
+    q_send = torch.zeros(wire, dtype=torch.uint8, device=device)
+
+    def fused():
+        kernels.compressed_step(ADAM, comp, p, g, [m, v], segments, groups, q_recv=q_recv, peer_copy=pc,
+                                self_copy_mix=sm, choco_mix=gw, q_send=q_send, self_copy_next=sn,
+                                decoupled_weight_decay=True, zero_grad=True)
+
+    tp = torch.nn.Parameter(rnd())
+    tp.grad = rnd(1e-3)
+    opt, used = make_torch_adamw(tp, lr, wd, betas, eps, "fused")
+    tpc, tsm, tsn = base.clone(), base + rnd(1e-4), base + rnd(1e-4)
+    if kind == "int8":
+        r_scales = q_recv[:4 * nb].view(torch.float32)
+        r_codes = q_recv[4 * nb:].view(torch.int8)
+        t_send = torch.zeros(wire, dtype=torch.uint8, device=device)
+        s_scales = t_send[:4 * nb].view(torch.float32)
+        s_codes = t_send[4 * nb:].view(torch.int8)
+    else:
+        r_bf16 = q_recv.view(torch.bfloat16)
+        t_send = torch.zeros(wire, dtype=torch.uint8, device=device).view(torch.bfloat16)
+
+    def torch_ops():
+        with torch.no_grad():
+            if kind == "int8":
+                dq = (r_codes.float().view(nb, block) * r_scales[:, None]).view(-1)
+            else:
+                dq = r_bf16.float()
+            tpc.add_(dq)
+            tp.add_(tpc - tsm, alpha=gw)
+        opt.step()
+        with torch.no_grad():
+            tp.grad.zero_()
+            d = tp - tsn
+            if kind == "int8":
+                db = d.view(nb, block)
+                sc = db.abs().amax(dim=1) / 127.0
+                safe = torch.where(sc > 0, sc, torch.ones_like(sc))
+                codes = torch.round(db / safe[:, None]).clamp_(-127, 127)
+                s_codes.copy_(codes.view(-1))
+                s_scales.copy_(sc)
+                tsn.add_((codes * sc[:, None]).view(-1))
+            else:
+                t_send.copy_(d)
+                tsn.add_(t_send.float())
+
+    run = timer(device)
+    fns = {"fused": fused, "torch": torch_ops}
+    for fn in fns.values():
+        for _ in range(2):
+            run(fn)
+    samples = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            samples[k].append(run(fn))
+    med = {k: statistics.median(x) for k, x in samples.items()}
+    ratio = med["torch"] / med["fused"]
+    print(f"\n[{device}] compressed gossip pass, {kind} ({wire / (4 * numel):.3f}x the fp32 bytes on the wire), "
+          f"AdamW, bucket {numel * 4 / 2**20:.1f} MiB fp32, median of {repeats} interleaved runs")
+    print(f"{'variant':54s} {'time ms':>9s}")
+    print(f"{'fused kernels.compressed_step':54s} {med['fused'] * 1e3:9.2f}")
+    print(f"{'same work as torch ops (AdamW ' + used + ')':54s} {med['torch'] * 1e3:9.2f}")
+    ok = "ok" if ratio >= TARGET_COMPRESSED else "BELOW TARGET"
+    print(f"speed-up vs torch ops: {ratio:5.2f}x   (target >= {TARGET_COMPRESSED}x on CPU)  {ok}")
+    return dict(fused=med["fused"], torch=med["torch"], ratio=ratio)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=float, default=25.0, help="bucket size in MiB of fp32 (default 25)")
@@ -207,6 +305,8 @@ def main(argv=None):
     ap.add_argument("--zero-grad", action=argparse.BooleanOptionalAction, default=True,
                     help="benchmark the kernel with zero_grad=True (the training mode; default) "
                          "or without (--no-zero-grad: 9 x 4 B/element as before)")
+    ap.add_argument("--compression", choices=["int8", "bf16", "all", "none"], default="all",
+                    help="also benchmark the compressed gossip pass (default: int8 and bf16)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -231,6 +331,9 @@ def main(argv=None):
         return 1
     for d in devices:
         bench_device(d, numel, max(args.repeats, 1), zero_grad=args.zero_grad)
+        kinds = {"all": ["int8", "bf16"], "none": []}.get(args.compression, [args.compression])
+        for kind in kinds:
+            bench_compressed(d, numel, max(args.repeats, 1), kind)
     return 0
 
 

@@ -128,6 +128,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused mix + optimizer step + send-buffer write over one flat bucket (in place); keyword "
         "arguments only. See csrc/kernels/mix_and_step.h for the contract.");
 
+  py::enum_<decentpy::Compressor>(m, "Compressor", "Compressor of the gossip exchange (kernels/mix_and_step.h).")
+      .value("NONE", decentpy::Compressor::None)
+      .value("BF16", decentpy::Compressor::BF16)
+      .value("INT8", decentpy::Compressor::Int8);
+  m.attr("INT8_BLOCK") = decentpy::kInt8Block;
+  m.def("compressed_bytes",
+        [](decentpy::Compressor c, int64_t n) { return decentpy::compressed_bytes(c, n); },
+        py::arg("compressor"), py::arg("numel"), "Wire bytes of numel elements compressed with compressor.");
+
+  m.def("compressed_mix_and_step", &decentpy::compressed_mix_and_step, py::kw_only(), py::arg("kind"),
+        py::arg("compressor"), py::arg("param"), py::arg("grad") = py::none(),
+        py::arg("states") = std::vector<at::Tensor>{}, py::arg("segments") = py::none(),
+        py::arg("groups") = std::vector<GroupHyper>{}, py::arg("q_recv") = py::none(),
+        py::arg("peer_copy") = py::none(), py::arg("self_copy_mix") = py::none(), py::arg("choco_mix") = 0.0,
+        py::arg("q_send") = py::none(), py::arg("self_copy_next") = py::none(), py::arg("grad_scale") = 1.0,
+        py::arg("grad_norm") = py::none(), py::arg("scaler_scale") = py::none(), py::arg("clip_norm") = 0.0,
+        py::arg("decoupled_weight_decay") = false, py::arg("momentum_init") = false,
+        py::arg("accum_boundary") = false, py::arg("skip_update") = false, py::arg("zero_grad") = false,
+        py::call_guard<py::gil_scoped_release>(),
+        "Fused compressed-gossip pass over one flat fp32 bucket (in place): received q into the peer's "
+        "copy, mix, optimizer step, next q into the send bytes. See csrc/kernels/mix_and_step.h.");
+
   m.def("grad_factor",
         [](float norm, float scale, float clip) {
           const decentpy::GradFactor f = decentpy::grad_factor(norm, scale, clip);

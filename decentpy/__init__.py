@@ -16,6 +16,7 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 from . import _C  # noqa: E402  (the compiled extension; fails loudly when not built)
 from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
 from .comm import NonFiniteGradientError, PeerReportedError, PeerTimeoutError, PeerUnreachableError  # noqa: E402
+from .compression import Compression  # noqa: E402
 from .config import show_config  # noqa: E402
 from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
 from .join import Join, Joinable, JoinHook  # noqa: E402
@@ -38,6 +39,7 @@ from .topology import (  # noqa: E402
 __all__ = [
     "__version__",
     "DecentralizedDataParallel",
+    "Compression",
     "PeerTimeoutError",
     "PeerUnreachableError",
     "PeerReportedError",

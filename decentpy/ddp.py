@@ -23,7 +23,9 @@ from torch.optim.lr_scheduler import LRScheduler
 from .comm import CommGroup, agree_across_ranks, default_timeout
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, select_communicator
 from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node
+from .compression import Compression, resolve_compression
 from .engine.bucket import Bucket, BucketPlan
+from .engine.choco import CompressedGossip
 from .engine.layout import OptimFn, SchedulerFn
 from .grad_scaling import BucketGradScaling
 from .topology import Topology
@@ -116,6 +118,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         intra_node: str = "gossip",
         peer_liveness_timeout: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
         nonfinite: str = "skip",
+        compression: Union[None, str, Compression] = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -135,6 +138,15 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             raise ValueError(f"bucket_size_in_mb must be > 0, got {bucket_size_in_mb}")
         check_comm(comm)
         check_intra_node(intra_node)
+        self._compression = resolve_compression(compression)
+        if self._compression is not None:
+            if intra_node != "gossip":
+                raise ValueError(f"compression={self._compression.kind!r} works with intra_node='gossip' only for now "
+                                 f"(got intra_node={intra_node!r}: its node collectives and shards are not compressed)")
+            if comm == "nccl":
+                raise ValueError("compression is not supported by the NCCL communicator yet (comm='nccl'); use "
+                                 "comm='auto' or 'torch', which send the compressed bytes over torch.distributed")
+            comm = "torch"
 
         self._group = CommGroup(process_group)
         self._process_group = self._group.process_group  # None: the world
@@ -145,7 +157,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
         self._intra_node = intra_node
-        strategy = GOSSIP_STRATEGIES[intra_node]
+        strategy = GOSSIP_STRATEGIES[intra_node] if self._compression is None else CompressedGossip
+        extra = {"compression": self._compression} if self._compression is not None else {}
         self._timeout = timeout if timeout is not None else default_timeout()
 
         self._model = model
@@ -178,7 +191,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._strategy: GossipStrategy = strategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
-                self._bucket_size, self._param_as_bucket_view, self._timeout, self._group)
+                self._bucket_size, self._param_as_bucket_view, self._timeout, self._group, **extra)
+            if self._compression is not None:
+                self._check_compressible()
             self._driver = BackwardDriver()
             self._driver.attach(self._params, self._strategy)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
@@ -189,6 +204,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "bucket_size_in_mb": bucket_size_in_mb, "comm": comm, "grad_clip_norm": self._grad_clip_norm,
             "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
             "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg, "nonfinite": nonfinite,
+            "compression": repr(self._compression),
         }
         wants_edges = False
         if failure is None:
@@ -240,6 +256,34 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 f"the process group's backend is nccl but parameter '{bad[0]}' is on {bad[1]}; move the model to "
                 "this rank's GPU before wrapping it, e.g. model.to(torch.device('cuda', local_rank)) after "
                 "torch.cuda.set_device(local_rank) (decentpy.utils.initialize_dist does the latter)")
+
+    def _check_compressible(self) -> None:
+        """Compressed gossip steps float32 parameters with decentpy's fused optimizers (one kernel pass)."""
+        kind = self._compression.kind if self._compression is not None else None
+        for n, p in zip(self._param_names, self._params):
+            if p.dtype != torch.float32:
+                raise ValueError(f"compression={kind!r}: parameter '{n}' is {p.dtype}; compressed gossip steps float32 "
+                                 "parameters only for now (mixed precision with torch.autocast keeps float32 "
+                                 "parameters and works)")
+        for b in self._strategy.buckets:
+            if not b.fused:
+                raise ValueError(f"compression={kind!r}: bucket {b.index}'s optimizer {type(b.optimizer).__name__} is "
+                                 "not one of decentpy's fused optimizers (SGD, Adam, AdamW, AccumAdam, AccumAdamW, or "
+                                 "torch's SGD/Adam/AdamW, which decentpy fuses); the compressed exchange runs inside "
+                                 "the fused kernel pass")
+            if hasattr(b.optimizer, "pre_average_hook"):
+                raise ValueError(f"compression={kind!r}: optimizers with pre_average_hook see the peers' parameters, "
+                                 "which compressed gossip never sends")
+
+    @property
+    def compression(self) -> Optional[Compression]:
+        """The compressed-gossip settings (None: uncompressed)."""
+        return self._compression
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank's exchanges have put on the wire so far (payload only)."""
+        return int(getattr(self._comm, "bytes_sent", 0))
 
     def _check_dense_gradients(self) -> None:
         for name, mod in self._model.named_modules():
@@ -552,6 +596,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "rank": self._rank,
             "intra_node": self._intra_node,
             "local_world_size": self._local_world_size,
+            "compression": r.state_dict() if isinstance(r, CompressedGossip) else None,
         }
 
     @torch.no_grad()
@@ -575,6 +620,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if saved is not None:
             r.layout.adopt(BucketPlan([list(b) for b in saved]))
         result = self._model.load_state_dict(state_dict["model"], strict=strict)
+        if isinstance(r, CompressedGossip):
+            r.load_state_dict(state_dict.get("compression"))
+        elif state_dict.get("compression") is not None:
+            raise ValueError(f"the checkpoint was saved with compression={state_dict['compression']['kind']!r}; this "
+                             "run has none (pass the same compression to resume)")
         for b, opt_sd, sch_sd, ex, skip in zip(r.buckets, state_dict["optimizers"], state_dict["schedulers"],
                                                state_dict["exchange"], state_dict["skip_mix"]):
             b.state_optimizer.load_state_dict(opt_sd)

@@ -16,12 +16,15 @@ from torch import Tensor
 
 from . import _C
 
-__all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "mix", "scale_copy",
+__all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes", "mix", "scale_copy",
            "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
            "make_flat_block", "build_info"]
 
 OptKind = _C.OptKind
 GroupHyper = _C.GroupHyper
+Compressor = _C.Compressor
+#: elements per int8 scale block of the compressed exchange (one fp32 scale each)
+INT8_BLOCK: int = int(_C.INT8_BLOCK)
 MAX_GROUPS: int = int(_C.MAX_GROUPS)
 # Parameter dtypes the kernels step (fp32 math, fp32 state); others take torch's path.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -47,6 +50,31 @@ def fused_step(kind: "_C.OptKind", param: Tensor, grad: Optional[Tensor], states
                     grad_scale=grad_scale, grad_norm=grad_norm, scaler_scale=scaler_scale, clip_norm=clip_norm,
                     decoupled_weight_decay=decoupled_weight_decay, momentum_init=momentum_init,
                     accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad)
+
+
+def compressed_step(kind: "_C.OptKind", compressor: "_C.Compressor", param: Tensor, grad: Optional[Tensor],
+                    states: Sequence[Tensor], segments: Tensor, groups: Sequence["_C.GroupHyper"], *,
+                    q_recv: Optional[Tensor] = None, peer_copy: Optional[Tensor] = None,
+                    self_copy_mix: Optional[Tensor] = None, choco_mix: float = 0.0, q_send: Optional[Tensor] = None,
+                    self_copy_next: Optional[Tensor] = None, grad_scale: float = 1.0,
+                    grad_norm: Optional[Tensor] = None, scaler_scale: Optional[Tensor] = None, clip_norm: float = 0.0,
+                    decoupled_weight_decay: bool = False, momentum_init: bool = False, accum_boundary: bool = False,
+                    skip_update: bool = False, zero_grad: bool = False) -> None:
+    """One compressed-gossip pass over a flat fp32 buffer (csrc/kernels/mix_and_step.h): the received
+    ``q_recv`` into ``peer_copy`` and ``param += choco_mix * (peer_copy - self_copy_mix)``, the
+    optimizer update, then ``q_send = Q(param - self_copy_next)`` and ``self_copy_next += D(q_send)``."""
+    _C.compressed_mix_and_step(kind=kind, compressor=compressor, param=param, grad=grad, states=list(states),
+                               segments=segments, groups=list(groups), q_recv=q_recv, peer_copy=peer_copy,
+                               self_copy_mix=self_copy_mix, choco_mix=choco_mix, q_send=q_send,
+                               self_copy_next=self_copy_next, grad_scale=grad_scale, grad_norm=grad_norm,
+                               scaler_scale=scaler_scale, clip_norm=clip_norm,
+                               decoupled_weight_decay=decoupled_weight_decay, momentum_init=momentum_init,
+                               accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad)
+
+
+def compressed_bytes(compressor: "_C.Compressor", numel: int) -> int:
+    """Bytes on the wire of ``numel`` fp32 elements compressed with ``compressor`` (NONE: 4 per element)."""
+    return int(_C.compressed_bytes(compressor, int(numel)))
 
 
 def mix(param: Tensor, comm: Optional[Tensor], mix_a: float, mix_b: float, *, grad: Optional[Tensor] = None,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -84,6 +84,18 @@ def mark_stepped(optimizer: Optimizer) -> None:
     its wrapper of ``optimizer.step()`` and warns at its first step when the flag is missing. Bucket
     steps bypass ``step()`` (the fused pass, or a shard's own optimizer), so they set it here."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+class CompressedPass(NamedTuple):
+    """The compressed-gossip buffers of one bucket pass (see :func:`decentpy.kernels.compressed_step`)."""
+
+    compressor: Any
+    q_recv: Optional[Tensor]
+    peer_copy: Optional[Tensor]
+    self_copy_mix: Optional[Tensor]
+    choco_mix: float
+    q_send: Optional[Tensor]
+    self_copy_next: Optional[Tensor]
 
 
 class FusedOptimizer(Optimizer):
@@ -236,6 +248,7 @@ class FusedOptimizer(Optimizer):
         grads: "GradArgs",
         skip_update: bool,
         zero_grad: bool = False,
+        compressed: Optional["CompressedPass"] = None,
     ) -> None:
         """Mix, step and fill the send buffer for one bucket in one kernel pass.
 
@@ -250,6 +263,16 @@ class FusedOptimizer(Optimizer):
         assert self._shared_step is not None
         step = int(self._shared_step.item()) + (0 if skip_update else 1)
         momentum_init, accum_boundary = self._flags(step)
+        if compressed is not None:  # compressed gossip: comm / send are the compressed pass's own buffers
+            c = compressed
+            kernels.compressed_step(self.kind, c.compressor, param_block, grad_block, states, segments,
+                                    self.group_hypers(max(step, 1)), q_recv=c.q_recv, peer_copy=c.peer_copy,
+                                    self_copy_mix=c.self_copy_mix, choco_mix=c.choco_mix, q_send=c.q_send,
+                                    self_copy_next=c.self_copy_next, grad_scale=grads.factor, grad_norm=grads.norm,
+                                    scaler_scale=grads.scale, clip_norm=grads.clip,
+                                    decoupled_weight_decay=self.decoupled_weight_decay, momentum_init=momentum_init,
+                                    accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad)
+            return
         kernels.fused_step(self.kind, param_block, grad_block, states, segments, self.group_hypers(max(step, 1)),
                            comm=comm, send=send, mix_a=mix_a, mix_b=mix_b, send_scale=send_scale,
                            grad_scale=grads.factor, grad_norm=grads.norm, scaler_scale=grads.scale,

@@ -20,6 +20,7 @@
 
 #include "kernels/mix_and_step.h"
 #include "kernels/update.h"
+#include "kernels/compress.h"
 
 namespace decentpy {
 namespace cpu_detail {
@@ -261,6 +262,87 @@ void run_dtype(const Launch& L) {
   return run_all<T, false, false>(L);
 }
 
+// ---- compressed gossip (kernels/mix_and_step.h, kernels/compress.h) ------------------------
+// Elements [lo, hi) of one int8 scale block: the received difference into the peer's copy and the
+// mix; the optimizer update (the uncompressed pass's own code, no comm, no send); then the next
+// difference against the next peer's copy of this rank, quantised, into the send bytes. The block
+// (1 KiB of p) stays in L1 between the three steps.
+template <Compressor C>
+void choco_block(const Launch& L, int64_t lo, int64_t hi) {
+  const MixStepArgs& A = L.A;
+  float* __restrict P = static_cast<float*>(A.param);
+  const int64_t n = A.numel;
+  if (A.q_recv != nullptr) {
+    float* XP = A.peer_copy;
+    const float* XS = A.self_copy_mix;
+    const float gw = A.choco_mix;
+    if constexpr (C == Compressor::Int8) {
+      const float s = int8_scales(A.q_recv)[lo / kInt8Block];
+      const int8_t* Q = int8_codes(A.q_recv, n);
+      for (int64_t i = lo; i < hi; ++i) {
+        const float xp = int8_copy_update(XP[i], static_cast<float>(Q[i]), s);
+        XP[i] = xp;
+        P[i] = choco_mix(P[i], xp, XS[i], gw);
+      }
+    } else {
+      const uint16_t* Q = static_cast<const uint16_t*>(A.q_recv);
+      for (int64_t i = lo; i < hi; ++i) {
+        const float xp = bf16_copy_update(XP[i], Q[i]);
+        XP[i] = xp;
+        P[i] = choco_mix(P[i], xp, XS[i], gw);
+      }
+    }
+  }
+  run_range<float, false, false>(L, lo, hi);
+  if (A.q_send != nullptr) {
+    float* XN = A.self_copy_next;
+    const int64_t m = hi - lo;
+    if constexpr (C == Compressor::Int8) {
+      alignas(64) float d[kInt8Block];
+      Vec vmax(0.f);
+      int64_t e = 0;
+      for (; e + Vec::size() <= m; e += Vec::size()) {
+        const Vec v = Vec::loadu(P + lo + e) - Vec::loadu(XN + lo + e);
+        v.store(d + e);
+        vmax = at::vec::maximum(vmax, v.abs());
+      }
+      alignas(64) float lanes[Vec::size()];
+      vmax.store(lanes);
+      float amax = 0.f;
+      for (int k = 0; k < Vec::size(); ++k) amax = std::max(amax, lanes[k]);
+      for (; e < m; ++e) {
+        d[e] = P[lo + e] - XN[lo + e];
+        amax = std::max(amax, std::fabs(d[e]));
+      }
+      const float s = int8_scale(amax);
+      int8_scales(A.q_send)[lo / kInt8Block] = s;
+      int8_t* Q = int8_codes(A.q_send, n) + lo;
+      float* X = XN + lo;
+      for (int64_t k = 0; k < m; ++k) {
+        const float c = int8_code(d[k], s);
+        Q[k] = static_cast<int8_t>(c);
+        X[k] = int8_copy_update(X[k], c, s);
+      }
+    } else {
+      uint16_t* Q = static_cast<uint16_t*>(A.q_send);
+      for (int64_t i = lo; i < hi; ++i) {
+        const uint16_t q = bf16_bits(P[i] - XN[i]);
+        Q[i] = q;
+        XN[i] = bf16_copy_update(XN[i], q);
+      }
+    }
+  }
+}
+
+template <Compressor C>
+void run_choco(const Launch& L) {
+  const int64_t n = L.A.numel;
+  const int64_t blocks = (n + kInt8Block - 1) / kInt8Block;
+  at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainElems / kInt8Block), [&](int64_t bb, int64_t be) {
+    for (int64_t b = bb; b < be; ++b) choco_block<C>(L, b * kInt8Block, std::min(n, (b + 1) * kInt8Block));
+  });
+}
+
 inline void mix_and_step(const MixStepArgs& A) {
   if (A.numel <= 0) return;
   Launch L{A, {}, A.grad_scale, A.skip_update != 0};
@@ -269,6 +351,10 @@ inline void mix_and_step(const MixStepArgs& A) {
     const GradFactor f = grad_factor(*A.grad_norm, A.scaler_scale ? *A.scaler_scale : 1.f, A.clip_norm);
     L.grad_factor = f.factor;
     L.skip = f.skip;
+  }
+  if (A.compressor != Compressor::None) {  // fp32 parameters only (checked by the launcher)
+    if (A.compressor == Compressor::Int8) return run_choco<Compressor::Int8>(L);
+    return run_choco<Compressor::BF16>(L);
   }
   switch (A.param_dtype) {
     case DType::Float32: return run_dtype<float>(L);

@@ -320,6 +320,7 @@ void require(bool ok, const char* what) {
 }  // namespace
 
 void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
+  if (args.compressor != Compressor::None) return launch_choco_mix_and_step(args, stream_ptr);
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   const int esize = elem_size(args.param_dtype);
   require(args.numel >= 0, "numel must be >= 0");

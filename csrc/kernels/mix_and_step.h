@@ -28,6 +28,19 @@
 //               p -= lr / (1 - b1^k) * mt / (sqrt(vt) / sqrt(1 - b2^k) + eps)
 //               if accum_boundary: M = b1*M + (1-b1)*acc; V = b2*V + (1-b2)*acc*acc; acc = 0
 //   None:       no update (mix and send only).
+//
+// Compressed gossip (compressor != None; CHOCO-style, kernels/compress.h has the arithmetic). The
+// plain comm / send buffers are then unused (null) and param is fp32. Per element i, in blocks of
+// kInt8Block elements (the int8 scale blocks, also the unit of work):
+//   if q_recv:   xp[i] += D(q_recv)[i]                     (peer_copy: the peer's public copy)
+//                p = p + choco_mix * (xp[i] - xs[i])       (xs: self_copy_mix, this rank's public
+//                                                           copy as that peer knows it)
+//   optimizer update of p as above (skip / factor / zero_grad as above)
+//   if q_send:   d = p - xn[i]  (xn: self_copy_next, this rank's copy as the NEXT peer knows it)
+//                q = Q(d), written into q_send (wire bytes);  xn[i] += D(q)
+// self_copy_mix may be self_copy_next (the same peer twice in a row); peer_copy aliases neither.
+// Wire layout of q for n elements: BF16: n x bf16 (round to nearest even) = 2n bytes; Int8:
+// ceil(n / kInt8Block) fp32 scales, then n int8 codes (4 * ceil(n / 256) + n bytes).
 #pragma once
 
 #include <cstdint>
@@ -37,6 +50,19 @@ namespace decentpy {
 enum class OptKind : int32_t { None = 0, SGD = 1, Adam = 2, AccumAdam = 3 };
 
 enum class DType : int32_t { Float32 = 0, BFloat16 = 1, Float16 = 2 };
+
+// Compressors of the gossip exchange (see the header comment).
+enum class Compressor : int32_t { None = 0, BF16 = 1, Int8 = 2 };
+
+// Elements per int8 scale block (one fp32 scale each) and per unit of the compressed pass.
+constexpr int64_t kInt8Block = 256;
+
+// Bytes on the wire for n elements compressed with c (None: fp32, 4n).
+inline constexpr int64_t compressed_bytes(Compressor c, int64_t n) {
+  return c == Compressor::BF16   ? 2 * n
+         : c == Compressor::Int8 ? 4 * ((n + kInt8Block - 1) / kInt8Block) + n
+                                 : 4 * n;
+}
 
 // Most parameter groups one bucket may mix (the CUDA launcher passes them by value).
 constexpr int kMaxGroups = 8;
@@ -96,6 +122,15 @@ struct MixStepArgs {
   int32_t accum_boundary = 0;          // AccumAdam: t mod A == 0 this step
   int32_t skip_update = 0;             // mix and send only (e.g. a joined worker)
   int32_t zero_grad = 0;               // grad[i] = 0 after it is read (needs grad)
+
+  // Compressed gossip (compressor != None): see the header comment. Same device as param.
+  Compressor compressor = Compressor::None;
+  const void* q_recv = nullptr;        // the peer's compressed difference (wire bytes), or null
+  float* peer_copy = nullptr;          // xhat_{j|i}: required with q_recv
+  const float* self_copy_mix = nullptr;// xhat_{i|j}: required with q_recv
+  float choco_mix = 0.f;               // gamma * w_ij
+  void* q_send = nullptr;              // wire bytes of the next compressed difference, or null
+  float* self_copy_next = nullptr;     // xhat_{i|j'}: required with q_send
 
   const Segment* segments = nullptr;   // host memory for CPU, device memory for CUDA
   int64_t num_segments = 0;

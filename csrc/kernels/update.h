@@ -124,6 +124,14 @@ struct ScalarMath {
     return std::sqrt(a);
 #endif
   }
+  // Round to the nearest integer, ties to even.
+  static DECENTPY_HD float rint(float a) {
+#if defined(__CUDA_ARCH__)
+    return rintf(a);
+#else
+    return std::nearbyint(a);
+#endif
+  }
 };
 
 // From the bucket's gradient norm (as computed from the stored, still scaled gradients), the

@@ -4,6 +4,7 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <cstdint>
 #include <string>
 
 #include "cpu/mix_and_step_cpu.h"
@@ -108,14 +109,56 @@ void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_group
               " elements");
 }
 
-void mix_and_step(OptKind k, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+namespace {
+
+// The compressed-gossip buffers of one launch (compressed_mix_and_step).
+struct ChocoTensors {
+  Compressor compressor;
+  at::Tensor q_recv, peer_copy, self_copy_mix, q_send, self_copy_next;
+  double choco_mix;
+};
+
+const char* compressor_name(Compressor c) {
+  switch (c) {
+    case Compressor::None: return "none";
+    case Compressor::BF16: return "bf16";
+    case Compressor::Int8: return "int8";
+  }
+  return "?";
+}
+
+// A tracked copy: fp32, like param (numel, device), contiguous, overlapping none of param, grad and
+// the optimizer state.
+void check_copy(const at::Tensor& t, const at::Tensor& param, const at::Tensor& g,
+                const std::vector<at::Tensor>& states, const char* what) {
+  check_like_param(t, param, what);
+  check_no_overlap(t, what, param, "param");
+  if (g.defined()) check_no_overlap(t, what, g, "grad");
+  for (const auto& st : states) check_no_overlap(t, what, st, "an optimizer state tensor");
+}
+
+// Wire bytes: a contiguous uint8 tensor of compressed_bytes(c, numel) bytes on param's device.
+void check_wire(const at::Tensor& t, const at::Tensor& param, Compressor c, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kByte, what, " must be a uint8 tensor (the wire bytes), got ",
+              t.scalar_type());
+  TORCH_CHECK(t.numel() == compressed_bytes(c, param.numel()), what, " has ", t.numel(),
+              " bytes but ", param.numel(), " elements compressed with ", compressor_name(c), " take ",
+              compressed_bytes(c, param.numel()));
+  TORCH_CHECK(t.device() == param.device(), what, " is on ", t.device(), " but param is on ",
+              param.device());
+  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0, what,
+              " must be 4-byte aligned (its int8 scales are fp32)");
+}
+
+void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                   const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
                   const c10::optional<at::Tensor>& send, const c10::optional<at::Tensor>& segments_opt,
                   const std::vector<GroupHyper>& groups, double mix_a, double mix_b,
                   double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
                   const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
                   bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                  bool skip_update, bool zero_grad) {
+                  bool skip_update, bool zero_grad, const ChocoTensors* choco) {
   const int kind_int = static_cast<int>(k);
   TORCH_CHECK(kind_int >= 0 && kind_int <= 3, "mix_and_step: unknown optimizer kind ", kind_int);
   TORCH_CHECK(param.defined(), "mix_and_step: param is undefined");
@@ -277,6 +320,47 @@ void mix_and_step(OptKind k, const at::Tensor& param, const c10::optional<at::Te
     a.num_segments = nseg;
   }
 
+  if (choco != nullptr) {
+    const ChocoTensors& ch = *choco;
+    const int ci = static_cast<int>(ch.compressor);
+    TORCH_CHECK(ci == 1 || ci == 2, "compressed_mix_and_step: unknown compressor ", ci,
+                " (BF16 = 1, INT8 = 2)");
+    TORCH_CHECK(dt == DType::Float32, "compressed_mix_and_step: param has dtype ", param.scalar_type(),
+                "; compressed gossip steps float32 parameters only");
+    TORCH_CHECK(!c.defined() && !s.defined(), "compressed_mix_and_step: internal error: comm / send given");
+    a.compressor = ch.compressor;
+    if (ch.q_recv.defined()) {
+      check_wire(ch.q_recv, param, ch.compressor, "compressed_mix_and_step: q_recv");
+      TORCH_CHECK(ch.peer_copy.defined() && ch.self_copy_mix.defined(),
+                  "compressed_mix_and_step: q_recv needs peer_copy and self_copy_mix");
+      check_copy(ch.peer_copy, param, g, states, "compressed_mix_and_step: peer_copy");
+      check_copy(ch.self_copy_mix, param, g, states, "compressed_mix_and_step: self_copy_mix");
+      check_no_overlap(ch.peer_copy, "compressed_mix_and_step: peer_copy", ch.self_copy_mix, "self_copy_mix");
+      check_no_overlap(ch.q_recv, "compressed_mix_and_step: q_recv", param, "param");
+      a.q_recv = ch.q_recv.data_ptr();
+      a.peer_copy = ch.peer_copy.data_ptr<float>();
+      a.self_copy_mix = ch.self_copy_mix.data_ptr<float>();
+      a.choco_mix = static_cast<float>(ch.choco_mix);
+    }
+    if (ch.q_send.defined()) {
+      check_wire(ch.q_send, param, ch.compressor, "compressed_mix_and_step: q_send");
+      TORCH_CHECK(ch.self_copy_next.defined(), "compressed_mix_and_step: q_send needs self_copy_next");
+      check_copy(ch.self_copy_next, param, g, states, "compressed_mix_and_step: self_copy_next");
+      if (ch.peer_copy.defined())
+        check_no_overlap(ch.self_copy_next, "compressed_mix_and_step: self_copy_next", ch.peer_copy, "peer_copy");
+      if (ch.self_copy_mix.defined()) {
+        const auto st = at::get_overlap_status(ch.self_copy_next, ch.self_copy_mix);
+        TORCH_CHECK(st == at::MemOverlapStatus::No || (st == at::MemOverlapStatus::Full &&
+                                                       ch.self_copy_next.data_ptr() == ch.self_copy_mix.data_ptr()),
+                    "compressed_mix_and_step: self_copy_next must either be self_copy_mix or not overlap it");
+      }
+      if (ch.q_recv.defined())
+        check_no_overlap(ch.q_send, "compressed_mix_and_step: q_send", ch.q_recv, "q_recv");
+      a.q_send = ch.q_send.data_ptr();
+      a.self_copy_next = ch.self_copy_next.data_ptr<float>();
+    }
+  }
+
   if (param.numel() == 0) return;
 
   if (param.device().is_cpu()) {
@@ -295,6 +379,45 @@ void mix_and_step(OptKind k, const at::Tensor& param, const c10::optional<at::Te
   if (needs_grad) for (const auto& t : states) bump(t);
   if (s.defined()) bump(s);
   if (zero_grad) bump(g);
+  if (choco != nullptr) {
+    bump(choco->peer_copy);
+    bump(choco->q_send);
+    bump(choco->self_copy_next);
+  }
+}
+
+}  // namespace
+
+void mix_and_step(OptKind k, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
+                  const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
+                  const c10::optional<at::Tensor>& send, const c10::optional<at::Tensor>& segments,
+                  const std::vector<GroupHyper>& groups, double mix_a, double mix_b,
+                  double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
+                  const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
+                  bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
+                  bool skip_update, bool zero_grad) {
+  mix_and_step_impl(k, param, grad, states, comm, send, segments, groups, mix_a, mix_b, send_scale,
+                    grad_scale, grad_norm, scaler_scale, clip_norm, decoupled_weight_decay,
+                    momentum_init, accum_boundary, skip_update, zero_grad, nullptr);
+}
+
+void compressed_mix_and_step(OptKind kind, Compressor compressor, const at::Tensor& param,
+                             const c10::optional<at::Tensor>& grad, const std::vector<at::Tensor>& states,
+                             const c10::optional<at::Tensor>& segments, const std::vector<GroupHyper>& groups,
+                             const c10::optional<at::Tensor>& q_recv, const c10::optional<at::Tensor>& peer_copy,
+                             const c10::optional<at::Tensor>& self_copy_mix, double choco_mix,
+                             const c10::optional<at::Tensor>& q_send,
+                             const c10::optional<at::Tensor>& self_copy_next, double grad_scale,
+                             const c10::optional<at::Tensor>& grad_norm,
+                             const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
+                             bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
+                             bool skip_update, bool zero_grad) {
+  auto get = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
+  ChocoTensors ch{compressor, get(q_recv), get(peer_copy), get(self_copy_mix), get(q_send),
+                  get(self_copy_next), choco_mix};
+  mix_and_step_impl(kind, param, grad, states, c10::nullopt, c10::nullopt, segments, groups, 1.0, 0.0,
+                    1.0, grad_scale, grad_norm, scaler_scale, clip_norm, decoupled_weight_decay,
+                    momentum_init, accum_boundary, skip_update, zero_grad, &ch);
 }
 
 void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha) {

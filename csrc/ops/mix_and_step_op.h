@@ -35,6 +35,23 @@ void mix_and_step(OptKind kind, const at::Tensor& param, const c10::optional<at:
                   bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
                   bool skip_update, bool zero_grad);
 
+// One fused compressed-gossip pass over a flat fp32 bucket (kernels/mix_and_step.h, "Compressed
+// gossip"): the received q into peer_copy and the mix p += choco_mix * (peer_copy - self_copy_mix),
+// the optimizer update (arguments as mix_and_step), then the next q = Q(p - self_copy_next) into
+// q_send with self_copy_next += D(q). q_recv / q_send: uint8 wire bytes of compressed_bytes(...)
+// (None: nothing received / nothing to send).
+void compressed_mix_and_step(OptKind kind, Compressor compressor, const at::Tensor& param,
+                             const c10::optional<at::Tensor>& grad, const std::vector<at::Tensor>& states,
+                             const c10::optional<at::Tensor>& segments, const std::vector<GroupHyper>& groups,
+                             const c10::optional<at::Tensor>& q_recv, const c10::optional<at::Tensor>& peer_copy,
+                             const c10::optional<at::Tensor>& self_copy_mix, double choco_mix,
+                             const c10::optional<at::Tensor>& q_send,
+                             const c10::optional<at::Tensor>& self_copy_next, double grad_scale,
+                             const c10::optional<at::Tensor>& grad_norm,
+                             const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
+                             bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
+                             bool skip_update, bool zero_grad);
+
 // dst = alpha * src, flat contiguous tensors of the same dtype (fp32/bf16/fp16), numel and device.
 void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha);
 

@@ -64,6 +64,8 @@ class TorchCommunicator:
         self.timeout = timeout
         self.watch = PeerWatch(self.group.global_ranks, timeout, liveness)
         self._subgroups: Dict[Tuple[int, ...], Optional[SubGroup]] = {}
+        #: payload bytes this rank has sent (point to point) or contributed (all-reduce) so far
+        self.bytes_sent = 0
         # Sub-group creation is collective over the group: every rank creates every group, in the
         # same (schedule) order. decentpy's traffic never uses the group itself, so it cannot
         # interleave with the user's collectives (torch DDP beside it, Join's all-reduces).
@@ -96,6 +98,7 @@ class TorchCommunicator:
         assert self._p2p_group is not None, "internal error: the topology has no pair exchange"
         to = self.group.to_global(peer)
         me = dist.get_rank()
+        self.bytes_sent += send.numel() * send.element_size()
         with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
             works = self.watch.guard_launch(lambda: self._launch_pair(send, recv, me, to, bucket),
                                             f"rank {me}: starting the exchange of bucket {bucket} with peer {to}",
@@ -114,6 +117,7 @@ class TorchCommunicator:
     def all_reduce(self, bucket: int, ranks: Tuple[int, ...], buffer: Tensor) -> Exchange:
         """``buffer`` summed in place over ``ranks``."""
         sub = self._subgroups[ranks]
+        self.bytes_sent += buffer.numel() * buffer.element_size()
         assert sub is not None, f"internal error: rank {self.rank} is not in group {ranks}"
         me = dist.get_rank()
         peers = [r for r in sub.global_ranks if r != me]

@@ -1,0 +1,238 @@
+// Fused compressed-gossip (CHOCO) mix-and-step CUDA kernel. Contract: kernels/mix_and_step.h
+// ("Compressed gossip"); the arithmetic: kernels/compress.h (quantisers, copy updates, the mix) and
+// kernels/update.h (the optimizer update), shared with the CPU kernels.
+//
+// One thread block of kThreads == kInt8Block threads per scale block (grid-stride over blocks), one
+// element per thread: received q into the peer's copy and the mix, the optimizer update of the
+// element's group (segment lookup by binary search when several groups share the bucket), then the
+// next difference; for int8 the block's max |d| comes from a warp-shuffle + shared-memory reduction,
+// thread 0 writes the block's scale. fp32 parameters only. The launcher checks its CUDA calls.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/cuda_check.h"
+#include "cuda/kernel_utils.cuh"
+#include "cuda/mix_and_step_cuda.h"
+#include "kernels/compress.h"
+#include "kernels/update.h"
+
+namespace decentpy {
+namespace cuda {
+namespace {
+
+using detail::kThreads;
+static_assert(kThreads == kInt8Block, "one thread per element of an int8 scale block");
+
+struct CArgs {
+  float* param;
+  void* grad;
+  float* s0;
+  float* s1;
+  float* s2;
+  const Segment* segs;
+  int64_t num_segments;
+  int64_t numel;
+  int64_t nblocks;
+  const void* q_recv;
+  float* peer_copy;
+  const float* self_copy_mix;
+  float choco_mix;
+  void* q_send;
+  float* self_copy_next;
+  float grad_scale;
+  const float* grad_norm;
+  const float* scaler_scale;
+  float clip_norm;
+  int32_t zero_grad;
+  int32_t skip_update;
+  int32_t num_groups;
+  StepConstants hyp[kMaxGroups];
+};
+
+__device__ __forceinline__ int group_of(const CArgs& a, int64_t i) {
+  if (a.num_groups <= 1 || a.segs == nullptr) return 0;
+  int64_t lo = 0, hi = a.num_segments - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (__ldg(&a.segs[mid].begin) <= i) lo = mid; else hi = mid - 1;
+  }
+  int64_t g = __ldg(&a.segs[lo].group);
+  if (g < 0) g = 0;  // memory safety only: the table is validated on the host
+  if (g >= a.num_groups) g = a.num_groups - 1;
+  return static_cast<int>(g);
+}
+
+__device__ __forceinline__ float block_max(float v, float* shared) {
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (kThreads >> 5) ? shared[lane] : 0.f;
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  const float r = shared[0];
+  __syncthreads();  // shared is reused by the next block of the grid-stride loop
+  return r;
+}
+
+template <OptKind K, Compressor C>
+__global__ void __launch_bounds__(kThreads) choco_kernel(const __grid_constant__ CArgs a) {
+  __shared__ float red[kThreads / 32];
+  float gs = a.grad_scale;
+  bool skip = a.skip_update != 0;
+  if (K != OptKind::None && !skip && a.grad_norm != nullptr) {
+    const GradFactor f = grad_factor(__ldg(a.grad_norm), a.scaler_scale ? __ldg(a.scaler_scale) : 1.f, a.clip_norm);
+    skip = f.skip;
+    gs = f.factor;
+  }
+  for (int64_t b = blockIdx.x; b < a.nblocks; b += gridDim.x) {
+    const int64_t i = b * kInt8Block + threadIdx.x;
+    const bool valid = i < a.numel;
+    float p = 0.f;
+    if (valid) {
+      p = a.param[i];
+      if (a.q_recv != nullptr) {
+        float xp;
+        if constexpr (C == Compressor::Int8) {
+          const float s = int8_scales(a.q_recv)[b];
+          xp = int8_copy_update(a.peer_copy[i], static_cast<float>(int8_codes(a.q_recv, a.numel)[i]), s);
+        } else {
+          xp = bf16_copy_update(a.peer_copy[i], static_cast<const uint16_t*>(a.q_recv)[i]);
+        }
+        a.peer_copy[i] = xp;
+        p = choco_mix(p, xp, a.self_copy_mix[i], a.choco_mix);
+      }
+      float* grad = static_cast<float*>(a.grad);
+      if constexpr (K != OptKind::None) {
+        if (!skip) {
+          const StepConstants& h = a.hyp[group_of(a, i)];
+          const float g = grad[i];
+          float m = a.s0 ? a.s0[i] : 0.f;
+          float v = a.s1 ? a.s1[i] : 0.f;
+          float acc = a.s2 ? a.s2[i] : 0.f;
+          update<K, ScalarMath>(h, h.flags, gs, p, g, m, v, acc);
+          if (a.s0 && (K == OptKind::SGD || writes_state01<K>(h.flags))) a.s0[i] = m;
+          if (a.s1 && writes_state01<K>(h.flags)) a.s1[i] = v;
+          if (a.s2) a.s2[i] = acc;
+        }
+      }
+      if (a.zero_grad) grad[i] = 0.f;
+      a.param[i] = p;
+    }
+    if (a.q_send != nullptr) {  // every thread of the block takes part (the reduction)
+      const float d = valid ? p - a.self_copy_next[i] : 0.f;
+      if constexpr (C == Compressor::Int8) {
+        const float s = int8_scale(block_max(fabsf(d), red));
+        if (threadIdx.x == 0) int8_scales(a.q_send)[b] = s;
+        if (valid) {
+          const float c = int8_code(d, s);
+          int8_codes(a.q_send, a.numel)[i] = static_cast<int8_t>(c);
+          a.self_copy_next[i] = int8_copy_update(a.self_copy_next[i], c, s);
+        }
+      } else {
+        if (valid) {
+          const uint16_t q = bf16_bits(d);
+          static_cast<uint16_t*>(a.q_send)[i] = q;
+          a.self_copy_next[i] = bf16_copy_update(a.self_copy_next[i], q);
+        }
+      }
+    }
+  }
+}
+
+template <OptKind K, Compressor C>
+void launch_kc(const CArgs& a, cudaStream_t stream) {
+  auto kernel = choco_kernel<K, C>;
+  static std::atomic<int> blocks_per_sm{0};
+  int bps = blocks_per_sm.load(std::memory_order_relaxed);
+  if (bps == 0) {
+    bps = detail::query_blocks_per_sm(kernel);
+    blocks_per_sm.store(bps, std::memory_order_relaxed);
+  }
+  const unsigned grid = detail::grid_for(a.nblocks * kThreads, bps);
+  kernel<<<grid, kThreads, 0, stream>>>(a);
+  DECENTPY_CUDA_CHECK_LAUNCH();
+}
+
+template <Compressor C>
+void launch_c(const CArgs& a, OptKind kind, cudaStream_t stream) {
+  switch (kind) {
+    case OptKind::None: return launch_kc<OptKind::None, C>(a, stream);
+    case OptKind::SGD: return launch_kc<OptKind::SGD, C>(a, stream);
+    case OptKind::Adam: return launch_kc<OptKind::Adam, C>(a, stream);
+    case OptKind::AccumAdam: return launch_kc<OptKind::AccumAdam, C>(a, stream);
+  }
+}
+
+void require(bool ok, const char* what) {
+  if (!ok) throw std::invalid_argument(std::string("decentpy compressed mix_and_step (CUDA): ") + what);
+}
+
+}  // namespace
+
+void launch_choco_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  require(args.numel >= 0, "numel must be >= 0");
+  if (args.numel == 0) return;
+  require(args.param_dtype == DType::Float32, "param must be float32");
+  require(args.compressor == Compressor::BF16 || args.compressor == Compressor::Int8, "unknown compressor");
+  require(args.param != nullptr, "param is required");
+  require(args.q_recv == nullptr || (args.peer_copy != nullptr && args.self_copy_mix != nullptr),
+          "q_recv needs peer_copy and self_copy_mix");
+  require(args.q_send == nullptr || args.self_copy_next != nullptr, "q_send needs self_copy_next");
+  const OptKind kind = args.skip_update ? OptKind::None : args.kind;
+  if (kind != OptKind::None) {
+    require(args.grad != nullptr, "grad is required unless kind == None or skip_update");
+    require(args.num_groups >= 1 && args.num_groups <= kMaxGroups, "num_groups must be in [1, kMaxGroups]");
+    if (args.num_groups > 1)
+      require(args.segments != nullptr && args.num_segments >= 1, "several groups need a device segment table");
+    if (kind == OptKind::Adam)
+      require(args.state0 != nullptr && args.state1 != nullptr, "Adam needs state0 and state1");
+    if (kind == OptKind::AccumAdam)
+      require(args.state0 != nullptr && args.state1 != nullptr && args.state2 != nullptr,
+              "AccumAdam needs state0, state1 and state2");
+  }
+  require(!args.zero_grad || args.grad != nullptr, "zero_grad needs grad");
+
+  CArgs a{};
+  a.param = static_cast<float*>(args.param);
+  a.grad = args.grad;
+  a.s0 = kind == OptKind::None ? nullptr : args.state0;
+  a.s1 = (kind == OptKind::Adam || kind == OptKind::AccumAdam) ? args.state1 : nullptr;
+  a.s2 = kind == OptKind::AccumAdam ? args.state2 : nullptr;
+  if (kind == OptKind::SGD) {
+    bool any_momentum = false;
+    for (int g = 0; g < args.num_groups; ++g) any_momentum |= args.groups[g].momentum != 0.f;
+    require(!any_momentum || args.state0 != nullptr, "SGD with momentum needs state0 (momentum buffer)");
+    if (!any_momentum) a.s0 = nullptr;
+  }
+  a.segs = args.num_groups > 1 ? args.segments : nullptr;
+  a.num_segments = args.num_groups > 1 ? args.num_segments : 0;
+  a.numel = args.numel;
+  a.nblocks = int8_num_blocks(args.numel);
+  a.q_recv = args.q_recv;
+  a.peer_copy = args.peer_copy;
+  a.self_copy_mix = args.self_copy_mix;
+  a.choco_mix = args.choco_mix;
+  a.q_send = args.q_send;
+  a.self_copy_next = args.self_copy_next;
+  a.grad_scale = args.grad_scale;
+  a.grad_norm = args.grad_norm;
+  a.scaler_scale = args.scaler_scale;
+  a.clip_norm = args.clip_norm;
+  a.zero_grad = args.zero_grad ? 1 : 0;
+  a.skip_update = args.skip_update ? 1 : 0;
+  a.num_groups = kind != OptKind::None ? args.num_groups : 0;
+  for (int g = 0; g < args.num_groups && g < kMaxGroups; ++g) a.hyp[g] = derive_step(args, args.groups[g]);
+  if (args.compressor == Compressor::Int8) launch_c<Compressor::Int8>(a, kind, stream);
+  else launch_c<Compressor::BF16>(a, kind, stream);
+}
+
+}  // namespace cuda
+}  // namespace decentpy

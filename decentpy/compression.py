@@ -1,0 +1,91 @@
+"""Compressed gossip: the settings (:class:`Compression`) and the wire sizes.
+
+CHOCO-style (Koloskova et al., 2019): instead of its parameters, a worker sends a compressed
+difference ``q = Q(x_i - xhat_{i|j})`` between its parameters and a *public copy* ``xhat_{i|j}``
+that the peer ``j`` tracks as well; both ends add the same dequantised ``D(q)`` to their copy of
+``xhat_{i|j}``, so the copies stay bit-identical and what compression drops is sent again later
+(error feedback). The mix moves the parameters towards the peer's public copy:
+``x_i += gamma * w_ij * (xhat_{j|i} - xhat_{i|j})``; the pair's sum is unchanged, so the global mean
+of the workers is preserved exactly as in uncompressed gossip.
+
+Time-varying topologies (ring, one-peer-exp change partners every step) are handled with one pair
+of copies **per edge**: for every distinct peer ``j`` of the topology's period a rank keeps
+``xhat_{i|j}`` and ``xhat_{j|i}`` for each bucket, i.e. ``2 x (distinct peers) x bucket size`` fp32
+values of memory beside the model (ring: 2 peers, 4 extra fp32 copies of the model; one-peer-exp
+over n = 2^r workers: r peers, 2r copies).
+
+The quantise / dequantise, the public-copy updates and the mix run inside the fused mix-and-step
+kernel pass (csrc/kernels/compress.h), on CPU and CUDA. See docs/compression.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from . import kernels
+
+__all__ = ["Compression", "resolve_compression", "wire_bytes", "INT8_BLOCK", "DEFAULT_GAMMA"]
+
+#: elements per int8 scale block (one fp32 scale each)
+INT8_BLOCK: int = kernels.INT8_BLOCK
+
+#: the consensus step size used when ``gamma`` is not given (see docs/compression.md for the
+#: digits runs behind these values)
+DEFAULT_GAMMA = {"bf16": 1.0, "int8": 1.0}
+
+_KINDS = {"bf16": kernels.Compressor.BF16, "int8": kernels.Compressor.INT8}
+
+
+@dataclass(frozen=True)
+class Compression:
+    """Compressed gossip settings for ``DecentralizedDataParallel(compression=...)``.
+
+    ``kind``: ``"bf16"`` (0.5x the fp32 bytes) or ``"int8"`` (per block of 256 elements one fp32
+    scale ``max|d| / 127`` and round-to-nearest int8 codes: ``1 + 4/256`` bytes per element, 0.254x).
+    ``gamma``: the consensus step size in ``x_i += gamma * w_ij * (xhat_j - xhat_i)``, in ``(0, 1]``;
+    ``None`` takes :data:`DEFAULT_GAMMA` of the kind. ``gamma = 1`` with an exact compressor is plain
+    gossip; smaller values damp the compression noise at the price of slower consensus.
+    """
+
+    kind: str
+    gamma: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"compression kind must be one of {', '.join(map(repr, _KINDS))}, got {self.kind!r}")
+        if self.gamma is not None:
+            g = float(self.gamma)
+            if not (math.isfinite(g) and 0.0 < g <= 1.0):
+                raise ValueError(f"compression gamma (the consensus step size) must be in (0, 1], got {self.gamma}")
+            object.__setattr__(self, "gamma", g)
+        else:
+            object.__setattr__(self, "gamma", DEFAULT_GAMMA[self.kind])
+
+    @property
+    def compressor(self) -> "kernels.Compressor":
+        """The kernel's enum value."""
+        return _KINDS[self.kind]
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes one exchange of ``numel`` elements puts on the wire."""
+        return wire_bytes(self.kind, numel)
+
+
+def wire_bytes(kind: Optional[str], numel: int) -> int:
+    """Bytes on the wire for ``numel`` fp32 elements: ``None`` 4n, bf16 2n, int8 ``4 ceil(n/256) + n``."""
+    return kernels.compressed_bytes(_KINDS[kind] if kind is not None else kernels.Compressor.NONE, numel)
+
+
+def resolve_compression(arg: Union[None, str, Compression]) -> Optional[Compression]:
+    """``None`` / ``"none"``: no compression; a kind name; or a :class:`Compression`."""
+    if arg is None:
+        return None
+    if isinstance(arg, Compression):
+        return arg
+    if isinstance(arg, str):
+        if arg.lower() == "none":
+            return None
+        return Compression(arg.lower())
+    raise TypeError(f"compression must be None, 'bf16', 'int8' or a decentpy.Compression, got {type(arg).__name__}")

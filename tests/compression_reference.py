@@ -1,0 +1,121 @@
+"""A plain-PyTorch float64 re-computation of compressed gossip (CHOCO with per-edge public copies),
+written from docs/compression.md without decentpy's kernels or wrapper.
+
+All workers live in one process. Per iteration k, on every worker i, with j = partner(k, i):
+gradient at x_i; (k >= 1) xhat_{j|i} += D(q_j) for the q_j that j sent at the end of step k-1, then
+x_i += gamma * w * (xhat_{j|i} - xhat_{i|j}); the optimizer step; then for j' = partner(k + 1, i):
+q_i = Q(x_i - xhat_{i|j'}), xhat_{i|j'} += D(q_i). The quantisers act on each worker's flat bucket
+(the parameters in reverse registration order, each at a 128-byte aligned offset), int8 in blocks
+of 256 elements with scale max|d| / 127 and round-half-to-even codes, bf16 by round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+INT8_BLOCK = 256
+ALIGN_ELEMS = 32  # 128 bytes of fp32
+
+
+def ring_partner(n: int) -> Callable[[int, int], int]:
+    """ring: period 2, matchings {2m, 2m+1} then {2m+1, 2m+2 mod n}."""
+    def partner(k: int, i: int) -> int:
+        if k % 2 == 0:
+            return i ^ 1
+        return (i + 1) % n if i % 2 == 1 else (i - 1) % n
+    return partner
+
+
+def one_peer_exp_partner(n: int) -> Callable[[int, int], int]:
+    r = n.bit_length() - 1
+    return lambda k, i: i ^ (1 << (k % r))
+
+
+def flat_layout(shapes: Sequence[torch.Size]) -> Tuple[List[int], int]:
+    """Offsets of the parameters (in bucket order) at 128-byte (32 fp32) aligned positions, and the end."""
+    offsets, pos = [], 0
+    for s in shapes:
+        offsets.append(pos)
+        n = 1
+        for d in s:
+            n *= int(d)
+        pos = -(-(pos + n) // ALIGN_ELEMS) * ALIGN_ELEMS
+    return offsets, pos
+
+
+def quantize64(kind: str, d: Tensor, stats: Dict[str, float]) -> Tensor:
+    """D(Q(d)) in float64 for a flat float64 ``d``. ``stats['unit']`` keeps the largest rounding
+    unit seen (int8: the block scale; bf16: 2^-8 of |d|)."""
+    if kind == "bf16":
+        out = d.to(torch.bfloat16).double()
+        stats["unit"] = max(stats.get("unit", 0.0), float(d.abs().max()) * 2.0 ** -8)
+        return out
+    n = d.numel()
+    pad = -(-n // INT8_BLOCK) * INT8_BLOCK - n
+    blocks = torch.cat([d, d.new_zeros(pad)]).view(-1, INT8_BLOCK)
+    s = blocks.abs().amax(dim=1, keepdim=True) / 127.0
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.where(s > 0, torch.round(blocks / safe).clamp(-127, 127), torch.zeros_like(blocks))
+    stats["unit"] = max(stats.get("unit", 0.0), float(s.max()))
+    return (codes * s).reshape(-1)[:n]
+
+
+class FlatModels:
+    """Each worker's parameters viewed as one flat float64 bucket (reverse registration order)."""
+
+    def __init__(self, models: Sequence[nn.Module]) -> None:
+        self.models = list(models)
+        self.params = [list(reversed(list(m.parameters()))) for m in self.models]
+        self.offsets, self.total = flat_layout([p.shape for p in self.params[0]])
+
+    def get(self, i: int) -> Tensor:
+        flat = torch.zeros(self.total, dtype=torch.float64)
+        for p, o in zip(self.params[i], self.offsets):
+            flat[o:o + p.numel()] = p.detach().reshape(-1)
+        return flat
+
+    def set(self, i: int, flat: Tensor) -> None:
+        with torch.no_grad():
+            for p, o in zip(self.params[i], self.offsets):
+                p.copy_(flat[o:o + p.numel()].view_as(p))
+
+
+def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optimizer],
+                   grads: Callable[[int, int, nn.Module], None], partner: Callable[[int, int], int], kind: str,
+                   gamma: float, steps: int, weight: float = 0.5) -> Tuple[List[Tensor], Dict[str, float]]:
+    """Run ``steps`` iterations; ``grads(i, k, model)`` fills the gradients of worker i at step k.
+    Returns every worker's final flat parameters and the rounding statistics."""
+    n = len(models)
+    flat = FlatModels(models)
+    x0 = [flat.get(i) for i in range(n)]
+    self_copy: List[Dict[int, Tensor]] = [dict() for _ in range(n)]
+    peer_copy: List[Dict[int, Tensor]] = [dict() for _ in range(n)]
+    stats: Dict[str, float] = {}
+    sent: List[Tensor] = [torch.zeros(0) for _ in range(n)]
+    for k in range(steps):
+        for i, m in enumerate(models):
+            for p in m.parameters():
+                p.grad = None
+            grads(i, k, m)
+        if k >= 1:
+            xs = [flat.get(i) for i in range(n)]
+            for i in range(n):
+                j = partner(k, i)
+                pc = peer_copy[i].setdefault(j, x0[j].clone())
+                pc += sent[j]
+                sc = self_copy[i].setdefault(j, x0[i].clone())
+                xs[i] = xs[i] + gamma * weight * (pc - sc)
+            for i in range(n):
+                flat.set(i, xs[i])
+        for o in opts:
+            o.step()
+        for i in range(n):
+            j = partner(k + 1, i)
+            sc = self_copy[i].setdefault(j, x0[i].clone())
+            dq = quantize64(kind, flat.get(i) - sc, stats)
+            sc += dq
+            sent[i] = dq
+    return [flat.get(i) for i in range(n)], stats

@@ -1,0 +1,356 @@
+"""Compressed gossip (CHOCO with per-edge public copies): the fused kernel pass against a float64
+re-computation, training through the wrapper against tests/compression_reference.py, global-mean
+preservation, bytes per step against the formula, checkpoints, and the refusals.
+
+Tolerances. Both sides apply the same quantiser, but the fp32 implementation and the float64
+reference may round a value that sits within fp32 precision of a rounding boundary (an int8 code
+half-way between two integers, a bf16 tie) to different neighbours. Such a flip moves that element
+by one rounding unit of its block, and the error feedback keeps it at that size. So every element
+must agree within rtol 1e-5 of the parameters' scale, except elements that differ by at most a few
+rounding units (2 x the largest unit seen by the reference), and those must be rare (<= 1%).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any, Dict, List, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+from compression_reference import (INT8_BLOCK, FlatModels, flat_layout, one_peer_exp_partner, quantize64,
+                                   ring_partner, simulate_choco)
+from dist_harness import run_workers
+from reference import batch, decentpy_optim_fn, loss_fn, make_mlp, REF_OPTIMIZERS
+
+STEPS = 4
+GAMMA = 0.8
+COMBOS = [(topo, opt, kind) for topo in ("ring", "one-peer-exp") for opt in ("sgd", "adamw") for kind in ("int8", "bf16")]
+
+
+def _wire(kind: str, n: int) -> int:
+    return 2 * n if kind == "bf16" else 4 * (-(-n // INT8_BLOCK)) + n
+
+
+def check_close(got: torch.Tensor, want: torch.Tensor, unit: float, what: str) -> None:
+    """Elementwise within 1e-5 of the scale, but for rare single-rounding-unit flips (see the module doc)."""
+    scale = max(1.0, float(want.abs().max()))
+    err = (got.double() - want).abs()
+    exact = err <= 1e-5 * scale
+    flips = ~exact
+    assert bool((err[flips] <= 2.0 * unit + 1e-5 * scale).all()), (
+        f"{what}: max error {float(err.max()):.3g} beyond one rounding unit ({unit:.3g})")
+    assert int(flips.sum()) <= max(2, got.numel() // 100), (
+        f"{what}: {int(flips.sum())} of {got.numel()} elements differ by a rounding unit (more than 1%)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel pass alone
+# ---------------------------------------------------------------------------------------------
+
+def _kernel_case(kind: str, opt: str, seed: int = 0) -> None:
+    from decentpy import kernels
+    from decentpy.compression import Compression
+
+    c = Compression(kind, gamma=0.7)
+    g = torch.Generator().manual_seed(seed)
+    n = 3 * INT8_BLOCK + 77  # a partial last block
+    x = torch.randn(n, generator=g)
+    grad = torch.randn(n, generator=g) * 0.1
+    peer = x + 0.01 * torch.randn(n, generator=g)
+    mine = x + 0.01 * torch.randn(n, generator=g)
+    nxt = x + 0.01 * torch.randn(n, generator=g)
+    # the bytes a peer sent: a real q of some difference
+    sender = peer.clone()
+    q_recv = torch.zeros(c.wire_bytes(n), dtype=torch.uint8)
+    src = torch.randn(n, generator=g) * 0.02 + sender
+    kernels.compressed_step(kernels.OptKind.NONE, c.compressor, src.clone(), None, [], None, [], q_send=q_recv,
+                            self_copy_next=sender)
+    dq_recv = sender.double() - peer.double()  # what D(q_recv) is (the sender's copy moved by exactly it)
+    # two parameter groups: [0, 300) and [300, n)
+    segments = torch.tensor([[0, 300, 0], [300, n, 1]], dtype=torch.int64)
+    if opt == "sgd":
+        hyper = [kernels.GroupHyper(lr=0.05, momentum=0.9, weight_decay=0.01),
+                 kernels.GroupHyper(lr=0.1, momentum=0.9)]
+        states = [torch.randn(n, generator=g) * 0.01]
+        okind, decoupled = kernels.OptKind.SGD, False
+    else:
+        hyper = [kernels.GroupHyper(lr=0.01, weight_decay=0.1, bias_step=3),
+                 kernels.GroupHyper(lr=0.02, bias_step=3)]
+        states = [torch.randn(n, generator=g) * 0.01, torch.rand(n, generator=g) * 1e-3]
+        okind, decoupled = kernels.OptKind.ADAM, True
+    q_send = torch.zeros(c.wire_bytes(n), dtype=torch.uint8)
+    p, gr, st = x.clone(), grad.clone(), [s.clone() for s in states]
+    pc, mc, nc = peer.clone(), mine.clone(), nxt.clone()
+    kernels.compressed_step(okind, c.compressor, p, gr, st, segments, hyper, q_recv=q_recv, peer_copy=pc,
+                            self_copy_mix=mc, choco_mix=0.7 * 0.5, q_send=q_send, self_copy_next=nc,
+                            decoupled_weight_decay=decoupled, zero_grad=True)
+    # float64 reference
+    stats: Dict[str, float] = {}
+    P = x.double()
+    PC = peer.double() + dq_recv
+    P = P + 0.7 * 0.5 * (PC - mine.double())
+    G = grad.double()
+    for gi, (lo, hi) in enumerate(((0, 300), (300, n))):
+        h = hyper[gi]
+        sl = slice(lo, hi)
+        if opt == "sgd":
+            gg = G[sl] + h.weight_decay * P[sl]
+            buf = h.momentum * states[0].double()[sl] + gg
+            P[sl] = P[sl] - h.lr * buf
+        else:
+            P[sl] = P[sl] * (1 - h.lr * h.weight_decay)
+            m = 0.9 * states[0].double()[sl] + 0.1 * G[sl]
+            v = 0.999 * states[1].double()[sl] + 0.001 * G[sl] ** 2
+            P[sl] = P[sl] - h.lr / (1 - 0.9 ** 3) * m / (v.sqrt() / math.sqrt(1 - 0.999 ** 3) + 1e-8)
+    dq = quantize64(kind, P - nxt.double(), stats)
+    unit = stats["unit"]
+    check_close(p, P, unit, f"{kind}/{opt} param")
+    check_close(pc, PC, 1e-6, f"{kind}/{opt} peer copy")
+    check_close(nc, nxt.double() + dq, unit, f"{kind}/{opt} next copy")
+    assert torch.count_nonzero(gr) == 0, "zero_grad: the gradient is zeroed in the pass"
+    assert torch.equal(mc, mine), "the copy used for the mix is not the next peer's: it stays"
+    # the receiving end: the same bytes applied to an equal copy give a bit-identical copy
+    other = nxt.clone()
+    kernels.compressed_step(kernels.OptKind.NONE, c.compressor, torch.zeros(n), None, [], None, [],
+                            q_recv=q_send, peer_copy=other,
+                            self_copy_mix=torch.zeros(n), choco_mix=0.0)
+    assert torch.equal(other, nc), "both ends of an edge must hold bit-identical copies"
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_kernel_pass_matches_float64(kind: str, opt: str) -> None:
+    _kernel_case(kind, opt)
+
+
+def test_kernel_refuses_bad_buffers() -> None:
+    from decentpy import kernels
+
+    n = 300
+    p = torch.zeros(n)
+    seg = None
+    with pytest.raises(RuntimeError, match="take 308"):  # 2 scales + 300 codes: the right size is named
+        kernels.compressed_step(kernels.OptKind.NONE, kernels.Compressor.INT8, p, None, [], seg, [],
+                                q_send=torch.zeros(300, dtype=torch.uint8), self_copy_next=torch.zeros(n))
+    with pytest.raises(RuntimeError, match="float32 parameters only"):
+        kernels.compressed_step(kernels.OptKind.NONE, kernels.Compressor.BF16, p.bfloat16(), None, [], seg, [],
+                                q_send=torch.zeros(2 * n, dtype=torch.uint8), self_copy_next=torch.zeros(n))
+    with pytest.raises(RuntimeError, match="uint8"):
+        kernels.compressed_step(kernels.OptKind.NONE, kernels.Compressor.BF16, p, None, [], seg, [],
+                                q_send=torch.zeros(n, dtype=torch.bfloat16), self_copy_next=torch.zeros(n))
+    assert kernels.compressed_bytes(kernels.Compressor.INT8, n) == 4 * 2 + n == _wire("int8", n)
+    assert kernels.compressed_bytes(kernels.Compressor.BF16, n) == 2 * n
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_cuda_matches_cpu() -> None:
+    from decentpy import kernels
+
+    for kind, comp in (("int8", kernels.Compressor.INT8), ("bf16", kernels.Compressor.BF16)):
+        n = 5 * INT8_BLOCK + 3
+        g = torch.Generator().manual_seed(1)
+        bufs = [torch.randn(n, generator=g) for _ in range(6)]
+        seg = kernels.segments_for_numel(n, torch.device("cpu"))
+        hyper = [kernels.GroupHyper(lr=0.01, weight_decay=0.1, bias_step=2)]
+        wire = kernels.compressed_bytes(comp, n)
+        q_recv = torch.randint(0, 255, (wire,), dtype=torch.uint8, generator=g)
+        if kind == "int8":
+            q_recv[:4 * 6].view(torch.float32).copy_(torch.rand(6, generator=g) * 0.01)
+        outs = []
+        for dev in ("cpu", "cuda"):
+            p, gr, m, v, pc, nc = [t.clone().to(dev) for t in bufs]
+            v.abs_()
+            q_send = torch.zeros(wire, dtype=torch.uint8, device=dev)
+            kernels.compressed_step(kernels.OptKind.ADAM, comp, p, gr, [m, v], seg.to(dev), hyper,
+                                    q_recv=q_recv.to(dev), peer_copy=pc, self_copy_mix=bufs[0].to(dev), choco_mix=0.4,
+                                    q_send=q_send, self_copy_next=nc, decoupled_weight_decay=True)
+            outs.append([t.cpu() for t in (p, pc, nc, q_send)])
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), f"{kind}: CUDA and CPU differ"
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the wrapper, 4 workers
+# ---------------------------------------------------------------------------------------------
+
+def _train(rank: int, topo: str, opt: str, kind: str, steps: int) -> Dict[str, Any]:
+    from decentpy import Compression, DecentralizedDataParallel
+
+    model = make_mlp(0)
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology=topo,
+                                    compression=Compression(kind, gamma=GAMMA))
+    sent = []
+    for k in range(steps):
+        before = ddp.bytes_sent
+        x, y = batch(rank, k)
+        loss_fn(ddp(x), y).backward()
+        sent.append(ddp.bytes_sent - before)
+    ddp.wait()
+    b = ddp.buckets[0]
+    out = {"flat": b.param_block.detach().clone(), "numel": b.numel, "n_buckets": len(ddp.buckets),
+           "offsets": list(b.offsets), "sent": sent, "memory": ddp._strategy.memory_bytes(),
+           "peers": list(ddp._strategy.peers)}
+    ddp.close()
+    return out
+
+
+def _linear_mean(rank: int, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients independent of x (loss = <c_{i,k}, p>): plain SGD's worker mean is
+    x0 - lr * sum_k mean_i c_{i,k} whatever the mixing does, if the mixing preserves the mean."""
+    from decentpy import DecentralizedDataParallel
+
+    torch.manual_seed(0)
+    model = nn.Linear(700, 1, bias=False)
+    ddp = DecentralizedDataParallel(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.5),
+                                    topology="ring", compression=kind)
+    for k in range(6):
+        c = torch.Generator().manual_seed(100 * rank + k)
+        coef = torch.randn(700, generator=c)
+        ddp(torch.zeros(1, 700))  # arms the iteration
+        (model.weight.view(-1) * coef).sum().backward()
+    ddp.wait()
+    w = model.weight.detach().clone().view(-1)
+    ddp.close()
+    torch.manual_seed(0)
+    return w, nn.Linear(700, 1, bias=False).weight.detach().clone().view(-1)
+
+
+def _checkpoint(rank: int, kind: str) -> bool:
+    from decentpy import DecentralizedDataParallel
+
+    def make() -> DecentralizedDataParallel:
+        return DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adamw"), topology="one-peer-exp",
+                                         compression=kind)
+
+    def run(ddp: DecentralizedDataParallel, ks: range) -> None:
+        for k in ks:
+            x, y = batch(rank, k)
+            loss_fn(ddp(x), y).backward()
+
+    a = make()
+    run(a, range(3))
+    buf = io.BytesIO()  # as a checkpoint on disk: the state dict holds live tensors
+    torch.save(a.training_state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=False)
+    run(a, range(3, 6))
+    a.wait()
+    want = a.buckets[0].param_block.clone()
+    a.close()
+    b = make()
+    b.load_training_state_dict(sd)
+    run(b, range(3, 6))
+    b.wait()
+    got = b.buckets[0].param_block.clone()
+    b.close()
+    return bool(torch.equal(got, want))
+
+
+def _refusals(rank: int) -> List[str]:
+    from decentpy import DecentralizedDataParallel
+
+    msgs = []
+    for kwargs in ({"topology": "complete", "compression": "int8"},
+                   {"topology": "ring", "compression": "int8", "intra_node": "shard", "local_world_size": 2},
+                   {"topology": "ring", "compression": "int8", "comm": "nccl"},
+                   {"topology": "ring", "compression": "zstd"}):
+        try:
+            DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("sgd"), **kwargs)
+            msgs.append("no error")
+        except (ValueError, RuntimeError) as exc:
+            msgs.append(str(exc))
+    return msgs
+
+
+def _all(rank: int, world: int) -> Dict[str, Any]:
+    torch.set_num_threads(1)
+    return {"train": {c: _train(rank, *c, STEPS) for c in COMBOS},
+            "mean": {k: _linear_mean(rank, k) for k in ("int8", "bf16")},
+            "ckpt": {k: _checkpoint(rank, k) for k in ("int8", "bf16")},
+            "refusals": _refusals(rank)}
+
+
+@pytest.fixture(scope="module")
+def results() -> List[Dict[str, Any]]:
+    return run_workers(_all, 4, timeout=300)
+
+
+def _reference(topo: str, opt: str, kind: str) -> Tuple[List[torch.Tensor], Dict[str, float]]:
+    n = 4
+    models = [make_mlp(0).double() for _ in range(n)]
+    opts = [REF_OPTIMIZERS[opt](m) for m in models]
+
+    def grads(i: int, k: int, m: nn.Module) -> None:
+        x, y = batch(i, k)
+        loss_fn(m(x.double()), y.double()).backward()
+
+    partner = ring_partner(n) if topo == "ring" else one_peer_exp_partner(n)
+    return simulate_choco(models, opts, grads, partner, kind, GAMMA, STEPS)
+
+
+@pytest.mark.parametrize("topo,opt,kind", COMBOS)
+def test_training_matches_float64_reference(results: List[Dict[str, Any]], topo: str, opt: str, kind: str) -> None:
+    want, stats = _reference(topo, opt, kind)
+    runs = [r["train"][(topo, opt, kind)] for r in results]
+    offsets, total = flat_layout([p.shape for p in reversed(list(make_mlp(0).parameters()))])
+    for rank, run in enumerate(runs):
+        assert run["n_buckets"] == 1 and run["offsets"] == offsets and run["numel"] == total
+        check_close(run["flat"], want[rank], stats["unit"], f"{topo}/{opt}/{kind} rank {rank}")
+    # the workers' mean follows the reference's mean (no rounding flip survives averaging unbounded)
+    mean = torch.stack([r["flat"].double() for r in runs]).mean(0)
+    check_close(mean, torch.stack(want).mean(0), stats["unit"], f"{topo}/{opt}/{kind} mean")
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_bytes_per_step_equal_the_formula(results: List[Dict[str, Any]], kind: str) -> None:
+    for topo in ("ring", "one-peer-exp"):
+        for r in results:
+            run = r["train"][(topo, "sgd", kind)]
+            n = run["numel"]
+            assert run["sent"] == [_wire(kind, n)] * STEPS
+            # this bucket is small (a partial scale block); a 25 MiB one: 0.254x (int8) and 0.5x (bf16)
+            big = 25 * 2 ** 20 // 4
+            assert _wire(kind, big) / (4 * big) <= (0.2541 if kind == "int8" else 0.5)
+            # memory: two fp32 copies per distinct peer, plus the send and receive bytes
+            assert len(run["peers"]) == 2
+            assert run["memory"] == 2 * 2 * n * 4 + 2 * _wire(kind, n)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_mixing_preserves_the_global_mean(results: List[Dict[str, Any]], kind: str) -> None:
+    ws = [r["mean"][kind][0].double() for r in results]
+    x0 = results[0]["mean"][kind][1].double()
+    total = torch.zeros(700, dtype=torch.float64)
+    for rank in range(4):
+        for k in range(6):
+            total += torch.randn(700, generator=torch.Generator().manual_seed(100 * rank + k)).double()
+    want = x0 - 0.5 * total / 4
+    got = torch.stack(ws).mean(0)
+    assert torch.allclose(got, want, rtol=0, atol=2e-5), float((got - want).abs().max())
+    assert float(torch.stack(ws).std(0).max()) > 0, "workers differ (the test would be vacuous otherwise)"
+
+
+def test_checkpoint_resume_is_exact(results: List[Dict[str, Any]]) -> None:
+    for r in results:
+        assert r["ckpt"] == {"int8": True, "bf16": True}
+
+
+def test_refusals_name_the_reason(results: List[Dict[str, Any]]) -> None:
+    msgs = results[0]["refusals"]
+    assert "pair exchanges only" in msgs[0]
+    assert "intra_node='gossip' only" in msgs[1]
+    assert "NCCL communicator" in msgs[2]
+    assert "compression kind must be one of" in msgs[3]
+
+
+def test_single_process_refuses_low_precision_params() -> None:
+    from dist_harness import single_process_group
+    from decentpy import DecentralizedDataParallel
+
+    with single_process_group("gloo"):
+        with pytest.raises(Exception, match="float32 parameters only"):
+            DecentralizedDataParallel(make_mlp(0).bfloat16(), decentpy_optim_fn("sgd"), topology="complete",
+                                      compression="bf16")
