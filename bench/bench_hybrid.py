@@ -244,6 +244,8 @@ def install_counters(rank: int) -> Traffic:
         setattr(dcomm.SubGroup, name, wrapper)
 
     wrap_subgroup("send_recv", lambda g, send, recv, peer, tag: tr.send(int(peer), _nbytes(send)))
+    # gloo pair exchanges send and receive on two groups (full duplex): SubGroup.send / recv
+    wrap_subgroup("send", lambda g, send, peer, tag: tr.send(int(peer), _nbytes(send)))
     wrap_subgroup("all_reduce", lambda g, buffer: tr.ring_allreduce(list(g.global_ranks), _nbytes(buffer)))
     # intra_node='shard': the gradients' reduce-scatter and the updated shards' all-gather in a node
     wrap_subgroup("reduce_scatter",
