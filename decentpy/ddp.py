@@ -75,6 +75,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             rank (a subclass of it, also a :class:`~decentpy.PeerTimeoutError`); ``'ignore'``
             checks nothing (no norm per bucket). Uses the bucket norm the GradScaler / clipping
             path takes anyway; with a GradScaler a skip is its normal back-off (logged at INFO).
+        broadcast_parameters: ``True`` (the default): every rank starts from the group's first rank's
+            parameters and buffers (one broadcast at construction). ``False``: each rank keeps its own
+            values (:class:`decentpy.elastic.ElasticGossip` re-forming over the survivors of a failure,
+            or every rank loading its own checkpoint right after).
         comm: ``'auto'`` (decentpy's NCCL communicator when the process group is NCCL and the
             extension has it, else torch.distributed), ``'torch'`` or ``'nccl'``.
         process_group: gossip among the ranks of this group only (default: the world). The
@@ -96,6 +100,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
     FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    #: ``intra_node`` name -> strategy class (a subclass may extend a strategy, e.g. decentpy.elastic)
+    _strategy_classes = GOSSIP_STRATEGIES
 
     def __init__(
         self,
@@ -116,6 +122,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         intra_node: str = "gossip",
         peer_liveness_timeout: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
         nonfinite: str = "skip",
+        broadcast_parameters: bool = True,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -145,7 +152,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
         self._intra_node = intra_node
-        strategy = GOSSIP_STRATEGIES[intra_node]
+        strategy = self._strategy_classes[intra_node]
         self._timeout = timeout if timeout is not None else default_timeout()
 
         self._model = model
@@ -212,7 +219,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 "optimizers with decent-dp's pre_average_hook get edges whose .group is a torch process group over "
                 "the edge's ranks, which decentpy creates on the world only; with process_group= use an optimizer "
                 "without pre_average_hook")
-        self._broadcast_from_rank0()
+        if broadcast_parameters:
+            self._broadcast_from_rank0()
         self._strategy.connect(self._params[0].device)
         comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
                                     group=self._group, liveness=peer_liveness_timeout)

@@ -1,0 +1,189 @@
+"""decentpy.elastic: gossip that survives a dead peer (docs/elastic.md).
+
+Each worker is its own process (its own failure domain), started here with a member id and pointed
+at a rendezvous store hosted by the test process; no worker calls init_process_group. Every wait is
+bounded (the workers' own timeouts, and a hard deadline here after which every worker is killed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import signal
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from reference import batch, loss_fn, make_mlp
+
+STEPS = 16
+LR = 0.1
+
+
+def _params64(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}
+
+
+def _entry(fn: Callable[..., Any], member: int, port: int, args: tuple, q: Any) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    try:
+        q.put((member, "ok", pickle.dumps(fn(member, port, *args))))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put((member, "error", traceback.format_exc()))
+
+
+def run_members(fn: Callable[..., Any], members: Sequence[int], args: tuple, timeout: float,
+                expect_dead: Sequence[int] = ()) -> Dict[int, Any]:
+    """Run ``fn(member, port, *args)`` in one process per member against a store hosted here;
+    results by member (killed members are left out). Every process is gone when this returns."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = {m: ctx.Process(target=_entry, args=(fn, m, store.port, args, q), daemon=True) for m in members}
+    for p in procs.values():
+        p.start()
+    results: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < len(members) - len(expect_dead):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"elastic workers did not finish within {timeout:g} s; done: {sorted(results)}, "
+                                   f"failed: {errors}")
+            try:
+                m, status, payload = q.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                continue
+            if status == "ok":
+                results[m] = pickle.loads(payload)
+            else:
+                errors[m] = payload
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        del store
+    if errors:
+        raise AssertionError("\n".join(f"--- member {m} ---\n{tb}" for m, tb in sorted(errors.items())))
+    return results
+
+
+def _wait_all_done(store: Any, key: str, n: int, timeout_s: float = 30.0) -> None:
+    """A bounded barrier in the store (so that no survivor exits while another still exchanges)."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(key, 0)) < n:
+        assert time.monotonic() < deadline, f"barrier {key}: only {int(store.add(key, 0))} of {n} arrived"
+        time.sleep(0.05)
+
+
+def survivor_worker(member: int, port: int, topo: str, victim: int, kill_at: int) -> Dict[str, Any]:
+    """Trains to STEPS; ``victim`` SIGKILLs itself at step ``kill_at``. Survivors record their
+    parameters when the new membership is in place (the callback) and at the end."""
+    from decentpy.elastic import ElasticGossip, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    model = make_mlp(0)
+    seen: List[Any] = []
+    at_change: Dict[str, Any] = {}
+
+    def on_change(change: Any) -> None:
+        seen.append(change)
+        at_change.setdefault("params", _params64(model))
+        at_change.setdefault("step", change.step)
+
+    eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology=topo,
+                       store=store, member_id=str(member), initial_workers=4,
+                       timeout=datetime.timedelta(seconds=30), peer_liveness_timeout=datetime.timedelta(seconds=4),
+                       bucket_size_in_mb=0.0002, on_membership_change=on_change)
+    first_members = eg.members
+    while True:
+        eg.update()
+        k = eg.step_count
+        if k >= STEPS:
+            break
+        if member == victim and k == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(member, k)
+        loss_fn(eg(x), y).backward()
+    _wait_all_done(store, "test/done", 3)
+    return {"first_members": first_members, "members": eg.members, "rank": eg.rank, "world_size": eg.world_size,
+            "changes": [(c.world_size, c.rank, c.left, c.step, c.reform_s, c.detect_s) for c in seen],
+            "at_change": at_change, "final": _params64(model), "topology": eg.topology.name}
+
+
+def _reference(topo: str, members: Sequence[str], start: Dict[str, Dict[str, torch.Tensor]], s0: int,
+               steps: int) -> List[Dict[str, torch.Tensor]]:
+    """Float64 re-computation over the survivors, from their parameters at re-formation (step
+    ``s0``): at s0 no mix (no exchange in flight in the new group), then the topology over n=3."""
+    from decentpy.topology import make_topology
+
+    n = len(members)
+    t = make_topology(topo, n, 1)
+    models = [make_mlp(0).double() for _ in range(n)]
+    with torch.no_grad():
+        for m, member in zip(models, members):
+            for name, p in m.named_parameters():
+                p.copy_(start[member][name])
+    for k in range(s0, steps):
+        grads = []
+        for m, member in zip(models, members):
+            m.zero_grad()
+            x, y = batch(int(member), k)
+            loss_fn(m(x.double()), y.double()).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        W = torch.eye(n, dtype=torch.float64) if k == s0 else t.mixing_matrix(k).double()
+        with torch.no_grad():
+            for tensors in zip(*[list(m.parameters()) for m in models]):
+                mixed = torch.einsum("ij,j...->i...", W, torch.stack([p.clone() for p in tensors]))
+                for p, z in zip(tensors, mixed):
+                    p.copy_(z)
+            for m, g in zip(models, grads):
+                for p, gp in zip(m.parameters(), g):
+                    p.sub_(LR * gp)
+    return [{name: p.detach().clone() for name, p in m.named_parameters()} for m in models]
+
+
+@pytest.mark.parametrize("topo", ["ring", "one-peer-exp"])
+def test_survivors_go_on_after_sigkill(topo: str) -> None:
+    victim, kill_at = 2, 5
+    t0 = time.monotonic()
+    res = run_members(survivor_worker, [0, 1, 2, 3], (topo, victim, kill_at), timeout=120, expect_dead=[victim])
+    elapsed = time.monotonic() - t0
+    survivors = ["0", "1", "3"]
+    assert sorted(res) == [0, 1, 3]
+    for m, r in res.items():
+        assert r["first_members"] == ("0", "1", "2", "3")
+        assert r["members"] == tuple(survivors), r
+        assert r["world_size"] == 3 and r["rank"] == survivors.index(str(m))
+        # the callback fired once, with the new world size and this worker's new rank
+        assert [c[:3] for c in r["changes"]] == [(3, survivors.index(str(m)), ("2",))], r["changes"]
+        assert all(torch.isfinite(v).all() for v in r["final"].values())
+    s0 = {r["at_change"]["step"] for r in res.values()}
+    assert len(s0) == 1, f"survivors disagree on the step the new membership starts at: {s0}"
+    start = s0.pop()
+    assert kill_at <= start < STEPS
+    want = _reference(topo, survivors, {str(m): r["at_change"]["params"] for m, r in res.items()}, start, STEPS)
+    got = [res[int(m)]["final"] for m in survivors]
+    for name in want[0]:
+        mean_got = torch.stack([g[name] for g in got]).mean(0)
+        mean_want = torch.stack([w[name] for w in want]).mean(0)
+        assert torch.allclose(mean_got, mean_want, rtol=1e-5, atol=1e-6), \
+            f"{name}: survivors' mean off by {(mean_got - mean_want).abs().max():.3g}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.allclose(g[name], w[name], rtol=1e-5, atol=1e-6), \
+                f"{name} on survivor {survivors[i]}: off by {(g[name] - w[name]).abs().max():.3g}"
+    reform = max(c[4] for r in res.values() for c in r["changes"])
+    detect = max((c[5] or 0.0) for r in res.values() for c in r["changes"])
+    print(f"\n{topo}: detect <= {detect:.2f} s, re-form <= {reform:.2f} s, whole test {elapsed:.1f} s")
