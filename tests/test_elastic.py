@@ -187,3 +187,82 @@ def test_survivors_go_on_after_sigkill(topo: str) -> None:
     reform = max(c[4] for r in res.values() for c in r["changes"])
     detect = max((c[5] or 0.0) for r in res.values() for c in r["changes"])
     print(f"\n{topo}: detect <= {detect:.2f} s, re-form <= {reform:.2f} s, whole test {elapsed:.1f} s")
+
+
+JOIN_STEPS = 24
+
+
+def churn_worker(member: int, port: int) -> Dict[str, Any]:
+    """Members 0-3 start; 2 is SIGKILLed at step 5; member 4 (a replacement, started by the test
+    with the others) joins once the survivors re-formed; member 1 leaves cleanly at step 16 (after
+    the join). Everyone records its parameters at every membership change."""
+    from decentpy.elastic import ElasticGossip, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    if member == 4:  # the replacement: started by the launcher after the failure
+        deadline = time.monotonic() + 60
+        while not (store.check(["decentpy/elastic/default/current"])
+                   and int(store.get("decentpy/elastic/default/current")) >= 2):
+            assert time.monotonic() < deadline, "the survivors never re-formed"
+            time.sleep(0.1)
+    model = make_mlp(member + 100)  # a joiner's own values must not matter
+    at: Dict[int, Any] = {}
+    changes: List[Any] = []
+
+    def on_change(change: Any) -> None:
+        changes.append((change.epoch, change.members, change.rank, change.world_size, change.left, change.joined,
+                        change.step, change.reform_s))
+        at[change.epoch] = _params64(model)
+
+    eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR, momentum=0.9), topology="ring",
+                       store=store, member_id=str(member), initial_workers=4,
+                       timeout=datetime.timedelta(seconds=30), peer_liveness_timeout=datetime.timedelta(seconds=4),
+                       bucket_size_in_mb=0.0002, on_membership_change=on_change)
+    if member == 4:
+        at[eg.epoch] = at.get(eg.epoch, _params64(model))
+    left = False
+    while True:
+        eg.update()
+        k = eg.step_count
+        if k >= JOIN_STEPS:
+            break
+        if member == 2 and k == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if k >= 10 and "4" not in eg.members:  # the test's launcher: hold on until the replacement is in
+            deadline = time.monotonic() + 90
+            while "4" not in eg.members:
+                assert time.monotonic() < deadline, "the replacement was never admitted"
+                time.sleep(0.05)
+                eg.update()
+            continue
+        if member == 1 and k >= 16:
+            eg.leave()
+            left = True
+            break
+        x, y = batch(member, k)
+        loss_fn(eg(x), y).backward()
+    if not left:
+        _wait_all_done(store, "test/done", 3)
+    return {"changes": changes, "at": at, "final": _params64(model), "left": left, "members": eg.members,
+            "step": eg.step_count}
+
+
+def test_replacement_joins_and_a_member_leaves() -> None:
+    t0 = time.monotonic()
+    res = run_members(churn_worker, [0, 1, 2, 3, 4], (), timeout=150, expect_dead=[2])
+    elapsed = time.monotonic() - t0
+    assert sorted(res) == [0, 1, 3, 4]
+    assert res[1]["left"]
+    for m in (0, 3, 4):
+        assert res[m]["step"] == JOIN_STEPS and res[m]["members"] == ("0", "3", "4"), res[m]
+        assert all(torch.isfinite(v).all() for v in res[m]["final"].values())
+    # membership history on the members that saw it all
+    epochs = [c[:2] for c in res[0]["changes"]]
+    assert epochs == [(2, ("0", "1", "3")), (3, ("0", "1", "3", "4")), (4, ("0", "3", "4"))], epochs
+    assert [c[:2] for c in res[3]["changes"]] == epochs
+    # the replacement has its neighbour's (member 3, ranked before it) state bit for bit at admission
+    joined = res[4]["changes"][0]
+    assert joined[0] == 3 and joined[1] == ("0", "1", "3", "4") and joined[2] == 3 and joined[5] == ("4",)
+    for name, v in res[3]["at"][3].items():
+        assert torch.equal(res[4]["at"][3][name], v), f"{name}: the replacement's state differs from its donor's"
+    print(f"\nchurn: {elapsed:.1f} s; re-form times {[round(c[7], 2) for c in res[0]['changes']]}")

@@ -83,6 +83,7 @@ class Membership:
         self.liveness_s = float(liveness_s)
         self.prefix = f"decentpy/elastic/{job}/"
         self.formation: Optional[Formation] = None
+        self.joining = False           # this worker joined a running job (it receives its state from a member)
         self.changed = False           # set by the poller: someone started a membership change
         self.store_lost: Optional[str] = None
         self._changes_seen = 0
@@ -156,7 +157,12 @@ class Membership:
         return self._guarded("forming the first membership", lambda: self._form_initial(initial_workers, timeout_s))
 
     def _form_initial(self, initial_workers: int, timeout_s: float) -> Formation:
+        if self._has("current"):  # the job runs already: a replacement or an added worker
+            return self._join(timeout_s)
         arrival = self._add("epoch1/count", 1)
+        if arrival > initial_workers:  # too late for the first membership: join at the next change
+            self._await_decision(1, time.monotonic() + timeout_s, "the first membership")
+            return self._join(timeout_s)
         self.store.set(f"{self.prefix}epoch1/arrival/{arrival}", self.id)
         deadline = time.monotonic() + timeout_s
         if arrival == 1:  # the first to arrive decides
@@ -174,6 +180,60 @@ class Membership:
         self._adopt(formation)
         return formation
 
+    def _join(self, timeout_s: float) -> Formation:
+        """Ask to be admitted, and wait (bounded) for the epoch whose members include this worker."""
+        self.joining = True
+        for key in ("admitted/", "leave/"):  # a replacement may reuse the id of the worker it replaces
+            self.store.delete_key(self.prefix + key + self.id)
+        i = self._add("joins", 1)
+        self.store.set(f"{self.prefix}join/{i}", self.id)
+        self._add("changes", 1)  # the members re-form at their next iteration and admit it
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._has("current"):
+                epoch = int(self.store.get(self.prefix + "current"))
+                formation = _decode(epoch, self.store.get(f"{self.prefix}epoch{epoch}/members"))
+                if self.id in formation.members:
+                    self._adopt(formation)
+                    return formation
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"member {self.id} asked to join but was not admitted within {timeout_s:g} s "
+                                      "(are the members training? they admit new workers at their next iteration)")
+            time.sleep(_SLEEP_S)
+
+    def _joiners(self, old: Sequence[str], fresh: bool = False) -> List[str]:
+        """Workers that asked to join, are beating and are not members yet, in order of asking
+        (``fresh``: without looking at their heartbeats)."""
+        out: List[str] = []
+        for i in range(1, self._add("joins", 0) + 1):
+            m = self.store.get(f"{self.prefix}join/{i}").decode()
+            if m not in old and m not in out and not self._has("leave/" + m) and not self._has("admitted/" + m):
+                out.append(m)
+        if fresh:
+            return out
+        stale = set(self._stale(out)) if out else set()
+        return [m for m in out if m not in stale]
+
+    def members_of(self, epoch: int) -> List[str]:
+        """The member list of an earlier ``epoch``."""
+        return self._guarded("reading the membership",
+                             lambda: _decode(epoch, self.store.get(f"{self.prefix}epoch{epoch}/members")).members)
+
+    def leave(self, timeout_s: float) -> None:
+        """Leave the job cleanly: the others re-form without this worker at their next iteration;
+        returns once they have decided the membership without it (bounded), so that this process
+        may exit without its closing connections looking like a failure to them."""
+        def go() -> None:
+            assert self.formation is not None
+            self.store.set(f"{self.prefix}leave/{self.id}", "1")
+            self._add("changes", 1)
+            key = f"epoch{self.formation.epoch + 1}/members"
+            deadline = time.monotonic() + timeout_s
+            while not self._has(key) and time.monotonic() < deadline:
+                time.sleep(_SLEEP_S)
+        self._guarded("leaving", go)
+        self.stop()
+
     def _await_decision(self, epoch: int, deadline: float, what: str) -> Formation:
         key = f"epoch{epoch}/members"
         while not self._has(key):
@@ -189,15 +249,31 @@ class Membership:
                 "found it unreachable or it was too late; start it again to join as a new worker")
         self.formation = formation
         self.store.set(self.prefix + "current", str(formation.epoch))
+        self.store.set(f"{self.prefix}admitted/{self.id}", str(formation.epoch))
 
     def announce_change(self) -> None:
         """Wake the other members' pollers: a membership change has started."""
         self._guarded("announcing a membership change", lambda: self._add("changes", 1))
 
     def settled(self) -> None:
-        """The new epoch is in use: changes from now on raise :attr:`changed` again."""
-        self._changes_seen = self._guarded("reading the membership", lambda: self._add("changes", 0))
-        self.changed = False
+        """The new epoch is in use. (The poller's baseline stays where it was: any change announced
+        meanwhile raises :attr:`changed`, and :meth:`confirm` sorts out the ones already handled.)"""
+
+    def confirm(self) -> bool:
+        """After :attr:`changed` rose: whether the membership must change now (a re-formation started
+        by a peer, a worker asking to join, a member leaving); clears the flag either way."""
+        def check() -> bool:
+            self._changes_seen = self._add("changes", 0)  # before looking: a later change raises the flag again
+            self.changed = False
+            assert self.formation is not None
+            members = self.formation.members
+            if self._add(f"epoch{self.formation.epoch + 1}/announced", 0) > 0:
+                return True
+            return any(self._has("leave/" + m) for m in members) or bool(self._joiners(members, fresh=True))
+        if self.store_lost is not None:
+            raise RendezvousError(f"member {self.id}: the rendezvous store is unreachable ({self.store_lost}); it is "
+                                  "the one process that must stay up (python -m decentpy.rendezvous)")
+        return bool(self._guarded("reading the membership", check))
 
     def reform(self, suspected: Sequence[str], step: int, timeout_s: float) -> Formation:
         """Agree on the next epoch with the other survivors (see the module); ``suspected``: members
@@ -210,6 +286,7 @@ class Membership:
         epoch = self.formation.epoch + 1
         here_key = f"epoch{epoch}/here/"
         self.store.set(self.prefix + here_key + self.id, f"{step}|{','.join(suspected)}")
+        self._add(f"epoch{epoch}/announced", 1)
         self._add("changes", 1)
         deadline = time.monotonic() + timeout_s
         suspects = set(suspected)
@@ -218,13 +295,14 @@ class Membership:
             for m in here:  # what the others know to be dead is not waited for either
                 suspects.update(x for x in self.store.get(self.prefix + here_key + m).decode().partition("|")[2]
                                 .split(",") if x)
-            waiting = [m for m in old if m not in here and m not in suspects]
+            waiting = [m for m in old if m not in here and m not in suspects and not self._has("leave/" + m)]
             if waiting:
                 stale = set(self._stale(waiting))
                 waiting = [m for m in waiting if m not in stale]
             if not waiting or time.monotonic() > deadline:
                 start = max(int(self.store.get(self.prefix + here_key + m).decode().partition("|")[0]) for m in here)
-                self.store.compare_set(f"{self.prefix}epoch{epoch}/members", "", _encode(start, here))
+                members = [m for m in here if not self._has("leave/" + m)] + self._joiners(old)
+                self.store.compare_set(f"{self.prefix}epoch{epoch}/members", "", _encode(start, members))
                 break
             time.sleep(_SLEEP_S)
         formation = self._await_decision(epoch, deadline + 5.0, "the new membership")

@@ -124,9 +124,13 @@ class ElasticGossip(nn.Module):
         t0 = time.monotonic()
         formation = self._membership.form_initial(int(initial_workers), timeout.total_seconds())
         self._init_world(formation)
-        self._inner: _EpochDDP = self._build(broadcast=True)
+        joining = self._membership.joining
+        self._inner: _EpochDDP = self._build(broadcast=not joining)
+        if joining:  # a running job: this worker's state comes from a member (see _transfer)
+            self._transfer(formation, self._membership.members_of(formation.epoch - 1), joiner=True)
         self._membership.settled()
-        self._record(formation, (), tuple(formation.members), time.monotonic() - t0, None, "start")
+        self._record(formation, (), (member_id,) if joining else tuple(formation.members), time.monotonic() - t0,
+                     None, "joined a running job" if joining else "start")
 
     # -- what the user reads -------------------------------------------------------------------
     @property
@@ -168,7 +172,8 @@ class ElasticGossip(nn.Module):
 
     # -- training ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._membership.changed or self._inner._strategy.failure is not None:  # type: ignore[attr-defined]
+        if self._inner._strategy.failure is not None or (  # type: ignore[attr-defined]
+                self._membership.changed and self._membership.confirm()):
             self._reform()
         return self._inner(*args, **kwargs)
 
@@ -176,7 +181,8 @@ class ElasticGossip(nn.Module):
         """Apply a pending membership change now (the next forward would), e.g. at the top of the
         training loop, so that :attr:`step_count`, :attr:`rank` and :attr:`world_size` read afterwards
         are those the iteration runs with. Returns the change, or None."""
-        if self._membership.changed or self._inner._strategy.failure is not None:  # type: ignore[attr-defined]
+        if self._inner._strategy.failure is not None or (  # type: ignore[attr-defined]
+                self._membership.changed and self._membership.confirm()):
             self._reform()
             return self.history[-1]
         return None
@@ -198,8 +204,7 @@ class ElasticGossip(nn.Module):
 
     def _current(self) -> None:
         """Re-form first if a failure or a change is pending (before a collective over the members)."""
-        if self._membership.changed or self._inner._strategy.failure is not None:  # type: ignore[attr-defined]
-            self._reform()
+        self.update()
 
     def close(self) -> None:
         """Stop the heartbeat and release the wrapper (the model keeps its parameters)."""
@@ -250,6 +255,11 @@ class ElasticGossip(nn.Module):
         self._retire(old_inner)
         cause = (f"{type(failure).__name__} at step {strategy.failed_at}" if failure is not None
                  else "a membership change announced by a peer")
+        if failure is None:  # nobody failed: end the peers' waits on this worker's abandoned exchanges now
+            from ..comm import peer_monitor
+            monitor = peer_monitor()
+            if monitor is not None:
+                monitor.report(f"member {self._membership.id} is re-forming the group (membership change)")
         last: Optional[BaseException] = None
         for _attempt in range(3):
             formation = self._membership.reform(suspected, int(state["step"]), self._reform_timeout.total_seconds())
@@ -259,6 +269,7 @@ class ElasticGossip(nn.Module):
                 state = dict(state, step=formation.step, world_size=len(formation.members),
                              rank=formation.rank_of(self._membership.id))
                 inner.load_training_state_dict(state)
+                self._transfer(formation, old.members, inner)
             except (PeerTimeoutError, RuntimeError) as exc:
                 if isinstance(exc, (EvictedError, RendezvousError)):
                     raise
@@ -277,6 +288,43 @@ class ElasticGossip(nn.Module):
             return
         raise RendezvousError(f"member {self._membership.id}: the membership could not be re-formed in 3 attempts: "
                               f"{last}")
+
+    def _transfer(self, formation: Formation, old_members: List[str], inner: Optional[_EpochDDP] = None,
+                  joiner: bool = False) -> None:
+        """Joiners receive their whole training state (parameters, buffers, optimizer and scheduler
+        state, step) point to point from the member ranked just before them (a ring neighbour; for
+        several joiners in turn, so a joiner may pass on what it just received). ``old_members``: the
+        previous epoch's."""
+        inner = inner if inner is not None else self._inner
+        me = formation.rank_of(self._membership.id)
+        known = set(old_members)
+        for j, m in enumerate(formation.members):
+            if m in known or j == 0:
+                continue
+            if joiner and m == self._membership.id:
+                box: List[Any] = [None]
+                dist.recv_object_list(box, src=j - 1)
+                state = dict(box[0], rank=me, world_size=len(formation.members))
+                inner.load_training_state_dict(state)
+                logger.info("decentpy.elastic: member %s received its state from member %s (rank %d) at step %d",
+                            m, formation.members[j - 1], j - 1, state["step"])
+            elif me == j - 1:
+                dist.send_object_list([inner.training_state_dict()], dst=j)
+
+    def leave(self) -> None:
+        """Leave the job cleanly at an iteration boundary: the others re-form without this worker at
+        their next iteration (an exchange still in flight with it ends at once, that step is local
+        for them). The model keeps its parameters."""
+        self._current()
+        self._inner._strategy.abandon()  # type: ignore[attr-defined]
+        from ..comm import peer_monitor
+        monitor = peer_monitor()
+        if monitor is not None:  # the others' waits on this worker end within a heartbeat
+            monitor.report(f"member {self._membership.id} left the job (leave())")
+        self._membership.leave(self._reform_timeout.total_seconds())
+        logger.warning("decentpy.elastic: member %s left the job at step %d", self._membership.id, self.step_count)
+        self._retire(self._inner)
+        self._closed = True
 
     def _record(self, formation: Formation, left: Tuple[str, ...], joined: Tuple[str, ...], reform_s: float,
                 detect_s: Optional[float], cause: str) -> None:
