@@ -88,9 +88,9 @@ def _wait_all_done(store: Any, key: str, n: int, timeout_s: float = 30.0) -> Non
         time.sleep(0.05)
 
 
-def survivor_worker(member: int, port: int, topo: str, victim: int, kill_at: int) -> Dict[str, Any]:
-    """Trains to STEPS; ``victim`` SIGKILLs itself at step ``kill_at``. Survivors record their
-    parameters when the new membership is in place (the callback) and at the end."""
+def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int]) -> Dict[str, Any]:
+    """Trains to STEPS; member ``v`` SIGKILLs itself at step ``kills[v]``. Survivors record their
+    parameters when the last membership is in place (the callback) and at the end."""
     from decentpy.elastic import ElasticGossip, connect
 
     store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
@@ -100,8 +100,7 @@ def survivor_worker(member: int, port: int, topo: str, victim: int, kill_at: int
 
     def on_change(change: Any) -> None:
         seen.append(change)
-        at_change.setdefault("params", _params64(model))
-        at_change.setdefault("step", change.step)
+        at_change.update(params=_params64(model), step=change.step)  # the last one counts
 
     eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology=topo,
                        store=store, member_id=str(member), initial_workers=4,
@@ -113,11 +112,11 @@ def survivor_worker(member: int, port: int, topo: str, victim: int, kill_at: int
         k = eg.step_count
         if k >= STEPS:
             break
-        if member == victim and k == kill_at:
+        if kills.get(member) == k:
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(member, k)
         loss_fn(eg(x), y).backward()
-    _wait_all_done(store, "test/done", 3)
+    _wait_all_done(store, "test/done", 4 - len(kills))
     return {"first_members": first_members, "members": eg.members, "rank": eg.rank, "world_size": eg.world_size,
             "changes": [(c.world_size, c.rank, c.left, c.step, c.reform_s, c.detect_s) for c in seen],
             "at_change": at_change, "final": _params64(model), "topology": eg.topology.name}
@@ -155,25 +154,28 @@ def _reference(topo: str, members: Sequence[str], start: Dict[str, Dict[str, tor
     return [{name: p.detach().clone() for name, p in m.named_parameters()} for m in models]
 
 
-@pytest.mark.parametrize("topo", ["ring", "one-peer-exp"])
-def test_survivors_go_on_after_sigkill(topo: str) -> None:
-    victim, kill_at = 2, 5
+@pytest.mark.parametrize("topo, kills", [("ring", {2: 5}), ("one-peer-exp", {2: 5, 1: 9})],
+                         ids=["ring-one-kill", "one-peer-exp-two-kills-in-a-row"])
+def test_survivors_go_on_after_sigkill(topo: str, kills: Dict[int, int]) -> None:
     t0 = time.monotonic()
-    res = run_members(survivor_worker, [0, 1, 2, 3], (topo, victim, kill_at), timeout=120, expect_dead=[victim])
+    res = run_members(survivor_worker, [0, 1, 2, 3], (topo, kills), timeout=120, expect_dead=list(kills))
     elapsed = time.monotonic() - t0
-    survivors = ["0", "1", "3"]
-    assert sorted(res) == [0, 1, 3]
+    survivors = [str(m) for m in range(4) if m not in kills]
+    assert sorted(res) == [int(m) for m in survivors]
     for m, r in res.items():
         assert r["first_members"] == ("0", "1", "2", "3")
         assert r["members"] == tuple(survivors), r
-        assert r["world_size"] == 3 and r["rank"] == survivors.index(str(m))
-        # the callback fired once, with the new world size and this worker's new rank
-        assert [c[:3] for c in r["changes"]] == [(3, survivors.index(str(m)), ("2",))], r["changes"]
+        assert r["world_size"] == len(survivors) and r["rank"] == survivors.index(str(m))
+        # the callback fired at every change, with the new world size and this worker's new rank
+        sizes = [c[0] for c in r["changes"]]
+        assert sizes == list(range(3, 4 - len(kills) - 1, -1)), r["changes"]
+        assert r["changes"][-1][1] == survivors.index(str(m))
+        assert sorted(g for c in r["changes"] for g in c[2]) == sorted(str(v) for v in kills)
         assert all(torch.isfinite(v).all() for v in r["final"].values())
     s0 = {r["at_change"]["step"] for r in res.values()}
     assert len(s0) == 1, f"survivors disagree on the step the new membership starts at: {s0}"
     start = s0.pop()
-    assert kill_at <= start < STEPS
+    assert max(kills.values()) <= start < STEPS
     want = _reference(topo, survivors, {str(m): r["at_change"]["params"] for m, r in res.items()}, start, STEPS)
     got = [res[int(m)]["final"] for m in survivors]
     for name in want[0]:
@@ -266,3 +268,77 @@ def test_replacement_joins_and_a_member_leaves() -> None:
     for name, v in res[3]["at"][3].items():
         assert torch.equal(res[4]["at"][3][name], v), f"{name}: the replacement's state differs from its donor's"
     print(f"\nchurn: {elapsed:.1f} s; re-form times {[round(c[7], 2) for c in res[0]['changes']]}")
+
+
+def store_gone_worker(member: int, port: int) -> Dict[str, Any]:
+    """Trains until the rendezvous host disappears; must raise RendezvousError, bounded."""
+    from decentpy.elastic import ElasticGossip, RendezvousError, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=10))
+    eg = ElasticGossip(make_mlp(0), lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology="ring",
+                       store=store, member_id=str(member), initial_workers=2,
+                       timeout=datetime.timedelta(seconds=10), peer_liveness_timeout=datetime.timedelta(seconds=3))
+    store.add("test/started", 1)
+    gone_at = None
+    try:
+        for k in range(100000):
+            if gone_at is None and os.path.exists(os.environ["DECENTPY_TEST_FLAG"]):
+                gone_at = time.monotonic()
+            x, y = batch(member, k)
+            loss_fn(eg(x), y).backward()
+            time.sleep(0.01)
+    except RendezvousError as exc:
+        return {"error": type(exc).__name__, "text": str(exc),
+                "after_s": time.monotonic() - (gone_at if gone_at is not None else time.monotonic())}
+    return {"error": None}
+
+
+def test_rendezvous_host_gone_is_a_clear_bounded_error(tmp_path: Any) -> None:
+    """The rendezvous (``python -m decentpy.rendezvous``) is the one process that must stay up:
+    when it dies, every worker raises RendezvousError within seconds, no hang."""
+    import subprocess
+    import sys
+
+    from tools.spawn import free_port
+
+    port = free_port()
+    flag = tmp_path / "gone"
+    host = subprocess.Popen([sys.executable, "-m", "decentpy.rendezvous", "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "listening" in (host.stdout.readline() if host.stdout else "")
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        os.environ["DECENTPY_TEST_FLAG"] = str(flag)
+        procs = [ctx.Process(target=_entry, args=(store_gone_worker, m, port, (), q), daemon=True) for m in (0, 1)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 90
+        while int(client.add("test/started", 0)) < 2:
+            assert time.monotonic() < deadline, "the elastic workers did not start"
+            time.sleep(0.1)
+        del client
+        time.sleep(0.5)
+        host.kill()
+        host.wait(timeout=10)
+        flag.write_text("1")
+        out = {}
+        while len(out) < 2:
+            m, status, payload = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            assert status == "ok", payload
+            out[m] = pickle.loads(payload)
+        for p in procs:
+            p.join(timeout=10)
+    finally:
+        os.environ.pop("DECENTPY_TEST_FLAG", None)
+        if host.poll() is None:
+            host.kill()
+        for p in locals().get("procs", []):
+            if p.is_alive():
+                p.kill()
+    for m, r in out.items():
+        assert r["error"] == "RendezvousError", r
+        assert "rendezvous store is unreachable" in r["text"] and "must stay up" in r["text"], r["text"]
+        assert r["after_s"] < 15, r
+    print(f"\nrendezvous gone: RendezvousError after {max(r['after_s'] for r in out.values()):.2f} s")
