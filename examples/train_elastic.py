@@ -76,8 +76,9 @@ def worker(args: argparse.Namespace) -> None:
     eg = ElasticGossip(model, lambda named: dopt.optim_fn_sgd(named, lr=0.1, momentum=0.9), topology=args.topology,
                        store=store, member_id=str(args.member), initial_workers=args.initial_workers,
                        timeout=datetime.timedelta(seconds=60), peer_liveness_timeout=datetime.timedelta(seconds=5),
-                       on_membership_change=on_change)
+                       reform_timeout=datetime.timedelta(seconds=20), on_membership_change=on_change)
     reshard(eg.rank, eg.world_size)
+    store.add("example/training", 1)
     g = torch.Generator().manual_seed(args.member)
     loss = torch.tensor(0.0)
     while eg.step_count < args.steps:
@@ -112,7 +113,7 @@ def launcher(args: argparse.Namespace) -> int:
                                  "--topology", args.topology, "--step-sleep", str(args.step_sleep)], env=env)
 
     procs = {m: start(m) for m in range(args.workers)}
-    while not store.check(["decentpy/elastic/default/current"]):
+    while int(store.add("example/training", 0)) < args.workers:  # every worker built its wrapper
         time.sleep(0.1)
     time.sleep(args.kill_after)
     victim = args.workers // 2

@@ -72,7 +72,8 @@ class ElasticGossip(nn.Module):
         timeout: bound on every wait (rendezvous, exchanges of a slow but alive peer).
         peer_liveness_timeout: a member whose heartbeat stops this long is dead (an exchange with a
             killed process fails within ~2.5 s anyway, its connection closing).
-        reform_timeout: bound on one re-formation (default ``timeout``).
+        reform_timeout: bound on one re-formation, and on the set-up of each membership's process
+            group and wrapper (the state transfer to a joiner included); default ``timeout``.
         on_membership_change: ``callback(change: MembershipChange)``, called on every worker after
             each membership change, before the next forward (rebuild a ``DistributedSampler`` there).
         job: a name that separates jobs sharing one rendezvous store.
@@ -123,11 +124,10 @@ class ElasticGossip(nn.Module):
         self._membership = Membership(store, member_id, peer_liveness_timeout.total_seconds(), job)
         t0 = time.monotonic()
         formation = self._membership.form_initial(int(initial_workers), timeout.total_seconds())
-        self._init_world(formation)
         joining = self._membership.joining
-        self._inner: _EpochDDP = self._build(broadcast=not joining)
-        if joining:  # a running job: this worker's state comes from a member (see _transfer)
-            self._transfer(formation, self._membership.members_of(formation.epoch - 1), joiner=True)
+        # a joiner's state comes from a member of the running job (see _transfer)
+        known = self._membership.members_of(formation.epoch - 1) if joining else []
+        formation, self._inner = self._establish(formation, None, known, joining)
         self._membership.settled()
         self._record(formation, (), (member_id,) if joining else tuple(formation.members), time.monotonic() - t0,
                      None, "joined a running job" if joining else "start")
@@ -221,13 +221,23 @@ class ElasticGossip(nn.Module):
             self._graveyard.append(dist.group.WORLD)
             dist.destroy_process_group()
         prefix = dist.PrefixStore(f"{self._membership.prefix}epoch{formation.epoch}/pg", self._store)
+        # Bounded by reform_timeout while the epoch is set up (a member dying then must not hold the
+        # others for the whole timeout); the wrapper's timeout once it trains (see _establish).
         dist.init_process_group("gloo", store=prefix, rank=formation.rank_of(self._membership.id),
-                                world_size=len(formation.members), timeout=self._timeout)
+                                world_size=len(formation.members), timeout=self._reform_timeout)
 
     def _build(self, broadcast: bool) -> _EpochDDP:
-        return _EpochDDP(self._model, self._optim_fn, self._lr_scheduler_fn, topology=self._topology_name,
-                         timeout=self._timeout, peer_liveness_timeout=self._liveness, comm="torch",
-                         broadcast_parameters=broadcast, **self._ddp_kwargs)
+        inner = _EpochDDP.__new__(_EpochDDP)
+        try:
+            inner.__init__(self._model, self._optim_fn, self._lr_scheduler_fn,  # type: ignore[misc]
+                           topology=self._topology_name, timeout=self._timeout, peer_liveness_timeout=self._liveness,
+                           comm="torch", broadcast_parameters=broadcast, **self._ddp_kwargs)
+        except BaseException:
+            driver = inner.__dict__.get("_driver")  # a construction that failed half-way leaves no hook behind
+            if driver is not None:
+                driver.remove_hooks()
+            raise
+        return inner
 
     def _retire(self, inner: _EpochDDP) -> None:
         """Unhook an epoch's wrapper from the model; its process groups stay alive (a peer may still
@@ -260,42 +270,50 @@ class ElasticGossip(nn.Module):
             monitor = peer_monitor()
             if monitor is not None:
                 monitor.report(f"member {self._membership.id} is re-forming the group (membership change)")
+        formation = self._membership.reform(suspected, int(state["step"]), self._reform_timeout.total_seconds())
+        formation, self._inner = self._establish(formation, state, old.members, False)
+        self._membership.settled()
+        left = tuple(m for m in old.members if m not in formation.members)
+        joined = tuple(m for m in formation.members if m not in old.members)
+        self._record(formation, left, joined, time.monotonic() - t0,
+                     failure.waited_s if failure is not None else None, cause)
+
+    def _establish(self, formation: Formation, state: Optional[Dict[str, Any]], known: List[str],
+                   joiner: bool) -> Tuple[Formation, _EpochDDP]:
+        """The epoch's process group and inner wrapper, with this worker's state (``state``: its own,
+        None: the first epoch's broadcast, or a joiner's transfer; ``known``: the members that had a
+        state before). A member failing meanwhile (the change itself fails): once more, over whoever
+        is left (up to 3 attempts)."""
         last: Optional[BaseException] = None
         for _attempt in range(3):
-            formation = self._membership.reform(suspected, int(state["step"]), self._reform_timeout.total_seconds())
             try:
                 self._init_world(formation)
-                inner = self._build(broadcast=False)
-                state = dict(state, step=formation.step, world_size=len(formation.members),
-                             rank=formation.rank_of(self._membership.id))
-                inner.load_training_state_dict(state)
-                self._transfer(formation, old.members, inner)
+                inner = self._build(broadcast=state is None and not joiner)
+                if state is not None:
+                    inner.load_training_state_dict(dict(state, step=formation.step, world_size=len(formation.members),
+                                                        rank=formation.rank_of(self._membership.id)))
+                if state is not None or joiner:
+                    self._transfer(formation, known, inner, joiner)
+                set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+                if set_timeout is not None and self._reform_timeout != self._timeout:
+                    set_timeout(self._timeout)
+                return formation, inner
             except (PeerTimeoutError, RuntimeError) as exc:
                 if isinstance(exc, (EvictedError, RendezvousError)):
                     raise
-                # a member died during the change itself: once more, without whoever stopped beating
                 last = exc
-                logger.warning("decentpy.elastic: member %s: forming epoch %d failed (%s); trying again",
-                               self._membership.id, formation.epoch, str(exc).splitlines()[0][:200])
-                suspected = list(self._membership._stale(formation.members))
-                continue
-            self._inner = inner
-            self._membership.settled()
-            left = tuple(m for m in old.members if m not in formation.members)
-            joined = tuple(m for m in formation.members if m not in old.members)
-            self._record(formation, left, joined, time.monotonic() - t0,
-                         failure.waited_s if failure is not None else None, cause)
-            return
-        raise RendezvousError(f"member {self._membership.id}: the membership could not be re-formed in 3 attempts: "
+                logger.warning("decentpy.elastic: member %s: forming epoch %d failed (%s); once more without whoever "
+                               "stopped beating", self._membership.id, formation.epoch, str(exc).splitlines()[0][:300])
+                step = int(state["step"]) if state is not None else formation.step
+                formation = self._membership.reform([], step, self._reform_timeout.total_seconds())
+        raise RendezvousError(f"member {self._membership.id}: the membership could not be formed in 3 attempts: "
                               f"{last}")
 
-    def _transfer(self, formation: Formation, old_members: List[str], inner: Optional[_EpochDDP] = None,
-                  joiner: bool = False) -> None:
+    def _transfer(self, formation: Formation, old_members: List[str], inner: _EpochDDP, joiner: bool) -> None:
         """Joiners receive their whole training state (parameters, buffers, optimizer and scheduler
         state, step) point to point from the member ranked just before them (a ring neighbour; for
         several joiners in turn, so a joiner may pass on what it just received). ``old_members``: the
         previous epoch's."""
-        inner = inner if inner is not None else self._inner
         me = formation.rank_of(self._membership.id)
         known = set(old_members)
         for j, m in enumerate(formation.members):
