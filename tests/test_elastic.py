@@ -342,3 +342,19 @@ def test_rendezvous_host_gone_is_a_clear_bounded_error(tmp_path: Any) -> None:
         assert "rendezvous store is unreachable" in r["text"] and "must stay up" in r["text"], r["text"]
         assert r["after_s"] < 15, r
     print(f"\nrendezvous gone: RendezvousError after {max(r['after_s'] for r in out.values()):.2f} s")
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"topology": "ring", "process_group": None}, ValueError, "sub-group gossip"),
+    ({"topology": "ring", "intra_node": "shard"}, ValueError, "intra_node='gossip' only"),
+    ({"topology": "ring", "comm": "nccl"}, ValueError, "NCCL communicator"),
+    ({"topology": object()}, TypeError, "topology name"),
+    ({"topology": "alternating-exp-ring", "local_world_size": 1}, ValueError, "local_world_size"),
+])
+def test_unsupported_settings_are_refused_at_construction(kwargs: Dict[str, Any], error: type, words: str) -> None:
+    """Refused before anything touches the store (a dummy one here) or the process group."""
+    from decentpy.elastic import ElasticGossip
+
+    with pytest.raises(error, match=words):
+        ElasticGossip(make_mlp(0), lambda named: torch.optim.SGD([p for _, p in named], lr=LR), store=object(),
+                      member_id="0", initial_workers=4, **kwargs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -26,7 +27,7 @@ from ..comm import PeerTimeoutError, PeerUnreachableError
 from ..ddp import DecentralizedDataParallel
 from ..engine import GOSSIP_STRATEGIES
 from ..engine.layout import OptimFn, SchedulerFn
-from ..topology import Topology
+from ..topology import Topology, TopologyError, make_topology
 from .membership import EvictedError, Formation, Membership, RendezvousError
 from .strategy import ElasticGossipStrategy
 
@@ -92,6 +93,11 @@ class ElasticGossip(nn.Module):
         if not isinstance(topology, str):
             raise TypeError(f"ElasticGossip needs a topology name (it is re-made for every membership size), got "
                             f"{type(topology).__name__}; use one of decentpy.available_topologies()")
+        from ..pipeline import AsyncPipe
+        from ..sharding import ShardedDataParallel
+        if isinstance(model, (AsyncPipe, ShardedDataParallel, DecentralizedDataParallel)):
+            raise TypeError(f"ElasticGossip wraps a plain model; {type(model).__name__} (pipelines, sharded or already "
+                            "wrapped models) is not elastic yet")
         if "process_group" in ddp_kwargs:
             raise ValueError("ElasticGossip does not take process_group=: it owns the default process group (one per "
                              "membership epoch, over every member); sub-group gossip is not elastic yet")
@@ -121,6 +127,9 @@ class ElasticGossip(nn.Module):
         self._graveyard: List[Any] = []  # old epochs' communicators: never torn down while peers may hold them
         self._closed = False
         self.history: List[MembershipChange] = []
+        # the topology must be defined for the first membership (later sizes fall back to 'ring' where it is not)
+        make_topology(topology, int(initial_workers),
+                      int(ddp_kwargs.get("local_world_size") or os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._membership = Membership(store, member_id, peer_liveness_timeout.total_seconds(), job)
         t0 = time.monotonic()
         formation = self._membership.form_initial(int(initial_workers), timeout.total_seconds())
@@ -226,11 +235,25 @@ class ElasticGossip(nn.Module):
         dist.init_process_group("gloo", store=prefix, rank=formation.rank_of(self._membership.id),
                                 world_size=len(formation.members), timeout=self._reform_timeout)
 
+    def _topology_for(self, n: int) -> str:
+        """The topology name for ``n`` members: the user's, or ``ring`` (defined for every ``n``) where
+        the user's is not defined (e.g. alternating-exp-ring on a single node); the same choice on
+        every member (a function of ``n``)."""
+        lws = self._ddp_kwargs.get("local_world_size") or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        try:
+            make_topology(self._topology_name, n, int(lws))
+            return self._topology_name
+        except TopologyError as exc:
+            logger.warning("decentpy.elastic: %s; using 'ring' while the membership has %d workers",
+                           str(exc).splitlines()[0][:200], n)
+            return "ring"
+
     def _build(self, broadcast: bool) -> _EpochDDP:
         inner = _EpochDDP.__new__(_EpochDDP)
         try:
             inner.__init__(self._model, self._optim_fn, self._lr_scheduler_fn,  # type: ignore[misc]
-                           topology=self._topology_name, timeout=self._timeout, peer_liveness_timeout=self._liveness,
+                           topology=self._topology_for(dist.get_world_size()), timeout=self._timeout,
+                           peer_liveness_timeout=self._liveness,
                            comm="torch", broadcast_parameters=broadcast, **self._ddp_kwargs)
         except BaseException:
             driver = inner.__dict__.get("_driver")  # a construction that failed half-way leaves no hook behind
