@@ -15,6 +15,7 @@
 #   make bench-hybrid       2 nodes x 2 ranks: decentpy vs torch DDP / ZeRO, pipelines with gossip vs all-reduce:
 #                           step time, optimizer state, peak memory, bytes intra / inter node (BENCH_ARGS=...)
 #   make bench-convergence  fixed-budget accuracy of each topology x optimizer vs DDP on digits
+#   make bench-faults       elastic gossip under SIGKILLs + replacements vs the same run without faults (CSV, plot)
 #   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
 #   make wheel   build a wheel into dist/ (e.g. decentpy-0.1.0+cu130.torch213.sm80.sm90-...whl);
@@ -133,7 +134,7 @@ bench: $(BUILD_STAMP)
 	$(PY) -m bench.bench_kernels $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence runtime-model
+.PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) -m bench.bench_train $(BENCH_ARGS)
@@ -159,6 +160,10 @@ bench-hybrid: $(BUILD_STAMP)
 
 bench-convergence: $(BUILD_STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m bench.bench_convergence $(BENCH_ARGS)
+
+bench-faults: $(BUILD_STAMP)
+	$(PIP) install $(PIP_Q) matplotlib
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_faults $(BENCH_ARGS)
 
 runtime-model: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib

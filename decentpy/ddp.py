@@ -77,6 +77,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             rank (a subclass of it, also a :class:`~decentpy.PeerTimeoutError`); ``'ignore'``
             checks nothing (no norm per bucket). Uses the bucket norm the GradScaler / clipping
             path takes anyway; with a GradScaler a skip is its normal back-off (logged at INFO).
+        broadcast_parameters: ``True`` (the default): every rank starts from the group's first rank's
+            parameters and buffers (one broadcast at construction). ``False``: each rank keeps its own
+            values (:class:`decentpy.elastic.ElasticGossip` re-forming over the survivors of a failure,
+            or every rank loading its own checkpoint right after).
         comm: ``'auto'`` (decentpy's NCCL communicator when the process group is NCCL and the
             extension has it, else torch.distributed), ``'torch'`` or ``'nccl'``.
         process_group: gossip among the ranks of this group only (default: the world). The
@@ -98,6 +102,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
     FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+    #: ``intra_node`` name -> strategy class (a subclass may extend a strategy, e.g. decentpy.elastic)
+    _strategy_classes = GOSSIP_STRATEGIES
 
     def __init__(
         self,
@@ -119,6 +125,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         peer_liveness_timeout: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
         nonfinite: str = "skip",
         compression: Union[None, str, Compression] = None,
+        broadcast_parameters: bool = True,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -157,7 +164,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
         self._intra_node = intra_node
-        strategy = GOSSIP_STRATEGIES[intra_node] if self._compression is None else CompressedGossip
+        strategy = self._strategy_classes[intra_node] if self._compression is None else CompressedGossip
         extra = {"compression": self._compression} if self._compression is not None else {}
         self._timeout = timeout if timeout is not None else default_timeout()
 
@@ -228,7 +235,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 "optimizers with decent-dp's pre_average_hook get edges whose .group is a torch process group over "
                 "the edge's ranks, which decentpy creates on the world only; with process_group= use an optimizer "
                 "without pre_average_hook")
-        self._broadcast_from_rank0()
+        if broadcast_parameters:
+            self._broadcast_from_rank0()
         self._strategy.connect(self._params[0].device)
         comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
                                     group=self._group, liveness=peer_liveness_timeout)

@@ -286,6 +286,15 @@ def _waiter() -> _Waiter:
         return _WAITER
 
 
+def _retire_waiter(waiter: _Waiter) -> None:
+    """``waiter``'s thread is blocked in a wait given up on (it ends at the backend's timeout): the
+    next wait starts a new thread instead of queueing behind it."""
+    global _WAITER
+    with _MONITOR_LOCK:
+        if _WAITER is waiter:
+            _WAITER = None
+
+
 class PeerWatch:
     """How one wrapper's waits watch its peers: the ranks it exchanges with (global), its wait
     timeout and liveness timeout; turns every failure into the one right error, once."""
@@ -312,15 +321,20 @@ class PeerWatch:
             if ok is False:
                 raise self.classify(None, what, peers, bucket, step, start)
             return
-        done, box = _waiter().submit(lambda: work.wait(self.timeout))
+        waiter = _waiter()
+        done, box = waiter.submit(lambda: work.wait(self.timeout))
         tick = min(1.0, max(0.05, (self.liveness_s or 1.0) / 4))
-        while not done.wait(tick):
-            waited = time.monotonic() - start
-            self._check_peers(what, peers, bucket, step, start)
-            if waited > timeout_s + 5.0:  # the backend did not honour the timeout
-                raise self._raise_and_report(PeerTimeoutError(
-                    f"{what} did not complete within {waited:.1f} s (timeout {timeout_s:g} s); peer(s) "
-                    f"{list(peers)} are alive but did not answer", peers, bucket, step, waited))
+        try:
+            while not done.wait(tick):
+                waited = time.monotonic() - start
+                self._check_peers(what, peers, bucket, step, start)
+                if waited > timeout_s + 5.0:  # the backend did not honour the timeout
+                    raise self._raise_and_report(PeerTimeoutError(
+                        f"{what} did not complete within {waited:.1f} s (timeout {timeout_s:g} s); peer(s) "
+                        f"{list(peers)} are alive but did not answer", peers, bucket, step, waited))
+        except BaseException:
+            _retire_waiter(waiter)  # its thread still sits in this wait: later waits (elastic) get a fresh one
+            raise
         status, value = box[0]
         if status == "error":
             raise self.classify(value, what, peers, bucket, step, start) from value

@@ -1,0 +1,16 @@
+"""Elastic gossip: training that survives a dead peer (docs/elastic.md).
+
+- :mod:`.rendezvous` -- the one process that must stay up: a c10d ``TCPStore`` host
+  (``python -m decentpy.rendezvous``) and :func:`connect`;
+- :mod:`.membership` -- member ids, heartbeats, and the agreement on each epoch's member list;
+- :mod:`.strategy` -- the gossip step that finishes locally when a peer fails;
+- :mod:`.wrapper` -- :class:`ElasticGossip`, one ``DecentralizedDataParallel`` per membership epoch.
+"""
+
+from .membership import EvictedError, Formation, Membership, RendezvousError
+from .rendezvous import connect, serve
+from .strategy import ElasticGossipStrategy
+from .wrapper import ElasticGossip, MembershipChange
+
+__all__ = ["ElasticGossip", "MembershipChange", "Membership", "Formation", "RendezvousError", "EvictedError",
+           "ElasticGossipStrategy", "connect", "serve"]

@@ -1,0 +1,388 @@
+""":class:`ElasticGossip`: gossip training that survives a dead peer.
+
+It owns one :class:`~decentpy.DecentralizedDataParallel` per *epoch* (a fixed membership) over
+torch's default process group, which it creates for each epoch on a fresh prefix of the rendezvous
+store (gloo, the members renumbered ``0..n-1``). When a peer fails, the strategy
+(:mod:`.strategy`) finishes the step locally; before the next forward the survivors agree on the new
+member list (:mod:`.membership`), the default process group is replaced by one over them, and a new
+inner wrapper is built over the same model -- the topology re-made for the new ``n``, each survivor
+keeping its own parameters, optimizer and scheduler state (moved across with
+``training_state_dict()`` / ``load_training_state_dict()``, no broadcast) -- and training goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import PeerTimeoutError, PeerUnreachableError
+from ..ddp import DecentralizedDataParallel
+from ..engine import GOSSIP_STRATEGIES
+from ..engine.layout import OptimFn, SchedulerFn
+from ..topology import Topology, TopologyError, make_topology
+from .membership import EvictedError, Formation, Membership, RendezvousError
+from .strategy import ElasticGossipStrategy
+
+__all__ = ["ElasticGossip", "MembershipChange"]
+
+logger = logging.getLogger("decentpy.elastic")
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """What the callback gets (and :attr:`ElasticGossip.history` keeps) at every membership change."""
+
+    epoch: int
+    step: int                 #: the step count training goes on from
+    members: Tuple[str, ...]  #: member ids in rank order
+    rank: int                 #: this worker's new rank
+    world_size: int
+    left: Tuple[str, ...] = ()
+    joined: Tuple[str, ...] = ()
+    reform_s: float = 0.0     #: from the start of this worker's re-formation to the new group in use
+    detect_s: Optional[float] = None  #: how long the failed wait lasted before the failure was classified
+    cause: str = ""
+
+
+class _EpochDDP(DecentralizedDataParallel):
+    """The inner wrapper of one epoch: plain gossip whose step degrades to local after a peer failure."""
+
+    _strategy_classes = {**GOSSIP_STRATEGIES, "gossip": ElasticGossipStrategy}
+
+
+class ElasticGossip(nn.Module):
+    """Gossip data parallelism over a membership that changes: a worker that dies is dropped, the
+    survivors rebuild the topology over themselves and go on (see docs/elastic.md).
+
+    Args:
+        model, optim_fn, lr_scheduler_fn, topology: as for :class:`~decentpy.DecentralizedDataParallel`;
+            ``topology`` must be a registered name (it is re-made for every membership size).
+        store: the rendezvous store (:func:`decentpy.elastic.connect`, or any c10d Store every worker
+            reaches). Do not call ``init_process_group`` yourself: the wrapper creates the default
+            process group for each membership (gloo, the members numbered ``0..n-1``).
+        member_id: this worker's stable name (unique in the job; no ``, | /`` or spaces).
+        initial_workers: how many workers form the first membership.
+        timeout: bound on every wait (rendezvous, exchanges of a slow but alive peer).
+        peer_liveness_timeout: a member whose heartbeat stops this long is dead (an exchange with a
+            killed process fails within ~2.5 s anyway, its connection closing).
+        reform_timeout: bound on one re-formation, and on the set-up of each membership's process
+            group and wrapper (the state transfer to a joiner included); default ``timeout``.
+        on_membership_change: ``callback(change: MembershipChange)``, called on every worker after
+            each membership change, before the next forward (rebuild a ``DistributedSampler`` there).
+        job: a name that separates jobs sharing one rendezvous store.
+        **ddp_kwargs: further arguments of ``DecentralizedDataParallel`` (``bucket_size_in_mb``,
+            ``grad_clip_norm``, ``scaler``, ``local_world_size``, ``nonfinite``, ...).
+    """
+
+    def __init__(self, model: nn.Module, optim_fn: OptimFn, lr_scheduler_fn: Optional[SchedulerFn] = None,
+                 topology: str = "complete", *, store: Any, member_id: str, initial_workers: int,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=60),
+                 peer_liveness_timeout: datetime.timedelta = datetime.timedelta(seconds=10),
+                 reform_timeout: Optional[datetime.timedelta] = None,
+                 on_membership_change: Optional[Callable[[MembershipChange], None]] = None,
+                 job: str = "default", **ddp_kwargs: Any) -> None:
+        super().__init__()
+        if not isinstance(topology, str):
+            raise TypeError(f"ElasticGossip needs a topology name (it is re-made for every membership size), got "
+                            f"{type(topology).__name__}; use one of decentpy.available_topologies()")
+        from ..pipeline import AsyncPipe
+        from ..sharding import ShardedDataParallel
+        if isinstance(model, (AsyncPipe, ShardedDataParallel, DecentralizedDataParallel)):
+            raise TypeError(f"ElasticGossip wraps a plain model; {type(model).__name__} (pipelines, sharded or already "
+                            "wrapped models) is not elastic yet")
+        if "process_group" in ddp_kwargs:
+            raise ValueError("ElasticGossip does not take process_group=: it owns the default process group (one per "
+                             "membership epoch, over every member); sub-group gossip is not elastic yet")
+        if ddp_kwargs.get("intra_node", "gossip") != "gossip":
+            raise ValueError(f"ElasticGossip supports intra_node='gossip' only (got {ddp_kwargs['intra_node']!r}); "
+                             "node-level failure domains with 'allreduce'/'shard' are not elastic yet")
+        if ddp_kwargs.get("comm", "torch") not in ("torch", "auto"):
+            raise ValueError(f"ElasticGossip runs on gloo through torch.distributed (comm='torch'); comm="
+                             f"{ddp_kwargs['comm']!r} (decentpy's NCCL communicator) is not elastic yet")
+        if ddp_kwargs.get("compression") is not None:
+            raise ValueError(f"ElasticGossip does not support compression={ddp_kwargs['compression']!r} yet: the "
+                             "per-edge public copies would have to be rebuilt for the new members at each membership "
+                             "change")
+        if peer_liveness_timeout is None:
+            raise ValueError("ElasticGossip needs heartbeats: peer_liveness_timeout cannot be None")
+        if int(initial_workers) < 1:
+            raise ValueError(f"initial_workers must be >= 1, got {initial_workers}")
+        if dist.is_initialized():
+            raise RuntimeError("ElasticGossip creates the default process group itself (one per membership); "
+                               "do not call torch.distributed.init_process_group in an elastic worker")
+        self._model = model
+        self._optim_fn = optim_fn
+        self._lr_scheduler_fn = lr_scheduler_fn
+        self._topology_name = topology
+        self._store = store
+        self._timeout = timeout
+        self._liveness = peer_liveness_timeout
+        self._reform_timeout = reform_timeout if reform_timeout is not None else timeout
+        self._callback = on_membership_change
+        self._ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if k not in ("comm", "intra_node")}
+        self._graveyard: List[Any] = []  # old epochs' communicators: never torn down while peers may hold them
+        self._closed = False
+        self.history: List[MembershipChange] = []
+        # the topology must be defined for the first membership (later sizes fall back to 'ring' where it is not)
+        make_topology(topology, int(initial_workers),
+                      int(ddp_kwargs.get("local_world_size") or os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self._membership = Membership(store, member_id, peer_liveness_timeout.total_seconds(), job)
+        t0 = time.monotonic()
+        formation = self._membership.form_initial(int(initial_workers), timeout.total_seconds())
+        joining = self._membership.joining
+        # a joiner's state comes from a member of the running job (see _transfer)
+        known = self._membership.members_of(formation.epoch - 1) if joining else []
+        formation, self._inner = self._establish(formation, None, known, joining)
+        self._membership.settled()
+        self._record(formation, (), (member_id,) if joining else tuple(formation.members), time.monotonic() - t0,
+                     None, "joined a running job" if joining else "start")
+
+    # -- what the user reads -------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        return self._model
+
+    @property
+    def ddp(self) -> DecentralizedDataParallel:
+        """The current epoch's inner wrapper (replaced at every membership change)."""
+        return self._inner
+
+    @property
+    def members(self) -> Tuple[str, ...]:
+        """Member ids of the current epoch, in rank order."""
+        assert self._membership.formation is not None
+        return tuple(self._membership.formation.members)
+
+    @property
+    def epoch(self) -> int:
+        assert self._membership.formation is not None
+        return self._membership.formation.epoch
+
+    @property
+    def rank(self) -> int:
+        return self._inner.group_rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    @property
+    def topology(self) -> Topology:
+        """The topology in use (over the current members)."""
+        return self._inner.topology
+
+    @property
+    def step_count(self) -> int:
+        return self._inner.step_count
+
+    # -- training ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._inner._strategy.failure is not None or (  # type: ignore[attr-defined]
+                self._membership.changed and self._membership.confirm()):
+            self._reform()
+        return self._inner(*args, **kwargs)
+
+    def update(self) -> Optional[MembershipChange]:
+        """Apply a pending membership change now (the next forward would), e.g. at the top of the
+        training loop, so that :attr:`step_count`, :attr:`rank` and :attr:`world_size` read afterwards
+        are those the iteration runs with. Returns the change, or None."""
+        if self._inner._strategy.failure is not None or (  # type: ignore[attr-defined]
+                self._membership.changed and self._membership.confirm()):
+            self._reform()
+            return self.history[-1]
+        return None
+
+    def global_avg(self, *args: Any, **kwargs: Any) -> Any:
+        self._current()
+        return self._inner.global_avg(*args, **kwargs)
+
+    def consensus_distance(self) -> float:
+        self._current()
+        return self._inner.consensus_distance()
+
+    def training_state_dict(self) -> Dict[str, Any]:
+        self._current()
+        return self._inner.training_state_dict()
+
+    def get_lr(self) -> float:
+        return self._inner.get_lr()
+
+    def _current(self) -> None:
+        """Re-form first if a failure or a change is pending (before a collective over the members)."""
+        self.update()
+
+    def close(self) -> None:
+        """Stop the heartbeat and release the wrapper (the model keeps its parameters)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._inner._strategy.abandon()  # type: ignore[attr-defined]
+        self._retire(self._inner)
+        self._membership.stop()
+
+    # -- membership changes --------------------------------------------------------------------
+    def _init_world(self, formation: Formation) -> None:
+        if dist.is_initialized():
+            self._graveyard.append(dist.group.WORLD)
+            dist.destroy_process_group()
+        prefix = dist.PrefixStore(f"{self._membership.prefix}epoch{formation.epoch}/pg", self._store)
+        # Bounded by reform_timeout while the epoch is set up (a member dying then must not hold the
+        # others for the whole timeout); the wrapper's timeout once it trains (see _establish).
+        dist.init_process_group("gloo", store=prefix, rank=formation.rank_of(self._membership.id),
+                                world_size=len(formation.members), timeout=self._reform_timeout)
+
+    def _topology_for(self, n: int) -> str:
+        """The topology name for ``n`` members: the user's, or ``ring`` (defined for every ``n``) where
+        the user's is not defined (e.g. alternating-exp-ring on a single node); the same choice on
+        every member (a function of ``n``)."""
+        lws = self._ddp_kwargs.get("local_world_size") or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        try:
+            make_topology(self._topology_name, n, int(lws))
+            return self._topology_name
+        except TopologyError as exc:
+            logger.warning("decentpy.elastic: %s; using 'ring' while the membership has %d workers",
+                           str(exc).splitlines()[0][:200], n)
+            return "ring"
+
+    def _build(self, broadcast: bool) -> _EpochDDP:
+        inner = _EpochDDP.__new__(_EpochDDP)
+        try:
+            inner.__init__(self._model, self._optim_fn, self._lr_scheduler_fn,  # type: ignore[misc]
+                           topology=self._topology_for(dist.get_world_size()), timeout=self._timeout,
+                           peer_liveness_timeout=self._liveness,
+                           comm="torch", broadcast_parameters=broadcast, **self._ddp_kwargs)
+        except BaseException:
+            driver = inner.__dict__.get("_driver")  # a construction that failed half-way leaves no hook behind
+            if driver is not None:
+                driver.remove_hooks()
+            raise
+        return inner
+
+    def _retire(self, inner: _EpochDDP) -> None:
+        """Unhook an epoch's wrapper from the model; its process groups stay alive (a peer may still
+        hold an exchange with them) until the process ends."""
+        self._graveyard.append(inner._comm)
+        inner._driver.remove_hooks()
+        for h in inner._module_hooks:
+            h.remove()
+        inner._module_hooks = []
+        inner._closed = True
+
+    def _reform(self) -> None:
+        t0 = time.monotonic()
+        old_inner = self._inner
+        strategy: ElasticGossipStrategy = old_inner._strategy  # type: ignore[assignment]
+        assert self._membership.formation is not None
+        old = self._membership.formation
+        failure = strategy.failure
+        suspected: List[str] = []
+        if isinstance(failure, PeerUnreachableError):
+            ranks = failure.ranks
+            suspected = [old.members[r] for r in ranks if 0 <= r < len(old.members)]
+        strategy.abandon()
+        state = old_inner.training_state_dict()
+        self._retire(old_inner)
+        cause = (f"{type(failure).__name__} at step {strategy.failed_at}" if failure is not None
+                 else "a membership change announced by a peer")
+        if failure is None:  # nobody failed: end the peers' waits on this worker's abandoned exchanges now
+            from ..comm import peer_monitor
+            monitor = peer_monitor()
+            if monitor is not None:
+                monitor.report(f"member {self._membership.id} is re-forming the group (membership change)")
+        formation = self._membership.reform(suspected, int(state["step"]), self._reform_timeout.total_seconds())
+        formation, self._inner = self._establish(formation, state, old.members, False)
+        self._membership.settled()
+        left = tuple(m for m in old.members if m not in formation.members)
+        joined = tuple(m for m in formation.members if m not in old.members)
+        self._record(formation, left, joined, time.monotonic() - t0,
+                     failure.waited_s if failure is not None else None, cause)
+
+    def _establish(self, formation: Formation, state: Optional[Dict[str, Any]], known: List[str],
+                   joiner: bool) -> Tuple[Formation, _EpochDDP]:
+        """The epoch's process group and inner wrapper, with this worker's state (``state``: its own,
+        None: the first epoch's broadcast, or a joiner's transfer; ``known``: the members that had a
+        state before). A member failing meanwhile (the change itself fails): once more, over whoever
+        is left (up to 3 attempts)."""
+        last: Optional[BaseException] = None
+        for _attempt in range(3):
+            try:
+                self._init_world(formation)
+                inner = self._build(broadcast=state is None and not joiner)
+                if state is not None:
+                    inner.load_training_state_dict(dict(state, step=formation.step, world_size=len(formation.members),
+                                                        rank=formation.rank_of(self._membership.id)))
+                if state is not None or joiner:
+                    self._transfer(formation, known, inner, joiner)
+                set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+                if set_timeout is not None and self._reform_timeout != self._timeout:
+                    set_timeout(self._timeout)
+                return formation, inner
+            except (PeerTimeoutError, RuntimeError) as exc:
+                if isinstance(exc, (EvictedError, RendezvousError)):
+                    raise
+                last = exc
+                logger.warning("decentpy.elastic: member %s: forming epoch %d failed (%s); once more without whoever "
+                               "stopped beating", self._membership.id, formation.epoch, str(exc).splitlines()[0][:300])
+                step = int(state["step"]) if state is not None else formation.step
+                formation = self._membership.reform([], step, self._reform_timeout.total_seconds())
+        raise RendezvousError(f"member {self._membership.id}: the membership could not be formed in 3 attempts: "
+                              f"{last}")
+
+    def _transfer(self, formation: Formation, old_members: List[str], inner: _EpochDDP, joiner: bool) -> None:
+        """Joiners receive their whole training state (parameters, buffers, optimizer and scheduler
+        state, step) point to point from the member ranked just before them (a ring neighbour; for
+        several joiners in turn, so a joiner may pass on what it just received). ``old_members``: the
+        previous epoch's."""
+        me = formation.rank_of(self._membership.id)
+        known = set(old_members)
+        for j, m in enumerate(formation.members):
+            if m in known or j == 0:
+                continue
+            if joiner and m == self._membership.id:
+                box: List[Any] = [None]
+                dist.recv_object_list(box, src=j - 1)
+                state = dict(box[0], rank=me, world_size=len(formation.members))
+                inner.load_training_state_dict(state)
+                logger.info("decentpy.elastic: member %s received its state from member %s (rank %d) at step %d",
+                            m, formation.members[j - 1], j - 1, state["step"])
+            elif me == j - 1:
+                dist.send_object_list([inner.training_state_dict()], dst=j)
+
+    def leave(self) -> None:
+        """Leave the job cleanly at an iteration boundary: the others re-form without this worker at
+        their next iteration (an exchange still in flight with it ends at once, that step is local
+        for them). The model keeps its parameters."""
+        self._current()
+        self._inner._strategy.abandon()  # type: ignore[attr-defined]
+        from ..comm import peer_monitor
+        monitor = peer_monitor()
+        if monitor is not None:  # the others' waits on this worker end within a heartbeat
+            monitor.report(f"member {self._membership.id} left the job (leave())")
+        self._membership.leave(self._reform_timeout.total_seconds())
+        logger.warning("decentpy.elastic: member %s left the job at step %d", self._membership.id, self.step_count)
+        self._retire(self._inner)
+        self._closed = True
+
+    def _record(self, formation: Formation, left: Tuple[str, ...], joined: Tuple[str, ...], reform_s: float,
+                detect_s: Optional[float], cause: str) -> None:
+        change = MembershipChange(formation.epoch, formation.step, tuple(formation.members),
+                                  formation.rank_of(self._membership.id), len(formation.members), left, joined,
+                                  reform_s, detect_s, cause)
+        self.history.append(change)
+        if cause == "start":
+            logger.info("decentpy.elastic: epoch %d: %d members %s; this is %s, rank %d", formation.epoch,
+                        change.world_size, list(change.members), self._membership.id, change.rank)
+            return
+        logger.warning("decentpy.elastic: epoch %d from step %d: %d members %s (left: %s, joined: %s; cause: %s); "
+                       "this is %s, now rank %d; re-formed in %.2f s", formation.epoch, formation.step,
+                       change.world_size, list(change.members), list(left) or "none", list(joined) or "none", cause,
+                       self._membership.id, change.rank, reform_s)
+        if self._callback is not None:
+            self._callback(change)

@@ -1,0 +1,360 @@
+"""decentpy.elastic: gossip that survives a dead peer (docs/elastic.md).
+
+Each worker is its own process (its own failure domain), started here with a member id and pointed
+at a rendezvous store hosted by the test process; no worker calls init_process_group. Every wait is
+bounded (the workers' own timeouts, and a hard deadline here after which every worker is killed).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import signal
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from reference import batch, loss_fn, make_mlp
+
+STEPS = 16
+LR = 0.1
+
+
+def _params64(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {n: p.detach().to(torch.float64, copy=True) for n, p in model.named_parameters()}
+
+
+def _entry(fn: Callable[..., Any], member: int, port: int, args: tuple, q: Any) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    try:
+        q.put((member, "ok", pickle.dumps(fn(member, port, *args))))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        q.put((member, "error", traceback.format_exc()))
+
+
+def run_members(fn: Callable[..., Any], members: Sequence[int], args: tuple, timeout: float,
+                expect_dead: Sequence[int] = ()) -> Dict[int, Any]:
+    """Run ``fn(member, port, *args)`` in one process per member against a store hosted here;
+    results by member (killed members are left out). Every process is gone when this returns."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = {m: ctx.Process(target=_entry, args=(fn, m, store.port, args, q), daemon=True) for m in members}
+    for p in procs.values():
+        p.start()
+    results: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < len(members) - len(expect_dead):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"elastic workers did not finish within {timeout:g} s; done: {sorted(results)}, "
+                                   f"failed: {errors}")
+            try:
+                m, status, payload = q.get(timeout=min(left, 1.0))
+            except queue_mod.Empty:
+                continue
+            if status == "ok":
+                results[m] = pickle.loads(payload)
+            else:
+                errors[m] = payload
+    finally:
+        for p in procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        del store
+    if errors:
+        raise AssertionError("\n".join(f"--- member {m} ---\n{tb}" for m, tb in sorted(errors.items())))
+    return results
+
+
+def _wait_all_done(store: Any, key: str, n: int, timeout_s: float = 30.0) -> None:
+    """A bounded barrier in the store (so that no survivor exits while another still exchanges)."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(key, 0)) < n:
+        assert time.monotonic() < deadline, f"barrier {key}: only {int(store.add(key, 0))} of {n} arrived"
+        time.sleep(0.05)
+
+
+def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int]) -> Dict[str, Any]:
+    """Trains to STEPS; member ``v`` SIGKILLs itself at step ``kills[v]``. Survivors record their
+    parameters when the last membership is in place (the callback) and at the end."""
+    from decentpy.elastic import ElasticGossip, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    model = make_mlp(0)
+    seen: List[Any] = []
+    at_change: Dict[str, Any] = {}
+
+    def on_change(change: Any) -> None:
+        seen.append(change)
+        at_change.update(params=_params64(model), step=change.step)  # the last one counts
+
+    eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology=topo,
+                       store=store, member_id=str(member), initial_workers=4,
+                       timeout=datetime.timedelta(seconds=30), peer_liveness_timeout=datetime.timedelta(seconds=4),
+                       bucket_size_in_mb=0.0002, on_membership_change=on_change)
+    first_members = eg.members
+    while True:
+        eg.update()
+        k = eg.step_count
+        if k >= STEPS:
+            break
+        if kills.get(member) == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(member, k)
+        loss_fn(eg(x), y).backward()
+    _wait_all_done(store, "test/done", 4 - len(kills))
+    return {"first_members": first_members, "members": eg.members, "rank": eg.rank, "world_size": eg.world_size,
+            "changes": [(c.world_size, c.rank, c.left, c.step, c.reform_s, c.detect_s) for c in seen],
+            "at_change": at_change, "final": _params64(model), "topology": eg.topology.name}
+
+
+def _reference(topo: str, members: Sequence[str], start: Dict[str, Dict[str, torch.Tensor]], s0: int,
+               steps: int) -> List[Dict[str, torch.Tensor]]:
+    """Float64 re-computation over the survivors, from their parameters at re-formation (step
+    ``s0``): at s0 no mix (no exchange in flight in the new group), then the topology over n=3."""
+    from decentpy.topology import make_topology
+
+    n = len(members)
+    t = make_topology(topo, n, 1)
+    models = [make_mlp(0).double() for _ in range(n)]
+    with torch.no_grad():
+        for m, member in zip(models, members):
+            for name, p in m.named_parameters():
+                p.copy_(start[member][name])
+    for k in range(s0, steps):
+        grads = []
+        for m, member in zip(models, members):
+            m.zero_grad()
+            x, y = batch(int(member), k)
+            loss_fn(m(x.double()), y.double()).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        W = torch.eye(n, dtype=torch.float64) if k == s0 else t.mixing_matrix(k).double()
+        with torch.no_grad():
+            for tensors in zip(*[list(m.parameters()) for m in models]):
+                mixed = torch.einsum("ij,j...->i...", W, torch.stack([p.clone() for p in tensors]))
+                for p, z in zip(tensors, mixed):
+                    p.copy_(z)
+            for m, g in zip(models, grads):
+                for p, gp in zip(m.parameters(), g):
+                    p.sub_(LR * gp)
+    return [{name: p.detach().clone() for name, p in m.named_parameters()} for m in models]
+
+
+@pytest.mark.parametrize("topo, kills", [("ring", {2: 5}), ("one-peer-exp", {2: 5, 1: 9})],
+                         ids=["ring-one-kill", "one-peer-exp-two-kills-in-a-row"])
+def test_survivors_go_on_after_sigkill(topo: str, kills: Dict[int, int]) -> None:
+    t0 = time.monotonic()
+    res = run_members(survivor_worker, [0, 1, 2, 3], (topo, kills), timeout=120, expect_dead=list(kills))
+    elapsed = time.monotonic() - t0
+    survivors = [str(m) for m in range(4) if m not in kills]
+    assert sorted(res) == [int(m) for m in survivors]
+    for m, r in res.items():
+        assert r["first_members"] == ("0", "1", "2", "3")
+        assert r["members"] == tuple(survivors), r
+        assert r["world_size"] == len(survivors) and r["rank"] == survivors.index(str(m))
+        # the callback fired at every change, with the new world size and this worker's new rank
+        sizes = [c[0] for c in r["changes"]]
+        assert sizes == list(range(3, 4 - len(kills) - 1, -1)), r["changes"]
+        assert r["changes"][-1][1] == survivors.index(str(m))
+        assert sorted(g for c in r["changes"] for g in c[2]) == sorted(str(v) for v in kills)
+        assert all(torch.isfinite(v).all() for v in r["final"].values())
+    s0 = {r["at_change"]["step"] for r in res.values()}
+    assert len(s0) == 1, f"survivors disagree on the step the new membership starts at: {s0}"
+    start = s0.pop()
+    assert max(kills.values()) <= start < STEPS
+    want = _reference(topo, survivors, {str(m): r["at_change"]["params"] for m, r in res.items()}, start, STEPS)
+    got = [res[int(m)]["final"] for m in survivors]
+    for name in want[0]:
+        mean_got = torch.stack([g[name] for g in got]).mean(0)
+        mean_want = torch.stack([w[name] for w in want]).mean(0)
+        assert torch.allclose(mean_got, mean_want, rtol=1e-5, atol=1e-6), \
+            f"{name}: survivors' mean off by {(mean_got - mean_want).abs().max():.3g}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.allclose(g[name], w[name], rtol=1e-5, atol=1e-6), \
+                f"{name} on survivor {survivors[i]}: off by {(g[name] - w[name]).abs().max():.3g}"
+    reform = max(c[4] for r in res.values() for c in r["changes"])
+    detect = max((c[5] or 0.0) for r in res.values() for c in r["changes"])
+    print(f"\n{topo}: detect <= {detect:.2f} s, re-form <= {reform:.2f} s, whole test {elapsed:.1f} s")
+
+
+JOIN_STEPS = 24
+
+
+def churn_worker(member: int, port: int) -> Dict[str, Any]:
+    """Members 0-3 start; 2 is SIGKILLed at step 5; member 4 (a replacement, started by the test
+    with the others) joins once the survivors re-formed; member 1 leaves cleanly at step 16 (after
+    the join). Everyone records its parameters at every membership change."""
+    from decentpy.elastic import ElasticGossip, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    if member == 4:  # the replacement: started by the launcher after the failure
+        deadline = time.monotonic() + 60
+        while not (store.check(["decentpy/elastic/default/current"])
+                   and int(store.get("decentpy/elastic/default/current")) >= 2):
+            assert time.monotonic() < deadline, "the survivors never re-formed"
+            time.sleep(0.1)
+    model = make_mlp(member + 100)  # a joiner's own values must not matter
+    at: Dict[int, Any] = {}
+    changes: List[Any] = []
+
+    def on_change(change: Any) -> None:
+        changes.append((change.epoch, change.members, change.rank, change.world_size, change.left, change.joined,
+                        change.step, change.reform_s))
+        at[change.epoch] = _params64(model)
+
+    eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR, momentum=0.9), topology="ring",
+                       store=store, member_id=str(member), initial_workers=4,
+                       timeout=datetime.timedelta(seconds=30), peer_liveness_timeout=datetime.timedelta(seconds=4),
+                       bucket_size_in_mb=0.0002, on_membership_change=on_change)
+    if member == 4:
+        at[eg.epoch] = at.get(eg.epoch, _params64(model))
+    left = False
+    while True:
+        eg.update()
+        k = eg.step_count
+        if k >= JOIN_STEPS:
+            break
+        if member == 2 and k == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if k >= 10 and "4" not in eg.members:  # the test's launcher: hold on until the replacement is in
+            deadline = time.monotonic() + 90
+            while "4" not in eg.members:
+                assert time.monotonic() < deadline, "the replacement was never admitted"
+                time.sleep(0.05)
+                eg.update()
+            continue
+        if member == 1 and k >= 16:
+            eg.leave()
+            left = True
+            break
+        x, y = batch(member, k)
+        loss_fn(eg(x), y).backward()
+    if not left:
+        _wait_all_done(store, "test/done", 3)
+    return {"changes": changes, "at": at, "final": _params64(model), "left": left, "members": eg.members,
+            "step": eg.step_count}
+
+
+def test_replacement_joins_and_a_member_leaves() -> None:
+    t0 = time.monotonic()
+    res = run_members(churn_worker, [0, 1, 2, 3, 4], (), timeout=150, expect_dead=[2])
+    elapsed = time.monotonic() - t0
+    assert sorted(res) == [0, 1, 3, 4]
+    assert res[1]["left"]
+    for m in (0, 3, 4):
+        assert res[m]["step"] == JOIN_STEPS and res[m]["members"] == ("0", "3", "4"), res[m]
+        assert all(torch.isfinite(v).all() for v in res[m]["final"].values())
+    # membership history on the members that saw it all
+    epochs = [c[:2] for c in res[0]["changes"]]
+    assert epochs == [(2, ("0", "1", "3")), (3, ("0", "1", "3", "4")), (4, ("0", "3", "4"))], epochs
+    assert [c[:2] for c in res[3]["changes"]] == epochs
+    # the replacement has its neighbour's (member 3, ranked before it) state bit for bit at admission
+    joined = res[4]["changes"][0]
+    assert joined[0] == 3 and joined[1] == ("0", "1", "3", "4") and joined[2] == 3 and joined[5] == ("4",)
+    for name, v in res[3]["at"][3].items():
+        assert torch.equal(res[4]["at"][3][name], v), f"{name}: the replacement's state differs from its donor's"
+    print(f"\nchurn: {elapsed:.1f} s; re-form times {[round(c[7], 2) for c in res[0]['changes']]}")
+
+
+def store_gone_worker(member: int, port: int) -> Dict[str, Any]:
+    """Trains until the rendezvous host disappears; must raise RendezvousError, bounded."""
+    from decentpy.elastic import ElasticGossip, RendezvousError, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=10))
+    eg = ElasticGossip(make_mlp(0), lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology="ring",
+                       store=store, member_id=str(member), initial_workers=2,
+                       timeout=datetime.timedelta(seconds=10), peer_liveness_timeout=datetime.timedelta(seconds=3))
+    store.add("test/started", 1)
+    gone_at = None
+    try:
+        for k in range(100000):
+            if gone_at is None and os.path.exists(os.environ["DECENTPY_TEST_FLAG"]):
+                gone_at = time.monotonic()
+            x, y = batch(member, k)
+            loss_fn(eg(x), y).backward()
+            time.sleep(0.01)
+    except RendezvousError as exc:
+        return {"error": type(exc).__name__, "text": str(exc),
+                "after_s": time.monotonic() - (gone_at if gone_at is not None else time.monotonic())}
+    return {"error": None}
+
+
+def test_rendezvous_host_gone_is_a_clear_bounded_error(tmp_path: Any) -> None:
+    """The rendezvous (``python -m decentpy.rendezvous``) is the one process that must stay up:
+    when it dies, every worker raises RendezvousError within seconds, no hang."""
+    import subprocess
+    import sys
+
+    from tools.spawn import free_port
+
+    port = free_port()
+    flag = tmp_path / "gone"
+    host = subprocess.Popen([sys.executable, "-m", "decentpy.rendezvous", "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "listening" in (host.stdout.readline() if host.stdout else "")
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        os.environ["DECENTPY_TEST_FLAG"] = str(flag)
+        procs = [ctx.Process(target=_entry, args=(store_gone_worker, m, port, (), q), daemon=True) for m in (0, 1)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 90
+        while int(client.add("test/started", 0)) < 2:
+            assert time.monotonic() < deadline, "the elastic workers did not start"
+            time.sleep(0.1)
+        del client
+        time.sleep(0.5)
+        host.kill()
+        host.wait(timeout=10)
+        flag.write_text("1")
+        out = {}
+        while len(out) < 2:
+            m, status, payload = q.get(timeout=max(1.0, deadline - time.monotonic()))
+            assert status == "ok", payload
+            out[m] = pickle.loads(payload)
+        for p in procs:
+            p.join(timeout=10)
+    finally:
+        os.environ.pop("DECENTPY_TEST_FLAG", None)
+        if host.poll() is None:
+            host.kill()
+        for p in locals().get("procs", []):
+            if p.is_alive():
+                p.kill()
+    for m, r in out.items():
+        assert r["error"] == "RendezvousError", r
+        assert "rendezvous store is unreachable" in r["text"] and "must stay up" in r["text"], r["text"]
+        assert r["after_s"] < 15, r
+    print(f"\nrendezvous gone: RendezvousError after {max(r['after_s'] for r in out.values()):.2f} s")
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"topology": "ring", "process_group": None}, ValueError, "sub-group gossip"),
+    ({"topology": "ring", "intra_node": "shard"}, ValueError, "intra_node='gossip' only"),
+    ({"topology": "ring", "comm": "nccl"}, ValueError, "NCCL communicator"),
+    ({"topology": object()}, TypeError, "topology name"),
+    ({"topology": "alternating-exp-ring", "local_world_size": 1}, ValueError, "local_world_size"),
+])
+def test_unsupported_settings_are_refused_at_construction(kwargs: Dict[str, Any], error: type, words: str) -> None:
+    """Refused before anything touches the store (a dummy one here) or the process group."""
+    from decentpy.elastic import ElasticGossip
+
+    with pytest.raises(error, match=words):
+        ElasticGossip(make_mlp(0), lambda named: torch.optim.SGD([p for _, p in named], lr=LR), store=object(),
+                      member_id="0", initial_workers=4, **kwargs)
