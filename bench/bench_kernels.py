@@ -71,6 +71,20 @@ def timer(device):
     return run
 
 
+def interleaved_medians(fns, device, repeats):
+    """Median seconds of each of ``fns`` (name -> callable) after two warm-up calls each, timed in
+    interleaved rounds (each round times every variant once, so load changes hit all of them alike)."""
+    run = timer(device)
+    for fn in fns.values():
+        for _ in range(2):
+            run(fn)
+    samples = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            samples[k].append(run(fn))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
 def make_torch_adamw(p, lr, wd, betas, eps, mode):
     """mode: 'fused', 'foreach' or 'default' (foreach=False). Returns (optimizer, mode used)."""
     kw = dict(lr=lr, weight_decay=wd, betas=betas, eps=eps)
@@ -154,19 +168,10 @@ def bench_device(device, numel, repeats, zero_grad=True):
     dst = torch.empty_like(src)
     copy_bytes = 2 * copy_elems * 4
 
-    # Interleaved: each round times every variant once, so load changes hit all of them alike.
     fns = {"fused": fused, "a": seq_a, "b": seq_b, "copy": lambda: dst.copy_(src)}
     if zero_grad:
         fns["d"] = fused_then_zero
-    run = timer(device)
-    for fn in fns.values():
-        for _ in range(2):
-            run(fn)
-    samples = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            samples[k].append(run(fn))
-    med = {k: statistics.median(v) for k, v in samples.items()}
+    med = interleaved_medians(fns, device, repeats)
     t_fused, t_a, t_b, t_copy = med["fused"], med["a"], med["b"], med["copy"]
 
     gbs = lambda b, t: b / t / 1e9
@@ -274,16 +279,7 @@ def bench_compressed(device, numel, repeats, kind):
                 t_send.copy_(d)
                 tsn.add_(t_send.float())
 
-    run = timer(device)
-    fns = {"fused": fused, "torch": torch_ops}
-    for fn in fns.values():
-        for _ in range(2):
-            run(fn)
-    samples = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            samples[k].append(run(fn))
-    med = {k: statistics.median(x) for k, x in samples.items()}
+    med = interleaved_medians({"fused": fused, "torch": torch_ops}, device, repeats)
     ratio = med["torch"] / med["fused"]
     print(f"\n[{device}] compressed gossip pass, {kind} ({wire / (4 * numel):.3f}x the fp32 bytes on the wire), "
           f"AdamW, bucket {numel * 4 / 2**20:.1f} MiB fp32, median of {repeats} interleaved runs")
