@@ -9,8 +9,8 @@ model, whose test accuracy is reported. The baseline is ``torch.nn.parallel.Dist
 (all-reduce of gradients) with the *same* optimizer object type (the decentpy optimizer helper,
 stepped standalone), same schedule, seed, shards and batches.
 
-Compressed gossip (``--compression int8,bf16``): every topology that exchanges in pairs (ring,
-one-peer-exp) also runs as ``<topology>+<kind>`` with ``DecentralizedDataParallel(compression=...)``
+Compressed gossip (``--compression int8,bf16``): every topology also runs as ``<topology>+<kind>``
+with ``DecentralizedDataParallel(compression=...)``
 (``--gamma``: the consensus step size, default the kind's default); its row also shows the
 difference to the same topology uncompressed at the same number of steps.
 
@@ -37,7 +37,6 @@ from bench.common.tables import print_table, write_csv
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 OPTIMIZERS = ("sgd", "adamw", "accum-adam")
 LOCAL_WORLD_SIZE = 2
-PAIR_TOPOLOGIES = ("ring", "one-peer-exp")  # what compressed gossip supports
 
 
 def _train_one(rank: int, world: int, data: Any, args: Dict[str, Any], optimizer: str, method: str,
@@ -130,10 +129,10 @@ def _worker_body(rank: int, world: int, plan: Dict[str, Any]) -> List[Dict[str, 
 
 
 def _methods(plan: Dict[str, Any]) -> List[str]:
-    """'ddp', the topologies, then '<topology>+<kind>' for each compressor and pair topology."""
+    """'ddp', the topologies, then '<topology>+<kind>' for each compressor and topology."""
     out = ["ddp", *plan["topologies"]]
     for kind in plan.get("compression", []):
-        out += [f"{t}+{kind}" for t in plan["topologies"] if t in PAIR_TOPOLOGIES]
+        out += [f"{t}+{kind}" for t in plan["topologies"]]
     return out
 
 

@@ -61,8 +61,11 @@ from bench.common.tables import print_table as print_table_rows
 from bench.common.tables import write_csv as write_rows_csv
 
 
-FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "torch-ddp-fp16", "torch-ddp-bf16", "torch-ddp-powersgd", "local",
-              "local-fused")
+FRAMEWORKS = ("decentpy", "decentpy-int8", "decentpy-bf16", "decent-dp", "torch-ddp", "torch-ddp-fp16",
+              "torch-ddp-bf16", "torch-ddp-powersgd", "local", "local-fused")
+COMPRESSED = {"decentpy-int8": "int8", "decentpy-bf16": "bf16"}  # decentpy with compressed gossip
+DECENTPY = ("decentpy",) + tuple(COMPRESSED)
+LINK_FRAMEWORKS = tuple(f for f in FRAMEWORKS if f != "decentpy-bf16")  # the default on a throttled link
 DEFAULT_FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "local", "local-fused")  # on loopback
 DDP_HOOKS = ("torch-ddp-fp16", "torch-ddp-bf16", "torch-ddp-powersgd")  # DDP + a compression comm hook
 DDPS = ("torch-ddp",) + DDP_HOOKS
@@ -78,6 +81,9 @@ bytes/step = bytes SENT per worker per step, averaged over one period of the sch
 ranks (P = parameter bytes, m = size of the worker's group at that step):
   decentpy   m == 1: 0;  m == 2: P (peer exchange: send own bucket, receive the peer's);
              m > 2: 2(m-1)/m * P (in-place all-reduce of the group, ring algorithm)
+  decentpy-int8 / -bf16   (m-1) * C: every other member of the group gets its own compressed
+             difference, C = P/4 + 4 ceil(P/1024) bytes (int8: a code per element and an fp32
+             scale per 256) or P/2 (bf16)
   decent-dp  m == 1: 0;  m >= 2: 2(m-1)/m * P (all-reduce on a per-edge group, pairs too: 1.0 P)
   torch-ddp  2(n-1)/n * P (ring all-reduce of the gradients); fp16/bf16 hooks: half of it;
              powersgd: 2(n-1)/n * (sum over matrices (rows + cols) * rank * 4 + vector bytes)
@@ -135,7 +141,7 @@ def build_configs(workers: Sequence[int], models: Sequence[str], frameworks: Seq
     for n in workers:
         for model in models:
             for fw in frameworks:
-                if fw in ("decentpy", "decent-dp"):
+                if fw in DECENTPY or fw == "decent-dp":
                     out += [Config(fw, t, n, model, n // 2 if two_nodes and t == "alternating-exp-ring" else 0)
                             for t in topologies if topology_valid(t, n, fw, n // 2 if two_nodes else None)]
                 elif fw in DDPS:
@@ -177,8 +183,11 @@ def bytes_per_step(cfg: Config, param_bytes: int) -> float:
     if cfg.framework == "torch-ddp-powersgd":
         return 2.0 * (n - 1) / n * powersgd_bytes(cfg.model)
     from decentpy import make_topology
+    from decentpy.compression import wire_bytes
 
     topo = make_topology(cfg.topology, n, cfg.local_world_size)
+    kind = COMPRESSED.get(cfg.framework)
+    wire = float(wire_bytes(kind, int(p) // 4)) if kind else 0.0
     worst = 0.0
     for r in range(n):
         tot = 0.0
@@ -186,7 +195,9 @@ def bytes_per_step(cfg: Config, param_bytes: int) -> float:
             m = len(topo.group_of(r, k).ranks)
             if m == 1:
                 continue
-            if m == 2 and cfg.framework == "decentpy":
+            if kind:
+                tot += (m - 1) * wire
+            elif m == 2 and cfg.framework == "decentpy":
                 tot += p
             else:
                 tot += 2.0 * (m - 1) / m * p
@@ -208,11 +219,12 @@ class TrainRunner(Runner):
         import torch
 
         cfg = self.cfg
-        if cfg.framework == "decentpy":
+        if cfg.framework in DECENTPY:
             from decentpy import DecentralizedDataParallel
 
             self.net = DecentralizedDataParallel(model, optim_fn=adamw_fn, topology=cfg.topology,
-                                                 local_world_size=cfg.local_world_size)
+                                                 local_world_size=cfg.local_world_size,
+                                                 compression=COMPRESSED.get(cfg.framework))
         elif cfg.framework == "decent-dp":
             from decent_dp.ddp import DecentralizedDataParallel as RefDDP
 
@@ -222,7 +234,11 @@ class TrainRunner(Runner):
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
             from torch.nn.parallel import DistributedDataParallel
 
-            self.net = DistributedDataParallel(model)
+            # PowerSGD's hook chains all-reduces in future callbacks; with several buckets on gloo their
+            # order differs between ranks (seen here: "Received data size doesn't match expected size",
+            # a crash; pytorch/pytorch#58467): one bucket keeps its collectives in one order.
+            one_bucket = {"bucket_cap_mb": 1024} if cfg.framework == "torch-ddp-powersgd" else {}
+            self.net = DistributedDataParallel(model, **one_bucket)
             if cfg.framework == "torch-ddp-fp16":
                 self.net.register_comm_hook(None, default_hooks.fp16_compress_hook)
             elif cfg.framework == "torch-ddp-bf16":
@@ -291,7 +307,7 @@ def run_group(n: int, plan: Dict[str, Any], timeout_s: float, net: Any = None) -
 
 def period_of(cfg: Config) -> int:
     """Steps after which ``cfg``'s exchange pattern repeats (1 for all-reduce and the floors)."""
-    if cfg.framework not in ("decentpy", "decent-dp") or cfg.workers == 1:
+    if (cfg.framework not in DECENTPY and cfg.framework != "decent-dp") or cfg.workers == 1:
         return 1
     from decentpy import make_topology
 
@@ -326,11 +342,13 @@ def summarize(raw: List[Dict[str, Any]], chunk: int = 0) -> List[Dict[str, Any]]
         floor = by.get((c.model, c.workers, "local", "none"))
         ffloor = by.get((c.model, c.workers, "local-fused", "none-fused"))
         ddp = by.get((c.model, c.workers, "torch-ddp", "allreduce"))
+        psgd = by.get((c.model, c.workers, "torch-ddp-powersgd", "allreduce"))
         ref = by.get((c.model, c.workers, "decent-dp", c.topology))
         r["floor_compute"] = floor["compute"] if floor else (ffloor["compute"] if ffloor else None)
         r["vs_floor"] = r["step"] / floor["step"] if floor else None
         r["vs_ffloor"] = r["step"] / ffloor["step"] if ffloor else None
         r["vs_ddp"] = ddp["step"] / r["step"] if ddp else None  # > 1: faster than DDP
+        r["vs_powersgd"] = psgd["step"] / r["step"] if psgd else None  # > 1: faster than DDP + PowerSGD
         r["vs_ref"] = ref["step"] / r["step"] if ref else None  # > 1: faster than decent-dp
         r["cpu_vs_ref"] = ref["cpu"] / r["cpu"] if ref else None  # > 1: less CPU per step than decent-dp
         r["cpu_vs_floor"] = r["cpu"] / floor["cpu"] if floor else None
@@ -361,10 +379,10 @@ def print_table(rows: List[Dict[str, Any]], link: bool = False) -> None:
         table.append([c.model, str(c.workers), c.framework, SHORT_TOPO.get(c.topology, c.topology),
                       f"{r['step'] * 1e3:.2f}", f"{r['p25'] * 1e3:.1f}-{r['p75'] * 1e3:.1f}",
                       str(r["steps"]),
-                      fmt(r["vs_ref"], ".2f", "x") if c.framework == "decentpy" else "",
+                      fmt(r["vs_ref"], ".2f", "x") if c.framework in DECENTPY else "",
                       fmt(r["vs_ddp"], ".2f", "x") if c.framework != "torch-ddp" else "",
                       fmt(r["vs_floor"], ".2f", "x"), fmt(r["vs_ffloor"], ".2f", "x"),
-                      f"{r['cpu'] * 1e3:.1f}", fmt(r["cpu_vs_ref"], ".2f", "x") if c.framework == "decentpy" else "",
+                      f"{r['cpu'] * 1e3:.1f}", fmt(r["cpu_vs_ref"], ".2f", "x") if c.framework in DECENTPY else "",
                       f"{r['peak_rss'] / 2**20:.0f}", fmt(None if r["extra"] is None else r["extra"] / 2**20,
                                                           "+.1f"),
                       f"{r['param_bytes'] / 2**20:.2f}", f"{r['bytes'] / 1e6:.2f}"] + extra)
@@ -394,6 +412,40 @@ def _target(title: str, rows: List[Dict[str, Any]], met: Any, score: Any, fmt: A
     return title, not bad, detail
 
 
+def compression_targets(rows: List[Dict[str, Any]], link: Optional[str]) -> List[Tuple[str, bool, str]]:
+    """Issue 24's compressed-gossip targets: bytes per step against uncompressed gossip on the same
+    topology (int8 <= 0.27x, bf16 <= 0.5x); on a link, alternating-exp-ring >= 1.5x faster than DDP
+    uncompressed, and with int8 >= 2.5x faster than DDP and >= 1.3x faster than DDP + PowerSGD."""
+    out = []
+    by = {(r["cfg"].model, r["cfg"].workers, r["cfg"].framework, r["cfg"].topology): r for r in rows}
+    for fw, limit in (("decentpy-int8", 0.27), ("decentpy-bf16", 0.5)):
+        pairs = [(r, by.get((r["cfg"].model, r["cfg"].workers, "decentpy", r["cfg"].topology)))
+                 for r in rows if r["cfg"].framework == fw]
+        pairs = [(r, u) for r, u in pairs if u is not None and u["bytes"] > 0]
+        for r, u in pairs:
+            r["bytes_vs_fp32"] = r["bytes"] / u["bytes"]
+        if pairs:
+            out.append(_target(f"{fw} moves <= {limit}x the bytes per step of uncompressed gossip (same topology)",
+                               [r for r, _ in pairs], lambda r, lim=limit: r["bytes_vs_fp32"] <= lim + 1e-9,
+                               lambda r: r["bytes_vs_fp32"], lambda r: f"{r['bytes_vs_fp32']:.3f}x",
+                               higher_is_better=False))
+    if link is None:
+        return out
+    aer = [r for r in rows if r["cfg"].topology == "alternating-exp-ring" and r["vs_ddp"] is not None]
+    for fw, want in (("decentpy", 1.5), ("decentpy-int8", 2.5)):
+        t = [r for r in aer if r["cfg"].framework == fw]
+        if t:
+            out.append(_target(f"{link}: {fw} alternating-exp-ring >= {want}x faster per step than torch DDP", t,
+                               lambda r, w=want: r["vs_ddp"] >= w, lambda r: r["vs_ddp"],
+                               lambda r: f"DDP/this {r['vs_ddp']:.2f}x", higher_is_better=True))
+    t = [r for r in aer if r["cfg"].framework == "decentpy-int8" and r["vs_powersgd"] is not None]
+    if t:
+        out.append(_target(f"{link}: decentpy-int8 alternating-exp-ring >= 1.3x faster per step than DDP + PowerSGD",
+                           t, lambda r: r["vs_powersgd"] >= 1.3, lambda r: r["vs_powersgd"],
+                           lambda r: f"PowerSGD/this {r['vs_powersgd']:.2f}x", higher_is_better=True))
+    return out
+
+
 def check_targets(rows: List[Dict[str, Any]], link: Optional[str] = None) -> List[Tuple[str, bool, str]]:
     out = []
     dp = [r for r in rows if r["cfg"].framework == "decentpy"]
@@ -408,7 +460,9 @@ def check_targets(rows: List[Dict[str, Any]], link: Optional[str] = None) -> Lis
             out.append(_target(f"{link}: decentpy >= 1.2x faster per step than torch DDP on every topology", t2,
                                lambda r: r["vs_ddp"] >= 1.2, lambda r: r["vs_ddp"],
                                lambda r: f"DDP/decentpy {r['vs_ddp']:.2f}x", higher_is_better=True))
+        out += compression_targets(rows, link)
         return out
+    out += compression_targets(rows, None)
     t1 = [r for r in dp if r["cfg"].workers in (4, 8) and r["vs_ref"] is not None]
     if t1:
         out.append(_target("decentpy >= 1.3x faster per step than decent-dp on every topology at 4 and 8 workers",
@@ -490,7 +544,7 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], link: 
     if plt is None:
         return None
     models = [m for m in MODELS if any(r["cfg"].model == m for r in rows)]
-    colors = {"decentpy": "#1f77b4", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "torch-ddp-fp16": "#98df8a",
+    colors = {"decentpy": "#1f77b4", "decentpy-int8": "#aec7e8", "decentpy-bf16": "#6baed6", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "torch-ddp-fp16": "#98df8a",
               "torch-ddp-bf16": "#17becf", "torch-ddp-powersgd": "#9467bd", "local": "#7f7f7f",
               "local-fused": "#bcbd22"}
     fig, axes = plt.subplots(len(models), 1, figsize=(13, 4.2 * len(models)), squeeze=False)
@@ -533,7 +587,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", default="mlp,cnn", help=f"comma-separated, from {','.join(MODELS)}")
     p.add_argument("--frameworks", default=None,
                    help=f"comma-separated, from {','.join(FRAMEWORKS)} (decent-dp is skipped when not installed); "
-                   f"default: {','.join(DEFAULT_FRAMEWORKS)}, and the DDP comm hooks with --link-mbit")
+                   f"default: {','.join(DEFAULT_FRAMEWORKS)}; with --link-mbit: {','.join(LINK_FRAMEWORKS)}")
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="comma-separated")
     add_run_args(p, rounds=4, chunk=8, plot=True)
     add_link_args(p)
@@ -552,7 +606,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     workers = [int(w) for w in csv_list(args.workers)]
     models = csv_list(args.models)
     link = args.link_mbit is not None
-    frameworks = csv_list(args.frameworks or ",".join(FRAMEWORKS if link else DEFAULT_FRAMEWORKS))
+    frameworks = csv_list(args.frameworks or ",".join(LINK_FRAMEWORKS if link else DEFAULT_FRAMEWORKS))
     check_choices(models, MODELS, "model")
     check_choices(frameworks, FRAMEWORKS, "framework")
     if "torch-ddp-bf16" in frameworks:  # torch refuses it on CPU: "requires CUDA 11+ and NCCL 2.10+"

@@ -239,7 +239,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._broadcast_from_rank0()
         self._strategy.connect(self._params[0].device)
         comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
-                                    group=self._group, liveness=peer_liveness_timeout)
+                                    group=self._group, liveness=peer_liveness_timeout,
+                                    needs=self._strategy.communication_needs())
         # Edges (with process groups) for optimizers that hook into the averaging; collective, so
         # only after the check above proved every rank wants them.
         self._strategy.attach(comm_, hook_edges(self._topology) if wants_edges else None)

@@ -7,6 +7,8 @@ x_i += gamma * w * (xhat_{j|i} - xhat_{i|j}); the optimizer step; then for j' = 
 q_i = Q(x_i - xhat_{i|j'}), xhat_{i|j'} += D(q_i). The quantisers act on each worker's flat bucket
 (the parameters in reverse registration order, each at a 128-byte aligned offset), int8 in blocks
 of 256 elements with scale max|d| / 127 and round-half-to-even codes, bf16 by round-to-nearest-even.
+A group of more than two workers: every member j of i's group plays the partner's part, each edge
+with its own copies and its own q, and the mix sums the members' terms with the group's weight.
 """
 
 from __future__ import annotations
@@ -83,18 +85,36 @@ class FlatModels:
                 p.copy_(flat[o:o + p.numel()].view_as(p))
 
 
+def group_schedule(topology: str, n: int, local_world_size: int = 1) -> Callable[[int, int], Tuple[List[int], float]]:
+    """``(peers, neighbour weight)`` of worker i at step k for the built-in uniform-group topologies
+    used by the tests: complete (one group of n) and alternating-exp-ring with 2 workers per node at
+    n = 4 (even steps: the group of all 4; odd steps: the node pairs {0, 1}, {2, 3})."""
+    if topology == "complete":
+        return lambda k, i: ([j for j in range(n) if j != i], 1.0 / n)
+    if topology == "alternating-exp-ring" and n == 4 and local_world_size == 2:
+        return lambda k, i: (([j for j in range(4) if j != i], 0.25) if k % 2 == 0 else ([i ^ 1], 0.5))
+    raise ValueError(f"no reference schedule for {topology!r} at n={n}, L={local_world_size}")
+
+
+def pair_schedule(partner: Callable[[int, int], int], weight: float = 0.5) -> Callable[[int, int], Tuple[List[int], float]]:
+    return lambda k, i: ([partner(k, i)], weight)
+
+
 def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optimizer],
-                   grads: Callable[[int, int, nn.Module], None], partner: Callable[[int, int], int], kind: str,
-                   gamma: float, steps: int, weight: float = 0.5) -> Tuple[List[Tensor], Dict[str, float]]:
-    """Run ``steps`` iterations; ``grads(i, k, model)`` fills the gradients of worker i at step k.
-    Returns every worker's final flat parameters and the rounding statistics."""
+                   grads: Callable[[int, int, nn.Module], None],
+                   schedule: Callable[[int, int], Tuple[List[int], float]], kind: str,
+                   gamma: float, steps: int) -> Tuple[List[Tensor], Dict[str, float]]:
+    """Run ``steps`` iterations; ``grads(i, k, model)`` fills the gradients of worker i at step k;
+    ``schedule(k, i)`` is worker i's peers at step k and their (uniform) weight. Every edge has its
+    own copies: worker i sends each peer j its own ``Q(x_i - xhat_{i|j})``. Returns every worker's
+    final flat parameters and the rounding statistics."""
     n = len(models)
     flat = FlatModels(models)
     x0 = [flat.get(i) for i in range(n)]
     self_copy: List[Dict[int, Tensor]] = [dict() for _ in range(n)]
     peer_copy: List[Dict[int, Tensor]] = [dict() for _ in range(n)]
     stats: Dict[str, float] = {}
-    sent: List[Tensor] = [torch.zeros(0) for _ in range(n)]
+    sent: List[Dict[int, Tensor]] = [dict() for _ in range(n)]  # sent[i][j]: D(q) that i sent to j last step
     for k in range(steps):
         for i, m in enumerate(models):
             for p in m.parameters():
@@ -103,19 +123,22 @@ def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optim
         if k >= 1:
             xs = [flat.get(i) for i in range(n)]
             for i in range(n):
-                j = partner(k, i)
-                pc = peer_copy[i].setdefault(j, x0[j].clone())
-                pc += sent[j]
-                sc = self_copy[i].setdefault(j, x0[i].clone())
-                xs[i] = xs[i] + gamma * weight * (pc - sc)
+                peers, w = schedule(k, i)
+                for j in peers:
+                    pc = peer_copy[i].setdefault(j, x0[j].clone())
+                    pc += sent[j][i]
+                    sc = self_copy[i].setdefault(j, x0[i].clone())
+                    xs[i] = xs[i] + gamma * w * (pc - sc)
             for i in range(n):
                 flat.set(i, xs[i])
         for o in opts:
             o.step()
         for i in range(n):
-            j = partner(k + 1, i)
-            sc = self_copy[i].setdefault(j, x0[i].clone())
-            dq = quantize64(kind, flat.get(i) - sc, stats)
-            sc += dq
-            sent[i] = dq
+            x = flat.get(i)
+            sent[i] = {}
+            for j in schedule(k + 1, i)[0]:
+                sc = self_copy[i].setdefault(j, x0[i].clone())
+                dq = quantize64(kind, x - sc, stats)
+                sc += dq
+                sent[i][j] = dq
     return [flat.get(i) for i in range(n)], stats

@@ -31,7 +31,7 @@ def _have_decent_dp() -> bool:
 def bench_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple:
     """One quick run (one worker spawn) for every framework the smoke test covers."""
     out = tmp_path_factory.mktemp("bench_train")
-    frameworks = "decentpy,local" + (",decent-dp" if _have_decent_dp() else "")
+    frameworks = "decentpy,decentpy-int8,local" + (",decent-dp" if _have_decent_dp() else "")
     return out, _run(out, frameworks)
 
 
@@ -52,7 +52,7 @@ def _run(tmp_path: Path, frameworks: str) -> list:
 
 def test_bench_train_quick_decentpy_and_floor(bench_rows: tuple) -> None:
     out, all_rows = bench_rows
-    rows = [r for r in all_rows if r["framework"] != "decent-dp"]
+    rows = [r for r in all_rows if r["framework"] not in ("decent-dp", "decentpy-int8")]
     got = {(r["framework"], r["topology"]) for r in rows}
     assert got == {("decentpy", "ring"), ("local", "none")}, got
     by = {r["framework"]: r for r in rows}
@@ -66,6 +66,15 @@ def test_bench_train_quick_decentpy_and_floor(bench_rows: tuple) -> None:
 
     ms = runtime_fit.load_measurements(out / "bench_train.csv")
     assert ("decentpy", "ring", 2) in [(m.framework, m.topology, m.workers) for m in ms]
+    assert "decentpy-int8" not in [m.framework for m in ms]  # compressed bytes: not fitted
+
+
+def test_bench_train_quick_compressed(bench_rows: tuple) -> None:
+    """decentpy-int8 on a ring of 2: one pair exchange per step of P/4 codes + one fp32 scale per 256."""
+    _, rows = bench_rows
+    by = {r["framework"]: r for r in rows}
+    p = int(by["decentpy"]["model_bytes"])
+    assert float(by["decentpy-int8"]["bytes_per_step"]) == 4 * (-(-(p // 4) // 256)) + p // 4
 
 
 def test_bench_train_quick_decent_dp(bench_rows: tuple) -> None:

@@ -20,14 +20,19 @@ import pytest
 import torch
 from torch import nn
 
-from compression_reference import (INT8_BLOCK, FlatModels, flat_layout, one_peer_exp_partner, quantize64,
-                                   ring_partner, simulate_choco)
+from compression_reference import (INT8_BLOCK, FlatModels, flat_layout, group_schedule, one_peer_exp_partner,
+                                   pair_schedule, quantize64, ring_partner, simulate_choco)
 from dist_harness import run_workers
 from reference import batch, decentpy_optim_fn, loss_fn, make_mlp, REF_OPTIMIZERS
 
 STEPS = 4
 GAMMA = 0.8
 COMBOS = [(topo, opt, kind) for topo in ("ring", "one-peer-exp") for opt in ("sgd", "adamw") for kind in ("int8", "bf16")]
+# groups of more than two ranks: complete (one group of 4) and alternating-exp-ring with 2 ranks per node
+# (a group of 4, then the node pairs)
+COMBOS += [("complete", "adamw", "int8"), ("alternating-exp-ring", "sgd", "int8"),
+           ("alternating-exp-ring", "adamw", "bf16")]
+LOCAL_WORLD_SIZE = {"alternating-exp-ring": 2}
 
 
 def _wire(kind: str, n: int) -> int:
@@ -181,6 +186,7 @@ def _train(rank: int, topo: str, opt: str, kind: str, steps: int) -> Dict[str, A
 
     model = make_mlp(0)
     ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology=topo,
+                                    local_world_size=LOCAL_WORLD_SIZE.get(topo, 1),
                                     compression=Compression(kind, gamma=GAMMA))
     sent = []
     for k in range(steps):
@@ -197,7 +203,7 @@ def _train(rank: int, topo: str, opt: str, kind: str, steps: int) -> Dict[str, A
     return out
 
 
-def _linear_mean(rank: int, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
+def _linear_mean(rank: int, kind: str, topology: str = "ring") -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients independent of x (loss = <c_{i,k}, p>): plain SGD's worker mean is
     x0 - lr * sum_k mean_i c_{i,k} whatever the mixing does, if the mixing preserves the mean."""
     from decentpy import DecentralizedDataParallel
@@ -205,7 +211,8 @@ def _linear_mean(rank: int, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Linear(700, 1, bias=False)
     ddp = DecentralizedDataParallel(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.5),
-                                    topology="ring", compression=kind)
+                                    topology=topology, local_world_size=LOCAL_WORLD_SIZE.get(topology, 1),
+                                    compression=kind)
     for k in range(6):
         c = torch.Generator().manual_seed(100 * rank + k)
         coef = torch.randn(700, generator=c)
@@ -218,12 +225,12 @@ def _linear_mean(rank: int, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
     return w, nn.Linear(700, 1, bias=False).weight.detach().clone().view(-1)
 
 
-def _checkpoint(rank: int, kind: str) -> bool:
+def _checkpoint(rank: int, kind: str, topology: str = "one-peer-exp") -> bool:
     from decentpy import DecentralizedDataParallel
 
     def make() -> DecentralizedDataParallel:
-        return DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adamw"), topology="one-peer-exp",
-                                         compression=kind)
+        return DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adamw"), topology=topology,
+                                         local_world_size=LOCAL_WORLD_SIZE.get(topology, 1), compression=kind)
 
     def run(ddp: DecentralizedDataParallel, ks: range) -> None:
         for k in ks:
@@ -253,8 +260,7 @@ def _refusals(rank: int) -> List[str]:
     from decentpy import DecentralizedDataParallel
 
     msgs = []
-    for kwargs in ({"topology": "complete", "compression": "int8"},
-                   {"topology": "ring", "compression": "int8", "intra_node": "shard", "local_world_size": 2},
+    for kwargs in ({"topology": "ring", "compression": "int8", "intra_node": "shard", "local_world_size": 2},
                    {"topology": "ring", "compression": "int8", "comm": "nccl"},
                    {"topology": "ring", "compression": "zstd"}):
         try:
@@ -268,8 +274,10 @@ def _refusals(rank: int) -> List[str]:
 def _all(rank: int, world: int) -> Dict[str, Any]:
     torch.set_num_threads(1)
     return {"train": {c: _train(rank, *c, STEPS) for c in COMBOS},
-            "mean": {k: _linear_mean(rank, k) for k in ("int8", "bf16")},
-            "ckpt": {k: _checkpoint(rank, k) for k in ("int8", "bf16")},
+            "mean": {**{k: _linear_mean(rank, k) for k in ("int8", "bf16")},
+                     "int8-aer": _linear_mean(rank, "int8", "alternating-exp-ring")},
+            "ckpt": {**{k: _checkpoint(rank, k) for k in ("int8", "bf16")},
+                     "int8-aer": _checkpoint(rank, "int8", "alternating-exp-ring")},
             "refusals": _refusals(rank)}
 
 
@@ -287,8 +295,11 @@ def _reference(topo: str, opt: str, kind: str) -> Tuple[List[torch.Tensor], Dict
         x, y = batch(i, k)
         loss_fn(m(x.double()), y.double()).backward()
 
-    partner = ring_partner(n) if topo == "ring" else one_peer_exp_partner(n)
-    return simulate_choco(models, opts, grads, partner, kind, GAMMA, STEPS)
+    if topo in ("ring", "one-peer-exp"):
+        schedule = pair_schedule(ring_partner(n) if topo == "ring" else one_peer_exp_partner(n))
+    else:
+        schedule = group_schedule(topo, n, LOCAL_WORLD_SIZE.get(topo, 1))
+    return simulate_choco(models, opts, grads, schedule, kind, GAMMA, STEPS)
 
 
 @pytest.mark.parametrize("topo,opt,kind", COMBOS)
@@ -319,7 +330,21 @@ def test_bytes_per_step_equal_the_formula(results: List[Dict[str, Any]], kind: s
             assert run["memory"] == 2 * 2 * n * 4 + 2 * _wire(kind, n)
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_group_bytes_and_memory_equal_the_formula(results: List[Dict[str, Any]]) -> None:
+    """A group of m ranks: each rank sends every other member its own q ((m - 1) wire sizes); the
+    iteration k exchange is for step k + 1 (alternating-exp-ring at n = 4, L = 2: odd steps pairs,
+    even steps the group of 4). Memory: two copies per distinct peer, m - 1 send and receive slots."""
+    for r in results:
+        aer = r["train"][("alternating-exp-ring", "sgd", "int8")]
+        n = aer["numel"]
+        w = _wire("int8", n)
+        assert aer["sent"] == [w, 3 * w, w, 3 * w]
+        assert len(aer["peers"]) == 3 and aer["memory"] == 2 * 3 * n * 4 + 2 * 3 * w
+        full = r["train"][("complete", "adamw", "int8")]
+        assert full["sent"] == [3 * w] * STEPS
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16", "int8-aer"])
 def test_mixing_preserves_the_global_mean(results: List[Dict[str, Any]], kind: str) -> None:
     ws = [r["mean"][kind][0].double() for r in results]
     x0 = results[0]["mean"][kind][1].double()
@@ -335,15 +360,14 @@ def test_mixing_preserves_the_global_mean(results: List[Dict[str, Any]], kind: s
 
 def test_checkpoint_resume_is_exact(results: List[Dict[str, Any]]) -> None:
     for r in results:
-        assert r["ckpt"] == {"int8": True, "bf16": True}
+        assert r["ckpt"] == {"int8": True, "bf16": True, "int8-aer": True}
 
 
 def test_refusals_name_the_reason(results: List[Dict[str, Any]]) -> None:
     msgs = results[0]["refusals"]
-    assert "pair exchanges only" in msgs[0]
-    assert "intra_node='gossip' only" in msgs[1]
-    assert "NCCL communicator" in msgs[2]
-    assert "compression kind must be one of" in msgs[3]
+    assert "intra_node='gossip' only" in msgs[0]
+    assert "NCCL communicator" in msgs[1]
+    assert "compression kind must be one of" in msgs[2]
 
 
 def test_single_process_refuses_low_precision_params() -> None:

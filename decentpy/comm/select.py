@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -54,7 +54,8 @@ def resolve_comm(comm: str, device: DeviceLike = None, group: Optional[CommGroup
 
 def select_communicator(comm: str, topology: Topology, timeout: datetime.timedelta,
                         device: DeviceLike = None, group: Optional[CommGroup] = None,
-                        liveness: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT):
+                        liveness: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
+                        needs: Optional[Tuple[bool, List[Tuple[int, ...]]]] = None):
     """The communicator for ``comm='auto' | 'torch' | 'nccl'`` (collective over ``group``, default:
     the world; the topology numbers the ranks of that group).
 
@@ -68,11 +69,16 @@ def select_communicator(comm: str, topology: Topology, timeout: datetime.timedel
     ``liveness``: a peer without a heartbeat this long is unreachable (torch.distributed exchanges;
     None disables the heartbeats; see :mod:`decentpy.comm.failures`).
 
+    ``needs``: what the strategy exchanges, ``(point to point, collective groups)``, when it is
+    not what the topology's plans use (the torch communicator only; NCCL refuses it).
+
     The returned communicator's ``selection_reason`` says why it was chosen.
     """
     check_comm(comm)
+    if needs is not None and comm != "torch":
+        raise ValueError(f"custom communication needs work with comm='torch' only, got comm={comm!r}")
     if comm == "torch":
-        chosen = TorchCommunicator(topology, timeout, group=group, liveness=liveness)
+        chosen = TorchCommunicator(topology, timeout, group=group, liveness=liveness, needs=needs)
         chosen.selection_reason = "comm='torch' (torch.distributed)"  # type: ignore[attr-defined]
         return chosen
     group = group if group is not None else CommGroup()

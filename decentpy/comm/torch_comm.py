@@ -57,7 +57,11 @@ class TorchCommunicator:
     """
 
     def __init__(self, topology: Topology, timeout: datetime.timedelta, group: Optional[CommGroup] = None,
-                 liveness: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT) -> None:
+                 liveness: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
+                 needs: Optional[Tuple[bool, List[Tuple[int, ...]]]] = None) -> None:
+        """``needs``: what to set up, ``(point to point, collective groups)``; default: what the
+        topology's exchange plans use (:func:`decentpy.exchange.communication_needs`). A strategy
+        that exchanges otherwise (compressed gossip: point to point within every group) says so."""
         self.group = group if group is not None else CommGroup()
         self.rank = self.group.rank
         self.world_size = self.group.size
@@ -69,7 +73,7 @@ class TorchCommunicator:
         # Sub-group creation is collective over the group: every rank creates every group, in the
         # same (schedule) order. decentpy's traffic never uses the group itself, so it cannot
         # interleave with the user's collectives (torch DDP beside it, Join's all-reduces).
-        p2p, collective = communication_needs(topology)
+        p2p, collective = needs if needs is not None else communication_needs(topology)
         pg_timeout = max(timeout, datetime.timedelta(seconds=1))
         self._p2p_group: Optional[SubGroup] = None
         # gloo: a second group, so that the two directions of a pair exchange travel on two TCP

@@ -3,72 +3,105 @@ compressed differences against tracked public copies, one pair of copies per edg
 
 Rank ``i`` keeps, for every bucket and every distinct peer ``j`` of the topology's period, two fp32
 copies: ``xhat_{i|j}`` (its own public copy as ``j`` knows it) and ``xhat_{j|i}`` (``j``'s as ``i``
-knows it), both starting from the broadcast initial parameters. One fused kernel pass per bucket
-(:func:`decentpy.kernels.compressed_step`): the received ``q_j`` into ``xhat_{j|i}``; the mix
-``x_i += gamma w_ij (xhat_{j|i} - xhat_{i|j})``; the optimizer update; ``q = Q(x_i - xhat_{i|j'})``
-for the next step's peer ``j'`` into the send bytes, ``xhat_{i|j'} += D(q)``. Then ``q`` goes to
-``j'`` and ``q_{j'}`` lands in the bucket's receive bytes. Only pairs: a topology whose schedule
-has a group of three or more ranks is refused (see :meth:`CompressedGossip.configure`).
+knows it), both starting from the broadcast initial parameters. Per bucket and step, with ``G`` the
+rank's group and ``s = (1 - w) / (|G| - 1)`` the weight of each other member (any self weight
+``w``: the mixing matrix stays symmetric and doubly stochastic): every received ``q_j`` (``j`` in ``G``) into
+``xhat_{j|i}``; the mix ``x_i += gamma s sum_j (xhat_{j|i} - xhat_{i|j})``; the optimizer update;
+for every member ``j'`` of the next step's group ``q = Q(x_i - xhat_{i|j'})`` into its send bytes,
+``xhat_{i|j'} += D(q)``. Then each ``q`` goes to its ``j'`` (point to point) and the members' ``q``
+land in the bucket's receive bytes, one slot per member.
+
+A pair is one fused kernel pass (:func:`decentpy.kernels.compressed_step`). A group of ``m > 2``
+ranks adds ``m - 2`` mix-only passes before it and ``m - 2`` compress-only passes after it (the
+same kernel with no optimizer update): each peer's ``q`` differs, because each edge has its own
+copies (time-varying groups never share one public copy). Bytes sent per step: ``(m - 1)`` wire
+sizes, against ``2 (m - 1) / m`` fp32 bucket sizes for the uncompressed group all-reduce.
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..compression import Compression
-from ..exchange import NoExchange, PairExchange
+from ..exchange import ExchangePlan, NoExchange
 from ..grad_scaling import UNSCALED
 from ..optim import CompressedPass
-from ..topology import Topology, make_topology
 from .bucket import Bucket
-from .gossip import GossipSetup, GossipStrategy
+from .gossip import GossipStrategy
 
-__all__ = ["CompressedGossip", "EdgeCopies"]
+__all__ = ["CompressedGossip", "EdgeCopies", "PeerExchanges"]
 
 
 @dataclass
 class EdgeCopies:
-    """A bucket's compressed-gossip state: per peer ``(self_copy, peer_copy)`` and the send bytes."""
+    """A bucket's compressed-gossip state: per peer ``(self_copy, peer_copy)``, the send bytes (one
+    slot of the wire size per member of the largest group; the receive bytes are ``bucket.comm``,
+    laid out alike) and the segment table of the extra passes."""
 
     self_copy: Dict[int, Tensor]   # xhat_{i|j}
     peer_copy: Dict[int, Tensor]   # xhat_{j|i}
-    send: Tensor                   # the compressed bytes of the last q sent
+    send: Tensor                   # the compressed bytes of the last q sent, slot t for the t-th peer
+    wire: int                      # bytes of one slot
+    segments: Tensor               # [0, numel) in one group (the mix-only / compress-only passes)
+
+    def slot(self, buf: Tensor, t: int) -> Tensor:
+        return buf[t * self.wire:(t + 1) * self.wire]
+
+
+class PeerExchanges:
+    """The point-to-point exchanges of one bucket with every member of its group (one wait)."""
+
+    def __init__(self, works: List[Any]) -> None:
+        self.works = works
+
+    @property
+    def step(self) -> Optional[int]:
+        return getattr(self.works[0], "step", None) if self.works else None
+
+    @step.setter
+    def step(self, value: Optional[int]) -> None:
+        for w in self.works:
+            if hasattr(w, "step"):
+                w.step = value
+
+    def wait(self, timeout: datetime.timedelta) -> None:
+        for w in self.works:
+            w.wait(timeout)
+        self.works = []
 
 
 class CompressedGossip(GossipStrategy):
-    """Gossip whose exchanges carry compressed differences (pairs of ranks only)."""
+    """Gossip whose exchanges carry compressed differences, point to point within every group."""
 
     name = "gossip"
-
-    @classmethod
-    def configure(cls, topology: Union[str, Topology], rank: int, size: int, local_world_size: int,
-                  timeout: datetime.timedelta) -> GossipSetup:
-        t = make_topology(topology, size, local_world_size)
-        for step in range(t.period):
-            for group in t.groups(step):
-                if len(group.ranks) > 2:
-                    raise ValueError(
-                        f"compression: topology {t.name!r} has a group of {len(group.ranks)} ranks at step {step} "
-                        f"({group.ranks}); compressed gossip supports pair exchanges only for now (ring, "
-                        "one-peer-exp, complete over 2 ranks, or a custom topology of pairs): an all-gather of every "
-                        "member's compressed difference with |G| tracked copies is not implemented")
-        return GossipSetup(t, t)
 
     def __init__(self, *args: Any, compression: Compression, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.compression = compression
         peers: List[int] = []
+        slots = 0
         for step in range(self.topology.period):
-            plan = self.plans.at(step)
-            if isinstance(plan, PairExchange) and plan.peer not in peers:
-                peers.append(plan.peer)
+            members = self.peers_at(self.plans.at(step))
+            slots = max(slots, len(members))
+            peers += [j for j in members if j not in peers]
         #: the distinct peers of this rank over the topology's period (one pair of copies each)
         self.peers: List[int] = sorted(peers)
+        #: receive / send slots per bucket: the most peers of any step
+        self.slots = max(slots, 1)
+
+    def peers_at(self, plan: ExchangePlan) -> List[int]:
+        """The other members of the plan's group, in rank order (the order of the wire slots)."""
+        return [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != self.rank]
+
+    def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
+        """Point to point only: every edge carries its own compressed difference (no all-reduce)."""
+        return (any(len(g.ranks) > 1 for g in self.topology.unique_groups()), [])
 
     # -- per-bucket state ----------------------------------------------------------------------
     def state_of(self, b: Bucket, create: bool = True) -> Optional[EdgeCopies]:
@@ -80,9 +113,11 @@ class CompressedGossip(GossipStrategy):
                                  "parameters)")
             b.gather_params()  # param_as_bucket_view=False: the block follows the (broadcast) parameters
             p = b.param.detach()
+            wire = self.compression.wire_bytes(p.numel())
             st = EdgeCopies({j: p.clone() for j in self.peers}, {j: p.clone() for j in self.peers},
-                            torch.zeros(self.compression.wire_bytes(p.numel()), dtype=torch.uint8, device=p.device))
-            b.comm = torch.zeros_like(st.send)  # the receive bytes
+                            torch.zeros(self.slots * wire, dtype=torch.uint8, device=p.device), wire,
+                            kernels.segments_for_numel(p.numel(), p.device))
+            b.comm = torch.zeros_like(st.send)  # the receive bytes, slot t from the t-th peer
             b.choco = st  # type: ignore[attr-defined]
         return st
 
@@ -90,43 +125,61 @@ class CompressedGossip(GossipStrategy):
         """Bytes of the tracked copies and the compressed buffers of every bucket (what compression adds)."""
         total = 0
         for b in self.buckets:
-            total += 2 * len(self.peers) * b.param.numel() * 4 + 2 * self.compression.wire_bytes(b.param.numel())
+            total += (2 * len(self.peers) * b.param.numel() * 4 +
+                      2 * self.slots * self.compression.wire_bytes(b.param.numel()))
         return total
 
     # -- the per-bucket work -------------------------------------------------------------------
+    def _pass(self, b: Bucket, st: EdgeCopies, **buffers: Any) -> None:
+        """A mix-only or compress-only pass of the kernel over the bucket (no optimizer update)."""
+        kernels.compressed_step(kernels.OptKind.NONE, self.compression.compressor, b.param, None, [], st.segments, [],
+                                **buffers)
+
     def mix_and_step(self, b: Bucket, local_step: bool, reduction: Optional[Any] = None) -> None:
         self.wait_exchange(b)
         st = self.state_of(b)
         assert st is not None
         received, nxt = self.plans.at(self.step), self.plans.at(self.step + 1)
-        q_recv = peer_copy = self_mix = None
-        gw = 0.0
+        mixes: List[Tuple[Tensor, Tensor, Tensor, float]] = []  # (q_recv, peer copy, self copy, gamma * w)
         if b.comm_valid:
-            if not isinstance(received, PairExchange):
+            members = self.peers_at(received)
+            if not members:
                 raise RuntimeError(f"internal error: bucket {b.index} received an exchange at step {self.step} "
                                    f"whose plan is {received!r}")
-            j = received.peer
-            q_recv, peer_copy, self_mix = b.comm, st.peer_copy[j], st.self_copy[j]
-            if not b.skip_mix:  # the received q is applied either way: the copies must stay in step
+            gw = 0.0
+            if not b.skip_mix:  # the received q are applied either way: the copies must stay in step
                 gamma = float(self.compression.gamma)  # type: ignore[arg-type]
-                gw = self.adaptive_factor * gamma * (1.0 - received.group.weight)
+                gw = self.adaptive_factor * gamma * received.group.neighbour_weight()
+            mixes = [(st.slot(b.comm, t), st.peer_copy[j], st.self_copy[j], gw) for t, j in enumerate(members)]
         elif received.mixes and not b.skip_mix:
             raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
-        q_send = self_next = None
-        if isinstance(nxt, PairExchange):
-            q_send, self_next = st.send, st.self_copy[nxt.peer]
-        elif not isinstance(nxt, NoExchange):
-            raise RuntimeError(f"internal error: compressed gossip got the plan {nxt!r}")
+        targets = self.peers_at(nxt)
+        sends = [(st.slot(st.send, t), st.self_copy[j]) for t, j in enumerate(targets)]
+        if len(mixes) > 1:  # the other members' terms first (they do not depend on the parameters)
+            if not b.params_are_views:
+                b.gather_params()
+            for q, pc, sc, gw in mixes[:-1]:
+                self._pass(b, st, q_recv=q, peer_copy=pc, self_copy_mix=sc, choco_mix=gw)
+            if not b.params_are_views:
+                b.scatter_params()  # the fused pass gathers the parameters again
+        q_recv, peer_copy, self_mix, gw = mixes[-1] if mixes else (None, None, None, 0.0)
+        q_send, self_next = sends[0] if sends else (None, None)
         grads = self.grad_args(b, reduction) if local_step else UNSCALED
         b.step(None, 1.0, 0.0, None, grads, local_step,
                compressed=CompressedPass(self.compression.compressor, q_recv, peer_copy, self_mix, gw, q_send,
                                          self_next))
+        for q, sc in sends[1:]:
+            self._pass(b, st, q_send=q, self_copy_next=sc)
         b.comm_valid = False
         b.skip_mix = False
         assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
-        b.work = self.comm.send_recv(b.index, nxt.peer, st.send, b.comm) if isinstance(nxt, PairExchange) else None
-        if b.work is not None and hasattr(b.work, "step"):
-            b.work.step = self.step  # type: ignore[attr-defined]
+        if targets:
+            work = PeerExchanges([self.comm.send_recv(b.index, j, st.slot(st.send, t), st.slot(b.comm, t))
+                                  for t, j in enumerate(targets)])
+            work.step = self.step
+            b.work = work
+        else:
+            b.work = None
         self.stepped(b)
 
     # -- checkpoints ---------------------------------------------------------------------------

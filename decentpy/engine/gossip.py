@@ -94,6 +94,11 @@ class GossipStrategy(BucketStrategy):
         self.hook_edges = hook_edges
         self.layout.pre_average_hook = hook_edges is not None
 
+    def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
+        """What the communicator must set up when it differs from what the topology's exchange
+        plans use (None: the plans' needs, see :func:`decentpy.exchange.communication_needs`)."""
+        return None
+
     def connect(self, device: torch.device) -> None:
         """Collective set-up of the strategy's own groups, if any (every rank, at construction)."""
 

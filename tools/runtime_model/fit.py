@@ -72,13 +72,21 @@ def _is_allreduce(framework: str, topology: str) -> bool:
     return ("ddp" in f or "allreduce" in f or "all-reduce" in f) and "decent" not in f
 
 
+#: frameworks whose bytes are compressed (bench-train's decentpy-int8/-bf16, torch DDP's comm hooks):
+#: not the fp32 buffers the model's communication terms are fitted on, so they are skipped
+COMPRESSED_SUFFIXES = ("-int8", "-bf16", "-fp16", "-powersgd")
+
+
 def _row_kind(framework: str, topology: str, row: Dict[str, str]) -> str:
-    """'allreduce', 'hsdp', 'shard', 'gossip', or 'zero' (DDP + ZeroRedundancyOptimizer: not
-    modelled, and not DDP: its step and parameter broadcast differ) for one CSV row."""
+    """'allreduce', 'hsdp', 'shard', 'gossip', 'zero' (DDP + ZeroRedundancyOptimizer: not
+    modelled, and not DDP: its step and parameter broadcast differ) or 'compressed' (compressed
+    exchanges: skipped) for one CSV row."""
     f, t = framework.strip().lower(), topology.strip().lower()
     mode = ((row.get("intra_node") or "") + (row.get("mode") or "")).strip().lower()
     if "zero" in f:
         return "zero"
+    if any(f.endswith(k) for k in COMPRESSED_SUFFIXES):
+        return "compressed"
     if any(k in f or k in t for k in ("hsdp", "hybrid_shard", "hybrid-shard")):
         return "hsdp"
     if mode == "shard" or ("decent" in f and "shard" in f):
@@ -98,8 +106,8 @@ def load_measurements(path: os.PathLike) -> List[Measurement]:
     names: DDP ('ddp', 'torch-ddp', or topology 'allreduce'), HSDP ('hsdp', 'fsdp-hybrid_shard',
     or topology 'hsdp'), sharded gossip ('decentpy-shard' on one of TOPOLOGIES over the nodes),
     plain gossip (anything else on one of TOPOLOGIES). Rows with missing or non-positive
-    numbers, ZeRO rows ('ddp-zero', 'torch-zero': not modelled) and topologies that do not fit
-    are skipped.
+    numbers, ZeRO rows ('ddp-zero', 'torch-zero': not modelled), compressed rows (COMPRESSED_SUFFIXES)
+    and topologies that do not fit are skipped.
     """
     out: List[Measurement] = []
     with open(path, newline="") as fh:
@@ -122,7 +130,7 @@ def load_measurements(path: os.PathLike) -> List[Measurement]:
             framework = (row["framework"] or "").strip()
             topology = (row["topology"] or "").strip()
             kind = _row_kind(framework, topology, row)
-            if kind == "zero":
+            if kind in ("zero", "compressed"):
                 continue
             if kind in ("allreduce", "hsdp"):
                 topology = kind
