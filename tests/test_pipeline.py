@@ -554,9 +554,18 @@ def sc_transport(rank: int, world: int) -> Dict[str, Any]:
         (Kind.NOGRAD, []),
     ]
     out: Dict[str, Any] = {}
-    for one_buffer in (True, False):
+    from decentpy.comm import CommGroup
+
+    groups = CommGroup()
+    down, up = groups.new_subgroup([0, 1], datetime.timedelta(seconds=TIMEOUT_S)), \
+        groups.new_subgroup([0, 1], datetime.timedelta(seconds=TIMEOUT_S))
+    for variant in ("one_buffer", "parts", "directional"):
+        one_buffer = variant != "parts"
+        # directional: one group per direction, as AsyncPipe builds them on gloo (rank 0 sends downstream)
+        via = {"send_group": down if rank == 0 else up, "recv_group": up if rank == 0 else down} \
+            if variant == "directional" else {}
         link = Link(1 - rank, 1 - rank, rank, dist.group.WORLD, torch.device("cpu"), one_buffer,
-                    datetime.timedelta(seconds=TIMEOUT_S))
+                    datetime.timedelta(seconds=TIMEOUT_S), **via)
         ok = []
         for j, (kind, tensors) in enumerate(messages):
             if rank == 0:
@@ -570,7 +579,7 @@ def sc_transport(rank: int, world: int) -> Dict[str, Any]:
             ok.append(same)
         link.finish()
         dist.barrier()
-        out["one_buffer" if one_buffer else "parts"] = ok
+        out[variant] = ok
     out["long_header"] = 5 + sum(4 + 7 for _ in range(6)) > HEADER_SLOTS
     return out
 
@@ -832,6 +841,7 @@ def test_transport_wire_formats() -> None:
     res = scenario(2, "transport")[1]  # the receiving rank
     assert res["long_header"], res
     assert res["one_buffer"] == [True] * 5 and res["parts"] == [True] * 5, res
+    assert res["directional"] == [True] * 5, res
 
 
 @pytest.mark.parametrize("world", (3, 4))

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import Tensor, nn
 
-from ..comm import PeerTimeoutError, agree_across_ranks, default_timeout, group_ranks, or_world
+from ..comm import CommGroup, PeerTimeoutError, SubGroup, agree_across_ranks, default_timeout, group_ranks, or_world
 from ..comm.failures import start_heartbeat
 from .agreement import NO_FAILURE, Agreement
 from .batchnorm import DeferredBatchNorm
@@ -197,12 +197,15 @@ class AsyncPipe(nn.Module):
         self._wire = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._prev: Optional[Link] = None
         self._next: Optional[Link] = None
+        down, up = self._direction_groups(nccl)
         if self.stage is not None and self.stage > 0:
-            self._prev = Link(self._ranks[self.stage - 1], self.stage - 1, self.stage, self.group, self._wire,
-                              not nccl, self.timeout)
+            s = self.stage - 1
+            self._prev = Link(self._ranks[s], s, self.stage, self.group, self._wire, not nccl, self.timeout,
+                              send_group=up.get(s), recv_group=down.get(s))
         if self.stage is not None and not self.final_stage:
-            self._next = Link(self._ranks[self.stage + 1], self.stage + 1, self.stage, self.group, self._wire,
-                              not nccl, self.timeout)
+            s = self.stage
+            self._next = Link(self._ranks[s + 1], s + 1, self.stage, self.group, self._wire, not nccl, self.timeout,
+                              send_group=down.get(s), recv_group=up.get(s))
         self._agreement = Agreement(self.group, self._ranks, rank, self._wire, not nccl, 1 + _COUNTS, self.timeout)
         self._broken: Optional[str] = None
         self._here = self._wire  # this stage's device during a step (set by _start)
@@ -211,6 +214,25 @@ class AsyncPipe(nn.Module):
         # partition's parameters and state_dict keys stay where they are (the wrapper reads the
         # partition's train/eval mode, which pipe.train()/eval() set)
         self._wrapper: Tuple[nn.Module, ...] = ()
+
+    def _direction_groups(self, nccl: bool) -> Tuple[Dict[int, SubGroup], Dict[int, SubGroup]]:
+        """On gloo, per pair of neighbouring stages (s, s + 1) two groups of those two ranks: one for
+        the downstream messages (activations), one for the upstream ones (gradients), so that each
+        direction has its own connection (see :class:`~decentpy.pipeline.transport.Link`). Keyed by
+        ``s``; this rank's entries only. Every rank of the group creates them, in the same order
+        (collective on the world). NCCL: none (its links post nothing ahead)."""
+        down: Dict[int, SubGroup] = {}
+        up: Dict[int, SubGroup] = {}
+        if nccl or self.num_stages < 2:
+            return down, up
+        groups = CommGroup(None if self.group is dist.group.WORLD else self.group)
+        pg_timeout = max(self.timeout, datetime.timedelta(seconds=1))
+        for s in range(self.num_stages - 1):
+            for table in (down, up):
+                sub = groups.new_subgroup([s, s + 1], pg_timeout)
+                if sub is not None:
+                    table[s] = sub
+        return down, up
 
     # -- fairscale's container API ----------------------------------------------------------------
     @property
@@ -651,16 +673,17 @@ class AsyncPipe(nn.Module):
                       grad: bool) -> Optional[Tensor]:
         """One mini-batch with the ``name`` schedule.
 
-        Receives posted ahead: right after an action's receive, before its
-        compute, the next action's receive is posted when the current action does not send on that
-        link -- a forward sends to the next stage and the next forward receives from the previous
-        one; a backward sends to the previous stage and the next backward receives from the next
-        one. So in a run of forwards (GPipe's first half, 1F1B's warm-up) and a run of backwards
-        the next message moves while this one computes. Not when the two alternate (1F1B's steady
-        state): gloo guards each connection with one lock, which its receiving thread holds while
-        it reads a message; a message arriving while this stage sends the other way on that
-        connection made the send wait for that thread, which with more threads than cores waits
-        for a core (measured: single sends of several milliseconds, 1F1B 20-30% slower)."""
+        Receives posted ahead: right after an action's receive, before its compute, the receive of
+        the next message on that link is posted (the next forward's activations; the next
+        backward's gradients, once that micro-batch's forward has run here), so it moves while this
+        action computes. With one connection per link, posting ahead while the two directions
+        alternate (1F1B's steady state) cost more than it gained: gloo guards each connection with
+        one lock, which its receiving thread holds while it reads a message, and a message arriving
+        while this stage sent the other way on that connection made the send wait for that thread
+        (with more threads than cores, for a core: single sends of several milliseconds, 1F1B
+        20-30% slower). On gloo each direction now has its own connection
+        (:meth:`_direction_groups`), so every phase posts ahead; on NCCL nothing is posted ahead
+        (see :mod:`~decentpy.pipeline.transport`)."""
         first: Optional[Tuple[TensorOrTensors, bool]] = None
         if self.stage == 0:
             mbs: Optional[List[TensorOrTensors]] = self._first_inputs(x)
@@ -673,8 +696,12 @@ class AsyncPipe(nn.Module):
         targets: Optional[List[Any]] = None
         weights: List[float] = []
         actions: List[Action] = SCHEDULES[name](count, self.num_stages, self.stage)
+        later_forward = [any(b.forward for b in actions[i + 1:]) for i in range(len(actions))]
+        next_backward: List[Optional[int]] = [None] * len(actions)
+        for i in range(len(actions) - 2, -1, -1):
+            nb = actions[i + 1]
+            next_backward[i] = nb.mb if not nb.forward else next_backward[i + 1]
         for i, a in enumerate(actions):
-            after = actions[i + 1] if i + 1 < len(actions) else None
             if a.forward:
                 waits = False
                 if mbs is not None:
@@ -683,8 +710,8 @@ class AsyncPipe(nn.Module):
                     inp, waits = first
                 else:
                     inp, _, waits = self._receive_input(a.mb, count)
-                if self._prev is not None and after is not None and after.forward:
-                    self._prev.prepost()  # see the docstring: when posting ahead pays
+                if self._prev is not None and later_forward[i]:
+                    self._prev.prepost()  # see the docstring
                 out = self._forward_one(step, a.mb, inp, grad, waits)
                 if self.final_stage:
                     if targets is None:
@@ -712,8 +739,9 @@ class AsyncPipe(nn.Module):
                 else:
                     grads = None
                 assert self._next is not None
-                if after is not None and not after.forward and self._expects_grad(step, after.mb):
-                    self._next.prepost()  # see the docstring: when posting ahead pays
+                nb = next_backward[i]
+                if nb is not None and nb in step.outputs and self._expects_grad(step, nb):
+                    self._next.prepost()  # see the docstring
                 self._backward_one(step, a.mb, grads)
         self._answer_all(step)
         if self.final_stage:

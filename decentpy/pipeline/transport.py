@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import wait_bounded
+from ..comm import SubGroup, wait_bounded
 
 __all__ = ["Kind", "Message", "Link", "HEADER_SLOTS", "PIPE_TAG"]
 
@@ -146,7 +146,14 @@ def _layout(header_slots: int, specs: Sequence[Optional[Tuple[torch.dtype, Any]]
 class Link:
     """This stage's connection to one neighbour (``peer``: its global rank; ``peer_stage``: its
     stage), on ``group``. Tensors travel on ``device`` (the CPU for gloo, the current GPU for
-    NCCL); ``one_buffer`` picks the wire format (see the module's docstring)."""
+    NCCL); ``one_buffer`` picks the wire format (see the module's docstring).
+
+    ``send_group`` / ``recv_group``: two-member groups over this stage and the peer that carry the
+    messages of one direction each (None: ``group`` carries both). On gloo each direction then has
+    its own TCP connection: gloo guards a connection with one lock, which its receiving thread
+    holds while it reads a message, so a message arriving while this stage sends the other way on
+    the same connection made the send wait for that thread (with more threads than cores, for a
+    core); on two connections a receive can be posted ahead in every phase of a schedule."""
 
     peer: int
     peer_stage: int
@@ -155,6 +162,8 @@ class Link:
     device: torch.device
     one_buffer: bool
     timeout: datetime.timedelta
+    send_group: Optional[SubGroup] = None
+    recv_group: Optional[SubGroup] = None
     _inflight: List[Tuple[Any, Tensor]] = field(default_factory=list)
     sent: int = 0      # messages sent to the peer this step (every kind but GROW)
     received: int = 0  # messages received from it this step (every kind but GROW)
@@ -172,8 +181,16 @@ class Link:
 
     # -- sending -----------------------------------------------------------------------------
     def _isend(self, t: Tensor) -> None:
-        work = dist.isend(t, dst=self.peer, group=self.group, tag=PIPE_TAG)
+        if self.send_group is not None:
+            work = self.send_group.send(t, self.peer, PIPE_TAG)
+        else:
+            work = dist.isend(t, dst=self.peer, group=self.group, tag=PIPE_TAG)
         self._inflight.append((work, t))  # the buffer must outlive the send
+
+    def _irecv(self, t: Tensor) -> Any:
+        if self.recv_group is not None:
+            return self.recv_group.recv(t, self.peer, PIPE_TAG)
+        return dist.irecv(t, src=self.peer, group=self.group, tag=PIPE_TAG)
 
     def _header(self, values: List[int]) -> Tensor:
         return torch.tensor(values + [0] * max(0, HEADER_SLOTS - len(values)), dtype=torch.int64)
@@ -232,11 +249,10 @@ class Link:
     def _post(self) -> None:
         if self._posted is None:
             buf = torch.empty(self.recv_capacity, dtype=torch.uint8, device=self.device)
-            self._posted = (dist.irecv(buf, src=self.peer, group=self.group, tag=PIPE_TAG), buf)
+            self._posted = (self._irecv(buf), buf)
 
     def _recv_into(self, t: Tensor, what: str) -> None:
-        work = dist.irecv(t, src=self.peer, group=self.group, tag=PIPE_TAG)
-        self._wait(work, what)
+        self._wait(self._irecv(t), what)
 
     def _wait(self, work: Any, what: str) -> None:
         wait_bounded(work, self.timeout, f"stage {self.stage}: receiving {what} from stage {self.peer_stage}",
