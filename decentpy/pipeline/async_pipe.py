@@ -713,6 +713,10 @@ class AsyncPipe(nn.Module):
                 if self._prev is not None and later_forward[i]:
                     self._prev.prepost()  # see the docstring
                 out = self._forward_one(step, a.mb, inp, grad, waits)
+                nb = next_backward[i]
+                if self._next is not None and grad and nb is not None and nb in step.outputs and \
+                        self._expects_grad(step, nb):
+                    self._next.prepost()  # the gradients of the next backward, while this stage moves on
                 if self.final_stage:
                     if targets is None:
                         targets, weights = self._split_target(target, step, out)
