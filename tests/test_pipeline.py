@@ -581,6 +581,22 @@ def sc_transport(rank: int, world: int) -> Dict[str, Any]:
         dist.barrier()
         out[variant] = ok
     out["long_header"] = 5 + sum(4 + 7 for _ in range(6)) > HEADER_SLOTS
+    # receive buffers: reused once no tensor views them, never while one does
+    link = Link(1 - rank, 1 - rank, rank, dist.group.WORLD, torch.device("cpu"), True,
+                datetime.timedelta(seconds=TIMEOUT_S))
+    if rank == 0:
+        for j in range(3):
+            link.send(Kind.DATA, j, 3, [torch.full((64, 64), float(j))], [False])
+    else:
+        first = link.recv("message 0").tensors[0]
+        at = first.data_ptr()
+        del first
+        second = link.recv("message 1").tensors[0]
+        third = link.recv("message 2").tensors[0]
+        out["reuse"] = (second.data_ptr() == at, third.data_ptr() != second.data_ptr(),
+                        bool((second == 1.0).all()), bool((third == 2.0).all()))
+    link.finish()
+    dist.barrier()
     return out
 
 
@@ -662,6 +678,33 @@ def sc_inplace_output(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+def sc_reused_buffers(rank: int, world: int) -> Dict[str, Any]:
+    """Receive buffers are reused from message to message, but never while a tensor views them:
+    with identities after the first stage, the final output is a view of the last receive buffer;
+    outputs kept from earlier steps keep their values while later steps run (eval and training)."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(6, 3), *[nn.Identity() for _ in range(world - 1)]).double()
+
+    ref = model()
+    pipe = make_pipe(model(), [1] * world, chunks=1)
+    kept: List[Tuple[Tensor, Tensor]] = []
+    for k in range(4):
+        x, y = data(seed=10 + k)
+        pipe.train(k % 2 == 1)
+        with torch.set_grad_enabled(k % 2 == 1):
+            res = pipe(x if pipe.stage == 0 else None)
+            if pipe.final_stage:
+                kept.append((res, ref(x).detach()))
+                if res.requires_grad:
+                    mse(res, y).backward()
+            elif res is not None and pipe.training:
+                pipe.back_helper(res)
+    if not pipe.final_stage:
+        return {}
+    return {"errors": [float((got.detach() - want).abs().max()) for got, want in kept]}
+
+
 def sc_grad_of_grad(rank: int, world: int) -> Dict[str, Any]:
     """Gradients of gradients cannot cross stages: a backward with create_graph=True fails on every
     rank (the final stage's own RuntimeError, a PipelineError elsewhere), and a training forward is
@@ -727,7 +770,7 @@ SCENARIOS: Dict[str, Callable[[int, int], Any]] = {
     "calls": sc_calls, "batchnorm": sc_batchnorm, "failures": sc_failures, "container": sc_container,
     "idle_rank": sc_idle_rank, "hybrid": sc_hybrid, "bad_input": sc_bad_input,
     "structure": sc_structure, "inplace_output": sc_inplace_output, "grad_of_grad": sc_grad_of_grad,
-    "mixed_modes": sc_mixed_modes,
+    "mixed_modes": sc_mixed_modes, "reused_buffers": sc_reused_buffers,
 }
 
 
@@ -837,11 +880,18 @@ def test_failures_reach_every_rank(world: int) -> None:
         assert {r[key]["recovered"] for r in res} == {None}, key
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_outputs_kept_across_steps_keep_their_values(world: int) -> None:
+    final = scenario(world, "reused_buffers")[-1]
+    assert len(final["errors"]) == 4 and max(final["errors"]) < 1e-12, final
+
+
 def test_transport_wire_formats() -> None:
     res = scenario(2, "transport")[1]  # the receiving rank
     assert res["long_header"], res
     assert res["one_buffer"] == [True] * 5 and res["parts"] == [True] * 5, res
     assert res["directional"] == [True] * 5, res
+    assert res["reuse"] == (True, True, True, True), res
 
 
 @pytest.mark.parametrize("world", (3, 4))

@@ -118,6 +118,24 @@ def decode(values: List[int]) -> Tuple[Kind, int, int, List[Optional[Tuple[torch
     return kind, mb, count, specs, bool(values[5] & _TUPLE)
 
 
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # private torch API; without it nothing is reused
+
+
+def _storage_users(t: Tensor) -> int:
+    return int(_USE_COUNT(t.untyped_storage()._cdata)) if _USE_COUNT is not None else -1
+
+
+#: the use count of a buffer that no other tensor views (the buffer itself plus the storage object
+#: the count is read through), measured rather than assumed
+_ALONE = _storage_users(torch.empty(1)) if _USE_COUNT is not None else -2
+
+
+def _unviewed(buf: Tensor) -> bool:
+    """Whether no tensor but ``buf`` itself uses ``buf``'s memory: a received message's tensors are
+    views of its buffer, kept by autograd, a stage's outputs, or the user."""
+    return _storage_users(buf) == _ALONE
+
+
 def _bytes(t: Tensor) -> Tensor:
     """``t``'s elements as a flat uint8 tensor (a view when contiguous)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -173,6 +191,7 @@ class Link:
     _posted: Optional[Tuple[Any, Tensor]] = None   # a receive posted ahead (one-buffer wire)
     _pool: Dict[int, List[Tensor]] = field(default_factory=dict)  # free send buffers by size
     _lent: List[Tensor] = field(default_factory=list)  # send buffers of this step (back to the pool at finish)
+    _received: List[Tensor] = field(default_factory=list)  # receive buffers, reused once nothing views them
 
     @property
     def consumed(self) -> int:
@@ -248,8 +267,24 @@ class Link:
 
     def _post(self) -> None:
         if self._posted is None:
-            buf = torch.empty(self.recv_capacity, dtype=torch.uint8, device=self.device)
+            buf = self._recv_buffer()
             self._posted = (self._irecv(buf), buf)
+
+    def _recv_buffer(self) -> Tensor:
+        """A receive buffer of the link's capacity: one of earlier messages that no tensor views any
+        more, or a new one. A fresh buffer of a few hundred KiB costs page faults on its first
+        write that took longer than the copy itself (measured: 0.6 ms against 0.07 ms for 512 KiB),
+        on every message of every step; torch's pre-shaped stages reuse their buffers the same way."""
+        for k, buf in enumerate(self._received):
+            if buf.numel() == self.recv_capacity and _unviewed(buf):
+                del self._received[k]
+                break
+        else:
+            buf = torch.empty(self.recv_capacity, dtype=torch.uint8, device=self.device)
+        self._received.append(buf)
+        # the buffers of a smaller capacity never fit again; the rest stay for the next messages
+        self._received = [b for b in self._received if b.numel() == self.recv_capacity]
+        return buf
 
     def _recv_into(self, t: Tensor, what: str) -> None:
         self._wait(self._irecv(t), what)
