@@ -270,6 +270,53 @@ def test_replacement_joins_and_a_member_leaves() -> None:
     print(f"\nchurn: {elapsed:.1f} s; re-form times {[round(c[7], 2) for c in res[0]['changes']]}")
 
 
+CKPT_AT, CKPT_END = 6, 12
+
+
+def checkpoint_worker(member: int, port: int, saved: Optional[bytes]) -> Dict[str, Any]:
+    """Without ``saved``: trains to CKPT_END, saving its training state at CKPT_AT. With it (a new
+    job, new processes and rendezvous): loads it and trains from CKPT_AT to CKPT_END."""
+    import io
+
+    from decentpy.elastic import ElasticGossip, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    model = make_mlp(0 if saved is None else 50 + member)  # a resumed member's own values must not matter
+    eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR, momentum=0.9),
+                       topology="ring", store=store, member_id=str(member), initial_workers=3,
+                       timeout=datetime.timedelta(seconds=30), peer_liveness_timeout=datetime.timedelta(seconds=4),
+                       bucket_size_in_mb=0.0002)
+    out: Dict[str, Any] = {}
+    if saved is not None:
+        eg.load_training_state_dict(torch.load(io.BytesIO(saved), weights_only=False))
+        out["resumed_at"] = eg.step_count
+    while eg.step_count < CKPT_END:
+        if saved is None and eg.step_count == CKPT_AT:
+            buf = io.BytesIO()
+            torch.save(eg.training_state_dict(), buf)
+            out["saved"] = buf.getvalue()
+        x, y = batch(member, eg.step_count)
+        loss_fn(eg(x), y).backward()
+    eg.ddp.wait()
+    _wait_all_done(store, "test/done", 3)
+    return dict(out, final=_params64(model))
+
+
+def test_checkpoint_resume_in_a_new_job_is_exact() -> None:
+    """Elastic members save their training state mid-run; a new job (new processes, new rendezvous)
+    loading it ends bit for bit where the uninterrupted run ended."""
+    first = run_members(checkpoint_worker, [0, 1, 2], (None,), timeout=90)
+    resumed = run_members(_resume_entry, [0, 1, 2], ({m: first[m]["saved"] for m in first},), timeout=90)
+    for m in (0, 1, 2):
+        assert resumed[m]["resumed_at"] == CKPT_AT
+        for name, v in first[m]["final"].items():
+            assert torch.equal(resumed[m]["final"][name], v), f"member {m} {name}: resumed run differs"
+
+
+def _resume_entry(member: int, port: int, saved: Dict[int, bytes]) -> Dict[str, Any]:
+    return checkpoint_worker(member, port, saved[member])
+
+
 def store_gone_worker(member: int, port: int) -> Dict[str, Any]:
     """Trains until the rendezvous host disappears; must raise RendezvousError, bounded."""
     from decentpy.elastic import ElasticGossip, RendezvousError, connect

@@ -208,8 +208,22 @@ class ElasticGossip(nn.Module):
         return self._inner.consensus_distance()
 
     def training_state_dict(self) -> Dict[str, Any]:
+        """This member's training state (the inner wrapper's, see
+        :meth:`DecentralizedDataParallel.training_state_dict`), after any pending re-formation."""
         self._current()
         return self._inner.training_state_dict()
+
+    def load_training_state_dict(self, state: Dict[str, Any], strict: bool = True) -> Any:
+        """Resume from :meth:`training_state_dict`, e.g. after the whole job was restarted: every
+        member loads the state it saved, in a membership of the same size (members are ranked by
+        their ids, so the same ids give the same ranks). A collective over the members."""
+        self._current()
+        saved = state.get("world_size")
+        if saved is not None and saved != self.world_size:
+            raise ValueError(f"the checkpoint was saved by a membership of {saved} workers; this one has "
+                             f"{self.world_size} ({', '.join(self.members)}): resume with as many members as saved, "
+                             "then let members join or leave")
+        return self._inner.load_training_state_dict(state, strict=strict)
 
     def get_lr(self) -> float:
         return self._inner.get_lr()
