@@ -513,3 +513,181 @@ def test_cli_hybrid_only(tmp_path, capsys):
     assert "Hybrid modes at scale" in text and "shard-AER" in text and "HSDP" in text
     assert (tmp_path / "runtime_hybrid.csv").is_file()
     assert png.is_file() or png.with_suffix(".svg").is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# compressed gossip
+# ---------------------------------------------------------------------------------------------
+
+
+def _int8_wire(model_bytes):
+    """int8 wire bytes of an fp32 model, by hand: one fp32 scale per 256 elements, a byte each."""
+    n = round(model_bytes / 4)
+    return 4 * math.ceil(n / 256) + n
+
+
+BYTES_ONLY = replace(HW, intra_lat=0.0, inter_lat=0.0)  # finite links, no latency
+
+
+def test_exchange_bytes_by_hand():
+    for m in (100e6, 1024.0, 1028.0, 102.4e6):
+        assert rm.exchange_bytes(None, m) == m
+        assert rm.exchange_bytes("bf16", m) == m / 2
+        assert rm.exchange_bytes("int8", m) == _int8_wire(m)
+    assert rm.exchange_bytes("int8", 100e6) / 100e6 == pytest.approx(0.2539, abs=1e-4)
+    with pytest.raises(ValueError, match="compression kind"):
+        rm.exchange_bytes("fp8", 100e6)
+
+
+def test_compressed_pairs_send_one_wire_size():
+    m, n, local, hw = 100e6, 64, 8, HW
+    w = _int8_wire(m)
+    # one-peer-exp: 3 intra rounds of one pair exchange, then 3 rounds in which the node's 8
+    # workers each send one compressed model through the NIC
+    ope = rm.step_comm_times("one-peer-exp", n, local, m, hw, "int8")
+    assert ope == pytest.approx([hw.intra_lat + w / hw.intra_bw] * 3
+                                + [hw.inter_lat + local * w / hw.inter_bw] * 3)
+    # ring: intra pairs, then two cross-node pairs per NIC (as uncompressed, W for M)
+    ring = rm.step_comm_times("ring", n, local, m, hw, "bf16")
+    assert ring == pytest.approx([hw.intra_lat + m / 2 / hw.intra_bw,
+                                  hw.inter_lat + 2 * (m / 2) / hw.inter_bw])
+
+
+def test_compressed_groups_send_to_every_member():
+    m, hw = 100e6, HW
+    w = _int8_wire(m)
+    # complete over one node of 4: each rank sends 3 messages over its intra link, against the
+    # ring all-reduce's 2 (m-1)/m = 1.5 models: 0.51x the bytes (docs/compression.md)
+    c4 = rm.step_comm_times("complete", 4, 4, m, hw, "int8")
+    assert c4 == pytest.approx([3 * hw.intra_lat + 3 * w / hw.intra_bw])
+    assert (3 * w) / (2 * 3 / 4 * m) == pytest.approx(0.508, abs=1e-3)
+    # complete over 2 nodes of 8: 7 intra messages per rank, 8 remote ones; each NIC carries the
+    # 8 x 8 messages of its node; intra and inter in flight together (max)
+    c16 = rm.step_comm_times("complete", 16, 8, m, hw, "int8")
+    assert c16 == pytest.approx([max(7 * hw.intra_lat + 7 * w / hw.intra_bw,
+                                     8 * hw.inter_lat + 64 * w / hw.inter_bw)])
+    # AER over 8 nodes of 4: every step has a node pair (a group of 8 ranks, 16 messages per NIC)
+    aer = rm.step_comm_times("alternating-exp-ring", 32, 4, m, hw, "int8")
+    cross = max(3 * hw.intra_lat + 3 * w / hw.intra_bw, 4 * hw.inter_lat + 16 * w / hw.inter_bw)
+    assert aer == pytest.approx([cross] * 6)
+
+
+def test_int8_pairs_never_slower_than_fp32_when_link_bound():
+    wl = replace(WL, compute_s=0.0)
+    hw_free_kernels = replace(HW, mem_bw=math.inf)
+    for name in ("ring", "one-peer-exp"):
+        for n, local in ((16, 8), (64, 8), (256, 8), (32, 1), (64, 4)):
+            for gbps in (1, 25, 100, 400):
+                hw = replace(hw_free_kernels, inter_bw=gbps * rm.GBIT)
+                t32, c32 = rm.decentralized_iteration_time(name, n, local, wl, hw)
+                t16, c16 = rm.decentralized_iteration_time(name, n, local, wl, hw, "bf16")
+                t8, c8 = rm.decentralized_iteration_time(name, n, local, wl, hw, "int8")
+                assert t8 <= t16 <= t32 and c8 <= c16 <= c32, (name, n, local, gbps)
+
+
+@pytest.mark.parametrize("local", [2, 3])
+def test_int8_aer_never_slower_than_fp32_when_the_gpu_link_is_the_bottleneck(local):
+    # per-GPU link the bottleneck (NIC free): groups of 2L <= 6 ranks send (m-1) W <= 2 (m-1)/m M
+    hw = replace(HW, inter_bw=math.inf, inter_lat=0.0, mem_bw=math.inf)
+    wl = replace(WL, compute_s=0.0)
+    for nodes in (2, 4, 16):
+        n = nodes * local
+        t32 = rm.decentralized_iteration_time("alternating-exp-ring", n, local, wl, hw)[0]
+        t8 = rm.decentralized_iteration_time("alternating-exp-ring", n, local, wl, hw, "int8")[0]
+        assert t8 <= t32
+        # the cross step by hand: (L-1) messages over the GPU link, against the hierarchical
+        # all-reduce's intra part 2 (L-1) intra_lat + 2 (L-1)/L M
+        w = _int8_wire(wl.model_bytes)
+        assert rm.step_comm_times("alternating-exp-ring", n, local, wl.model_bytes, hw, "int8")[0] \
+            == pytest.approx((local - 1) * (hw.intra_lat + w / hw.intra_bw))
+
+
+@pytest.mark.parametrize("local", [2, 4, 8])
+def test_int8_aer_moves_l_squared_messages_through_the_nic(local):
+    # NIC the bottleneck (GPU link free): fp32 AER's node pair all-reduces M through each NIC,
+    # int8 AER sends every rank's difference to each of the L ranks of the other node: L^2 W,
+    # more than M for every L >= 2 (L^2 * 0.254 > 1)
+    nodes, m = 4, 100e6
+    n = nodes * local
+    hw = replace(BYTES_ONLY, intra_bw=math.inf)
+    w = _int8_wire(m)
+    fp32 = rm.step_comm_times("alternating-exp-ring", n, local, m, hw)
+    int8 = rm.step_comm_times("alternating-exp-ring", n, local, m, hw, "int8")
+    assert fp32 == pytest.approx([m / hw.inter_bw] * 4)
+    assert int8 == pytest.approx([local ** 2 * w / hw.inter_bw] * 4)
+    assert local ** 2 * w > m
+
+
+def test_choco_kernel_passes_by_hand_and_growing_with_the_group():
+    wl, hw = WL, HW
+    m = wl.model_bytes
+    w = _int8_wire(m)
+    # pair: the fused compressing pass (p, g, m, v and three copies: 12 fp32 streams) + q in/out
+    pair = (12 * m + 2 * w) / hw.mem_bw
+    assert rm.choco_kernel_time(2, "int8", wl, hw) == pytest.approx(pair)
+    assert pair / (wl.kernel_traffic_dec * m / hw.mem_bw) == pytest.approx(1.563, abs=1e-3)
+    # each member beyond the second: a mix-only (5 streams) and a compress-only (3) pass + 2 q
+    for size in (3, 4, 8, 16):
+        assert rm.choco_kernel_time(size, "int8", wl, hw) == pytest.approx(
+            pair + (size - 2) * (8 * m + 2 * w) / hw.mem_bw)
+    times = [rm.choco_kernel_time(size, "bf16", wl, hw) for size in range(2, 18)]
+    assert all(a < b for a, b in zip(times, times[1:]))
+    # free links: the iteration is compute + the largest group's passes (AER over 4 nodes of 8:
+    # a node pair of 16 in every step; complete over one node of 4)
+    assert rm.decentralized_iteration_time("alternating-exp-ring", 32, 8, wl, INF_HW, "int8")[0] \
+        == pytest.approx(wl.compute_s + (12 * m + 2 * w + 14 * (8 * m + 2 * w)) / INF_HW.mem_bw)
+    assert rm.decentralized_iteration_time("complete", 4, 4, wl, INF_HW, "bf16")[0] \
+        == pytest.approx(wl.compute_s + (12 * m + m + 2 * (8 * m + m)) / INF_HW.mem_bw)
+    # AER over 2 nodes: the node pair, then both nodes inside (groups of 16, then of 8)
+    assert rm.step_group_sizes("alternating-exp-ring", 16, 8) == (16, 8)
+
+
+def test_compressed_copies_by_hand():
+    assert rm.compressed_copies("ring", 64, 8) == 4
+    assert rm.compressed_copies("one-peer-exp", 64, 8) == 2 * 6
+    assert rm.compressed_copies("complete", 16, 8) == 2 * 15
+    # AER over 8 nodes of 8: the 7 ranks of its node, the 8 of each of the 3 partner nodes
+    assert rm.compressed_copies("alternating-exp-ring", 64, 8) == 2 * (7 + 3 * 8)
+
+
+def test_compression_refused_where_decentpy_refuses_it():
+    with pytest.raises(ValueError, match="intra_node='shard'"):
+        rm.sharded_gossip_iteration_time("alternating-exp-ring", 64, 8, WL, HW, "int8")
+    with pytest.raises(ValueError, match="compression kind must be one of"):
+        rm.decentralized_iteration_time("ring", 64, 8, WL, HW, "fp8")
+    # uncompressed is unchanged by the new parameter
+    assert rm.decentralized_iteration_time("complete", 64, 8, WL, HW, None) == \
+        rm.decentralized_iteration_time("complete", 64, 8, WL, HW)
+
+
+def test_compression_table():
+    rows = rm.compression_table()
+    assert len(rows) == 2 * 2 * 10
+    for r in rows:
+        if r["nodes"] == 1:
+            assert r["alternating-exp-ring_s"] is None and r["alternating-exp-ring+int8_s"] is None
+            continue
+        # the model's findings: compression helps one-peer-exp (pairs, every GPU's model through
+        # the NIC) and hurts AER on 8-GPU nodes (64 compressed models per NIC against one); int8
+        # is never slower than bf16
+        assert r["one-peer-exp+int8_s"] < r["one-peer-exp_s"]
+        assert r["alternating-exp-ring+int8_s"] > r["alternating-exp-ring_s"]
+        for topo in ("alternating-exp-ring", "one-peer-exp"):
+            assert r[f"{topo}+int8_s"] <= r[f"{topo}+bf16_s"]
+        assert r["alternating-exp-ring_copies"] == 2 * (7 + 8 * int(math.log2(r["nodes"])))
+
+
+def test_cli_compression_only(tmp_path, capsys):
+    table = tmp_path / "docs" / "data" / "runtime_compression.csv"
+    png = tmp_path / "docs" / "runtime_compression.png"
+    assert cli.main(["--compression-only", "--out", str(tmp_path), "--compression-gpus", "8",
+                     "64", "--compression-csv", str(table), "--compression-plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "Compressed gossip at scale" in text and "AER+int8" in text and "1peer-exp+bf16" in text
+    lines = table.read_text().splitlines()
+    assert lines[0].startswith("model,NIC Gb/s per node,GPUs (nodes),DDP-AR,AER,AER+int8")
+    assert len(lines) == 1 + 2 * 2 * 2  # 2 workloads x 2 NIC speeds x 2 GPU counts
+    assert (tmp_path / "runtime_compression.csv").is_file()
+    assert png.is_file() or png.with_suffix(".svg").is_file()
+    with pytest.raises(SystemExit):
+        cli.main(["--compression-only", "--out", str(tmp_path), "--compression-gpus", "12"])

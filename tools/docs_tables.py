@@ -51,6 +51,11 @@ TABLES: Dict[str, str] = {
     "runtime_hybrid": "`python -m tools.runtime_model --hybrid-only` (tools/runtime_model): predicted ms per "
                       "iteration on an assumed GPU cluster (8 GPUs per node; assumptions below), speedup vs DDP in "
                       "parentheses. A model, not a measurement.",
+    "runtime_compression": "`python -m tools.runtime_model --compression-only --compression-gpus 8 64 512 4096 "
+                           "--compression-csv docs/data/runtime_compression.csv --compression-plot "
+                           "docs/runtime_compression.png` (tools/runtime_model): predicted ms per iteration on the "
+                           "hybrid table's assumed GPU cluster (8 GPUs per node, NIC speed per node), speedup vs DDP in "
+                           "parentheses. A model, not a measurement: no compressed run on GPUs has been timed.",
     "bench_shard": "`make bench-shard` (bench/bench_shard.py): the bench-train MLP, 3 x Linear(1024, 1024), batch 64 "
                    "per rank, AdamW, gloo, 1 thread per worker, medians of 64 steps timed in interleaved rounds, the "
                    "four set-ups in the same processes. AMD EPYC, 2 cores.",

@@ -1,5 +1,5 @@
-"""Command line of the runtime model: prediction tables, consensus, published comparison,
-calibration on measured step times, CSVs and a plot.
+"""Command line of the runtime model: prediction tables, consensus, published comparison, the
+hybrid modes and compressed gossip at scale, calibration on measured step times, CSVs and plots.
 
 Run ``python -m tools.runtime_model --help`` (``__main__.py`` runs :func:`main`). Apart from the
 model so that importing the model loads no command line, plotting or SciPy: the model is
@@ -20,6 +20,7 @@ from bench.common.tables import print_table, write_csv
 from . import model as runtime_model
 from .fit import calibrate, load_measurements
 from .model import (
+    COMPRESSION_MODES,
     EXACT_GAP_MAX_N,
     GBIT,
     GPU_INTER_LAT,
@@ -34,16 +35,18 @@ from .model import (
     TOPOLOGIES,
     Hardware,
     Workload,
+    compression_table,
     decentralized_iteration_time,
     ddp_iteration_time,
     hybrid_table,
     iteration_times,
     iterations_to_10x,
+    mode_name,
     published_table,
     spectral_gap,
     topology_valid,
 )
-from .plots import SHORT, plot_hybrid, plot_iteration_times
+from .plots import SHORT, label, plot_hybrid, plot_iteration_times
 
 __all__ = ["main"]
 
@@ -83,47 +86,129 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--hybrid-only", action="store_true",
                    help="only the hybrid modes at scale (DDP, HSDP, AER, sharded AER on the GPU "
                    "cluster of the published comparison): table, CSV and plot")
-    return p.parse_args(argv)
+    p.add_argument("--compression-only", action="store_true",
+                   help="only compressed gossip at scale (DDP, AER and one-peer-exp uncompressed, "
+                   "int8 and bf16 on the hybrid table's GPU cluster): table, OUT/"
+                   "runtime_compression.csv (every GPU count) and plot")
+    p.add_argument("--compression-gpus", type=int, nargs="+", default=list(HYBRID_GPUS),
+                   help="GPU counts (multiples of 8) of the printed compressed-gossip table and of "
+                   "--compression-csv")
+    p.add_argument("--compression-csv", default=None,
+                   help="also write the printed compressed-gossip table, cell for cell, to this CSV "
+                   "(the docs' table is docs/data/runtime_compression.csv)")
+    p.add_argument("--compression-plot", default=None,
+                   help="plot of compressed gossip at scale (default: OUT/runtime_compression.png; "
+                   "the docs' figure is docs/runtime_compression.png)")
+    args = p.parse_args(argv)
+    bad = [g for g in args.compression_gpus if g < 1 or g % HYBRID_LOCAL]
+    if bad:
+        p.error(f"--compression-gpus: {bad} are not positive multiples of {HYBRID_LOCAL} (GPUs "
+                "per node)")
+    return args
+
+
+def _speedup_cells(row: Dict[str, object], keys: Sequence[str]) -> List[str]:
+    """The row's ms per key, with the speedup vs DDP (its first key, 'allreduce') in parentheses."""
+    ddp = row["allreduce_s"]
+    cells = []
+    for k in keys:
+        t = row[f"{k}_s"]
+        cells.append(_fmt_ms(t) if k == "allreduce" or t is None
+                     else f"{_fmt_ms(t)} ({ddp / t:.2f}x)")
+    return cells
+
+
+def _plot_panels(rows: List[Dict[str, object]], keys: Sequence[str]
+                 ) -> Dict[str, Dict[str, List[Optional[float]]]]:
+    """One plot panel per (workload, NIC speed) of the rows (in GPU order), a series per key."""
+    panels: Dict[str, Dict[str, List[Optional[float]]]] = {}
+    for r in rows:
+        series = panels.setdefault(f"{r['model']} ({r['model_mb']:.0f} MB, "
+                                   f"{r['compute_ms']:.1f} ms compute), {r['inter_gbps']:g} Gb/s",
+                                   {k: [] for k in keys})
+        for k in keys:
+            series[k].append(r[f"{k}_s"])
+    return panels
+
+
+def _cluster_line() -> str:
+    """The assumed GPU cluster of the tables at scale, for their headings."""
+    return (f"{HYBRID_GPUS[0]}-{HYBRID_GPUS[-1]} GPUs, {HYBRID_LOCAL} per node, NVLink "
+            f"{GPU_INTRA_BW / 1e9:g} GB/s/GPU, NIC {'/'.join(f'{g:g}' for g in HYBRID_INTER_GBPS)} "
+            f"Gb/s per node (shared by its {HYBRID_LOCAL} GPUs), latency intra "
+            f"{GPU_INTRA_LAT * 1e6:g} us inter {GPU_INTER_LAT * 1e6:g} us, kernels "
+            f"{GPU_MEM_BW / 1e9:g} GB/s, full overlap; weak scaling (32 images / 4096 tokens per "
+            "GPU)")
 
 
 def _hybrid_report(out_dir: Path, plot_path: Optional[str]) -> List[Path]:
     """Print the hybrid-modes table, write its CSV and plot; returns the paths written."""
     rows = hybrid_table()
-    print(f"Hybrid modes at scale: {HYBRID_GPUS[0]}-{HYBRID_GPUS[-1]} GPUs, {HYBRID_LOCAL} per "
-          f"node, NVLink {GPU_INTRA_BW / 1e9:g} GB/s/GPU, NIC "
-          f"{'/'.join(f'{g:g}' for g in HYBRID_INTER_GBPS)} Gb/s per node, latency intra "
-          f"{GPU_INTRA_LAT * 1e6:g} us inter {GPU_INTER_LAT * 1e6:g} us, kernels "
-          f"{GPU_MEM_BW / 1e9:g} GB/s, full overlap; weak scaling (32 images / 4096 tokens per "
-          "GPU); DDP hierarchical all-reduce, HSDP = FSDP HYBRID_SHARD (shard in a node, "
-          "all-reduce across), AER = decentpy alternating-exp-ring, shard-AER = sharded gossip "
-          "(AER over the nodes); 25 MB buckets / FSDP units")
+    print(f"Hybrid modes at scale: {_cluster_line()}; DDP hierarchical all-reduce, HSDP = FSDP "
+          "HYBRID_SHARD (shard in a node, all-reduce across), AER = decentpy alternating-exp-ring, "
+          "shard-AER = sharded gossip (AER over the nodes); 25 MB buckets / FSDP units")
     print("iteration time ms (speedup vs DDP = DDP ms / mode ms); n/a: AER needs >= 2 nodes")
-    table = []
-    for r in rows:
-        ddp = r["allreduce_s"]
-        cells = []
-        for k in HYBRID_MODES:
-            t = r[f"{k}_s"]
-            cells.append(_fmt_ms(t) if k == "allreduce" or t is None
-                         else f"{_fmt_ms(t)} ({ddp / t:.2f}x)")
-        table.append([r["model"], f"{r['inter_gbps']:g}", r["gpus"], r["nodes"], *cells])
+    table = [[r["model"], f"{r['inter_gbps']:g}", r["gpus"], r["nodes"],
+              *_speedup_cells(r, HYBRID_MODES)] for r in rows]
     print_table(["model", "Gb/s", "GPUs", "N", *[SHORT[k] for k in HYBRID_MODES]], table,
                 group=lambda row: (row[0], row[1]))
     csv_path = out_dir / "runtime_hybrid.csv"
     write_csv(csv_path, list(rows[0]), rows)
-    ns = list(HYBRID_GPUS)
-    panels: Dict[str, Dict[str, List[Optional[float]]]] = {}
-    for r in rows:
-        series = panels.setdefault(f"{r['model']} ({r['model_mb']:.0f} MB, "
-                                   f"{r['compute_ms']:.1f} ms compute), {r['inter_gbps']:g} Gb/s",
-                                   {k: [] for k in HYBRID_MODES})
-        for k in HYBRID_MODES:
-            series[k].append(r[f"{k}_s"])
     png = Path(plot_path) if plot_path else out_dir / "runtime_hybrid.png"
     png.parent.mkdir(parents=True, exist_ok=True)  # (the SVG fallback without matplotlib writes there too)
-    written = plot_hybrid(png, ns, panels, f"Predicted iteration time, {HYBRID_LOCAL} GPUs per "
-                          "node, NVLink intra-node (analytic model, tools/runtime_model)")
+    written = plot_hybrid(png, list(HYBRID_GPUS), _plot_panels(rows, HYBRID_MODES),
+                          f"Predicted iteration time, {HYBRID_LOCAL} GPUs per node, NVLink "
+                          "intra-node (analytic model, tools/runtime_model)")
     return [csv_path, written]
+
+
+def _compression_report(out_dir: Path, gpus: Sequence[int], table_csv: Optional[str],
+                        plot_path: Optional[str]) -> List[Path]:
+    """Print the compressed-gossip table at ``gpus``, write its CSVs (OUT: every row, the hybrid
+    table's GPU counts and ``gpus``; ``table_csv``: the printed cells) and the plot; returns the
+    paths written."""
+    keys = [mode_name(t, c) for t, c in COMPRESSION_MODES]
+    rows = compression_table(sorted(set(HYBRID_GPUS) | set(gpus)))
+    print(f"Compressed gossip at scale: {_cluster_line()}; DDP hierarchical all-reduce (fp32), AER "
+          "= alternating-exp-ring, 1peer-exp = one-peer-exp, +int8 / +bf16 = compression=; a "
+          "compressed group exchange is point to point (each member its own difference to every "
+          f"other member), so AER's node-pair group of {2 * HYBRID_LOCAL} GPUs puts "
+          f"{HYBRID_LOCAL ** 2} compressed models through each NIC where fp32's hierarchical "
+          "all-reduce puts one")
+    print("iteration time ms (speedup vs DDP = DDP ms / mode ms); n/a: AER needs >= 2 nodes")
+    header = ["model", "NIC Gb/s per node", "GPUs (nodes)", *[label(k) for k in keys]]
+    table = [[r["model"], f"{r['inter_gbps']:g}", f"{r['gpus']} ({r['nodes']})",
+              *_speedup_cells(r, keys)] for r in rows if r["gpus"] in gpus]
+    print_table(header, table, group=lambda row: (row[0], row[1]))
+    big = max(gpus)  # the memory the copies take, at the largest printed count
+    at_big = {r["model"]: r for r in rows if r["gpus"] == big}
+    parts = []
+    for t in sorted({t for t, c in COMPRESSION_MODES if c is not None}):
+        copies = next(iter(at_big.values()))[f"{t}_copies"]
+        parts.append(f"{SHORT[t]} n/a" if copies is None else f"{SHORT[t]} {copies} copies ("
+                     + ", ".join(f"{m} {r['model_mb'] * copies / 1e3:.1f} GB"
+                                 for m, r in at_big.items()) + ")")
+    print(f"memory per GPU at {big} GPUs (2 fp32 copies of the model per distinct peer): "
+          + "; ".join(parts))
+    written = []
+    csv_path = out_dir / "runtime_compression.csv"
+    write_csv(csv_path, list(rows[0]), rows)
+    written.append(csv_path)
+    if table_csv:
+        path = Path(table_csv)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", newline="") as fh:
+            wr = csv.writer(fh)
+            wr.writerow(header)
+            wr.writerows(table)
+        written.append(path)
+    png = Path(plot_path) if plot_path else out_dir / "runtime_compression.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot_rows = [r for r in rows if r["gpus"] in HYBRID_GPUS]
+    written.append(plot_hybrid(png, list(HYBRID_GPUS), _plot_panels(plot_rows, keys),
+                               f"Predicted iteration time with compressed gossip, {HYBRID_LOCAL} "
+                               "GPUs per node (analytic model, tools/runtime_model)", logy=True))
+    return written
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -140,8 +225,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = [n for n in (2 ** k for k in range(3, 13)) if n <= args.max_n and n % local == 0]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.hybrid_only:
-        paths = _hybrid_report(out_dir, args.hybrid_plot)
+    if args.hybrid_only or args.compression_only:
+        paths = []
+        if args.hybrid_only:
+            paths += _hybrid_report(out_dir, args.hybrid_plot)
+        if args.compression_only:
+            if paths:
+                print()
+            paths += _compression_report(out_dir, args.compression_gpus, args.compression_csv,
+                                         args.compression_plot)
         print(f"\nwrote {', '.join(map(str, paths))}")
         return 0
 
@@ -226,6 +318,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     print()
     hybrid_paths = _hybrid_report(out_dir, args.hybrid_plot)
+    print()
+    hybrid_paths += _compression_report(out_dir, args.compression_gpus, args.compression_csv,
+                                        args.compression_plot)
 
     print()
     ms, used = [], []

@@ -6,7 +6,7 @@ predicts the time of one training iteration for
 * all-reduce DDP (gradient all-reduce, bucketed, overlapped with the backward pass only), and
 * decentpy's decentralized topologies (``complete``, ``ring``, ``one-peer-exp``,
   ``alternating-exp-ring``), whose parameter exchange of iteration k overlaps the whole
-  forward + backward of iteration k+1,
+  forward + backward of iteration k+1, uncompressed or with compressed gossip (bf16 / int8),
 * the hybrid modes that shard the model inside a node: HSDP (FSDP HYBRID_SHARD) and decentpy's
   sharded gossip (a topology over the nodes, each node's model sharded over its workers),
 
@@ -88,6 +88,36 @@ except an exposed piece e, the shape of DDP's backward above):
   exchange (NIC) and the all-gather / reduce-scatter (intra link) use different links, so they
   overlap. L == 1: plain gossip.
 
+Compressed gossip (decentpy ``compression="int8"`` / ``"bf16"``, CHOCO-style; docs/compression.md):
+
+* Bytes: an exchange with one peer carries ``W = decentpy.compression.wire_bytes(kind, M / 4)``
+  instead of M (bf16 M / 2; int8 ``4 ceil(n / 256) + n`` for n = M / 4 elements, 0.254 M; the
+  model is taken as one run of int8 blocks: the partial block ending each real bucket adds at
+  most 4 bytes per bucket). A group of m ranks is no all-reduce any more: every rank sends each
+  other member its own compressed difference, point to point, all posted at once. So a rank with
+  l - 1 other members on its node and m - l on other nodes sends ``(l - 1) W`` over its intra link
+  (``(l - 1) intra_lat``, one latency per message) and ``m - l`` messages through its node's NIC,
+  which carries ``sum over the node's groups of l (m - l) W`` in that step; the intra and inter
+  messages are in flight together, so a group's time is the max of the two, not the sum (a pair:
+  one message, as uncompressed). Against the hierarchical all-reduce's ``2 (k - 1) / k M`` per
+  NIC, AER's node-pair group of 2L ranks puts ``L^2 W`` through each NIC: int8 AER moves more
+  NIC bytes than fp32 AER whenever ``L^2 * 0.254 > 1``, i.e. for every L >= 2. Pairs (ring,
+  one-peer-exp) move W where they moved M.
+* Kernels: the fused compressing pass moves ``kernel_traffic_choco * M + 2 W`` bytes (the step's
+  p, g, m, v and the tracked copies, fp32; the q received and sent); a group of m > 2 adds m - 2
+  mix-only and m - 2 compress-only passes, ``(m - 2) (kernel_traffic_choco_extra * M + 2 W)``
+  bytes. A step's kernel time is that over ``mem_bw`` for its largest group (a rank mixes the m_t
+  - 1 members of step t and compresses for the m_{t+1} - 1 of step t+1; over the period both sums
+  are the same, so the mean is exact). These are memory-bound passes, counted like
+  ``kernel_traffic_dec``: 1.56x (int8) / 1.63x (bf16) the uncompressed pass for a pair, more than
+  the 1.28x / 1.20x measured on a 2-core CPU (bench_kernels: 17.9 / 16.8 ms against 14.0 ms for a
+  25 MiB bucket, not purely bandwidth-bound there).
+* Memory (reported, not timed): 2 fp32 copies of the model per distinct peer over the period.
+* Not modelled, refused like decentpy refuses them: compression with sharded gossip
+  (``intra_node="shard"``), and DDP / HSDP (no gossip). The consensus rate is taken as
+  uncompressed (``gamma = 1`` with bf16 / int8: docs/compression.md's runs end at the same
+  consensus distance).
+
 Consensus: ``gap`` = 1 - |lambda_2| of the period-averaged mixing matrix, from
 ``decentpy.topology`` for n <= ``EXACT_GAP_MAX_N`` and from closed forms beyond (checked equal
 in the tests): complete 1, ring (1 - cos(2 pi / n)) / 2 (n even), one-peer-exp 1 / log2(n)
@@ -109,6 +139,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+from decentpy.compression import Compression, wire_bytes
 from decentpy.topology import Topology, TopologyError, make_topology
 
 __all__ = [
@@ -127,6 +158,13 @@ __all__ = [
     "node_topology_rows",
     "sharded_gossip_iteration_time",
     "iteration_times",
+    "exchange_bytes",
+    "choco_kernel_time",
+    "step_group_sizes",
+    "compressed_copies",
+    "COMPRESSION_MODES",
+    "mode_name",
+    "compression_table",
     "HYBRID_MODES",
     "hybrid_iteration_times",
     "hybrid_workloads",
@@ -176,6 +214,13 @@ class Workload:
     kernel_traffic_dec: float = 8.0
     # DDP Adam step: read p, g, m, v; write p, m, v.
     kernel_traffic_ddp: float = 7.0
+    # Compressed gossip's fused pass (csrc/kernels/mix_and_step.h), fp32 only: the Adam step's
+    # p, g, m, v (7, no c) plus the tracked copies: the peer's (read, write), this rank's for the
+    # mix (read) and for the next send (read, write). The q received and sent add 2 W.
+    kernel_traffic_choco: float = 12.0
+    # Per extra member of a group (m > 2): a mix-only pass (read p, peer copy, self copy; write p,
+    # peer copy) and a compress-only pass (read p, self copy; write self copy), plus 2 W.
+    kernel_traffic_choco_extra: float = 8.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,9 +263,12 @@ def _allreduce_row(size: int, nodes: int, per_node: int, nic_units: float) -> Tu
     return (intra[0], intra[1], 2.0 * (nodes - 1), nic_units)
 
 
-def _group_rows(groups: Sequence[Tuple[Tuple[int, ...], ...]], local: int) -> np.ndarray:
-    """Cost rows of one step; ``groups`` are tuples of ranks."""
-    nic: Dict[int, float] = {}  # node -> inter-node bytes through its NIC, in units of M
+def _group_rows(groups: Sequence[Tuple[int, ...]], local: int, p2p: bool = False) -> np.ndarray:
+    """Cost rows of one step; ``groups`` are tuples of ranks. ``p2p``: compressed gossip, where
+    every member sends each other member one message (rows in units of one message, W): per node
+    of a group with l members, an intra row ``(l-1, l-1, 0, 0)`` and an inter row ``(0, 0, m-l,
+    NIC)``, its NIC carrying ``l (m - l)`` messages per such group (a pair: the pair rows)."""
+    nic: Dict[int, float] = {}  # node -> inter-node bytes through its NIC, in units of M (or W)
     shapes = []
     for ranks in groups:
         per_node: Dict[int, int] = {}
@@ -229,13 +277,21 @@ def _group_rows(groups: Sequence[Tuple[Tuple[int, ...], ...]], local: int) -> np
         k = len(per_node)
         shapes.append((len(ranks), per_node))
         if k > 1:
-            units = 1.0 if len(ranks) == 2 else 2.0 * (k - 1) / k
-            for node in per_node:
+            for node, l in per_node.items():
+                units = (l * (len(ranks) - l) if p2p
+                         else 1.0 if len(ranks) == 2 else 2.0 * (k - 1) / k)
                 nic[node] = nic.get(node, 0.0) + units
     rows = set()
     for size, per_node in shapes:
         k = len(per_node)
         if size == 1:
+            continue
+        if p2p:  # the intra and the inter messages are in flight together: separate rows (max)
+            for node, l in per_node.items():
+                if l > 1:
+                    rows.add((float(l - 1), float(l - 1), 0.0, 0.0))
+                if size > l:
+                    rows.add((0.0, 0.0, float(size - l), nic[node]))
             continue
         worst = max(nic.get(node, 0.0) for node in per_node)
         if size == 2:
@@ -247,19 +303,43 @@ def _group_rows(groups: Sequence[Tuple[Tuple[int, ...], ...]], local: int) -> np
     return np.array(sorted(rows), dtype=np.float64)
 
 
-@lru_cache(maxsize=256)
-def topology_rows(name: str, n: int, local: int) -> Tuple[np.ndarray, ...]:
-    """Per step of the period, the cost rows of ``name`` on n workers, ``local`` per node."""
+def _valid_topology(name: str, n: int, local: int) -> Topology:
     topo = _build_topology(name, n, local)
     if topo is None:
         raise ValueError(f"topology {name!r} is not valid for n={n}, L={local}")
-    if name == "complete":  # one group: the hierarchical all-reduce row, no per-rank walk
+    return topo
+
+
+@lru_cache(maxsize=256)
+def topology_rows(name: str, n: int, local: int, p2p: bool = False) -> Tuple[np.ndarray, ...]:
+    """Per step of the period, the cost rows of ``name`` on n workers, ``local`` per node;
+    ``p2p``: compressed gossip's point-to-point exchanges (rows in units of one message)."""
+    topo = _valid_topology(name, n, local)
+    if name == "complete" and not p2p:  # one group: the hierarchical all-reduce row, no walk
         nodes = n // local
         return (np.array([_allreduce_row(n, nodes, local, 2.0 * (nodes - 1) / nodes)]),)
     steps = []
     for t in range(topo.period):
-        steps.append(_group_rows([g.ranks for g in topo.groups(t)], local))
+        steps.append(_group_rows([g.ranks for g in topo.groups(t)], local, p2p))
     return tuple(steps)
+
+
+@lru_cache(maxsize=256)
+def step_group_sizes(name: str, n: int, local: int) -> Tuple[int, ...]:
+    """Per step of the period, the size of the step's largest group (its slowest rank's kernel
+    passes in compressed gossip)."""
+    topo = _valid_topology(name, n, local)
+    return tuple(max(g.size for g in topo.groups(t)) for t in range(topo.period))
+
+
+def compressed_copies(name: str, n: int, local: int) -> int:
+    """fp32 copies of the model that compressed gossip keeps beside it on rank 0: two (its own
+    public copy as the peer knows it, the peer's) per distinct peer of the period (the copies
+    term of decentpy's CompressedGossip.memory_bytes). Every rank alike on full nodes of powers of
+    two, the sizes of the tables."""
+    topo = _valid_topology(name, n, local)
+    peers = {r for t in range(topo.period) for r in topo.group_of(0, t).ranks} - {0}
+    return 2 * len(peers)
 
 
 def _flat_allreduce_row(n: int, local: int) -> np.ndarray:
@@ -277,9 +357,29 @@ def _cost_vector(hw: Hardware, nbytes: float, flat: bool = False) -> np.ndarray:
     return np.array([hw.intra_lat, nbytes / hw.intra_bw, hw.inter_lat, nbytes / hw.inter_bw])
 
 
-def step_comm_times(name: str, n: int, local: int, model_bytes: float, hw: Hardware) -> np.ndarray:
-    """Communication time of every step of the topology's period (seconds)."""
-    return _step_times(topology_rows(name, n, local), model_bytes, hw)
+def _compression_kind(compression: Optional[str]) -> Optional[str]:
+    """``compression`` checked by decentpy's own rules (None: uncompressed)."""
+    return None if compression is None else Compression(compression).kind
+
+
+def exchange_bytes(compression: Optional[str], model_bytes: float) -> float:
+    """Bytes one exchange of the model with one peer puts on the wire: ``model_bytes`` without
+    compression, else decentpy.compression.wire_bytes of its fp32 elements (the model as one run
+    of int8 blocks: each real bucket's partial last block adds at most 4 bytes)."""
+    kind = _compression_kind(compression)
+    if kind is None:
+        return model_bytes
+    return float(wire_bytes(kind, int(round(model_bytes / 4))))
+
+
+def step_comm_times(name: str, n: int, local: int, model_bytes: float, hw: Hardware,
+                    compression: Optional[str] = None) -> np.ndarray:
+    """Communication time of every step of the topology's period (seconds); ``compression``
+    ('bf16', 'int8'): compressed gossip's point-to-point exchanges of the wire bytes."""
+    if _compression_kind(compression) is None:
+        return _step_times(topology_rows(name, n, local), model_bytes, hw)
+    return _step_times(topology_rows(name, n, local, p2p=True),
+                       exchange_bytes(compression, model_bytes), hw)
 
 
 def _step_times(steps: Sequence[np.ndarray], model_bytes: float, hw: Hardware) -> np.ndarray:
@@ -307,13 +407,30 @@ def _overlapped(a: float, b: float, overlap: float) -> float:
     return max(a, b) + (1.0 - overlap) * min(a, b)
 
 
+def choco_kernel_time(group: int, compression: str, wl: Workload, hw: Hardware) -> float:
+    """Seconds of compressed gossip's kernel passes at a step whose group has ``group`` ranks: the
+    fused compressing pass, plus a mix-only and a compress-only pass per member beyond the second
+    (memory-bound passes, like the uncompressed fused step; a lone rank: that fused step)."""
+    if group < 2:
+        return wl.kernel_traffic_dec * wl.model_bytes / hw.mem_bw
+    q = exchange_bytes(compression, wl.model_bytes)
+    fused = wl.kernel_traffic_choco * wl.model_bytes + 2.0 * q
+    extra = (group - 2) * (wl.kernel_traffic_choco_extra * wl.model_bytes + 2.0 * q)
+    return (fused + extra) / hw.mem_bw
+
+
 def decentralized_iteration_time(
-    name: str, n: int, local: int, wl: Workload, hw: Hardware
+    name: str, n: int, local: int, wl: Workload, hw: Hardware, compression: Optional[str] = None
 ) -> Tuple[float, float]:
-    """(mean iteration time, mean communication time) over the topology's period."""
-    comm = step_comm_times(name, n, local, wl.model_bytes, hw)
-    kernel = wl.kernel_traffic_dec * wl.model_bytes / hw.mem_bw
-    per_step = [_overlapped(wl.compute_s, c, hw.overlap) + kernel for c in comm]
+    """(mean iteration time, mean communication time) over the topology's period; ``compression``
+    ('bf16', 'int8'): compressed gossip (its bytes and kernel passes, module docstring)."""
+    comm = step_comm_times(name, n, local, wl.model_bytes, hw, compression)
+    if _compression_kind(compression) is None:
+        kernels = [wl.kernel_traffic_dec * wl.model_bytes / hw.mem_bw] * len(comm)
+    else:
+        kernels = [choco_kernel_time(m, compression, wl, hw)
+                   for m in step_group_sizes(name, n, local)]
+    per_step = [_overlapped(wl.compute_s, c, hw.overlap) + k for c, k in zip(comm, kernels)]
     return float(np.mean(per_step)), float(np.mean(comm))
 
 
@@ -398,10 +515,15 @@ def node_topology_rows(name: str, nodes: int) -> Tuple[np.ndarray, ...]:
 
 
 def sharded_gossip_iteration_time(
-    name: str, n: int, local: int, wl: Workload, hw: Hardware
+    name: str, n: int, local: int, wl: Workload, hw: Hardware, compression: Optional[str] = None
 ) -> Tuple[float, float]:
     """(mean iteration time, mean inter-node exchange time) of sharded gossip: topology ``name``
-    over the N nodes, each node's model sharded over its L ranks."""
+    over the N nodes, each node's model sharded over its L ranks. ``compression`` is refused, as
+    decentpy refuses it with ``intra_node="shard"``."""
+    if compression is not None:
+        raise ValueError(f"compression={compression!r} is not modelled for sharded gossip: decentpy "
+                         "refuses compression with intra_node='shard' (its node collectives and "
+                         "shards are not compressed); use decentralized_iteration_time (plain gossip)")
     nodes = _check_nodes(n, local)
     fwd, bwd = _fwd_bwd(wl)
     m, b = wl.model_bytes, min(wl.bucket_bytes, wl.model_bytes)
@@ -606,4 +728,54 @@ def hybrid_table(gpus: Sequence[int] = HYBRID_GPUS, local: int = HYBRID_LOCAL,
                                  inter_gbps=inter, model_mb=wl.model_bytes / 1e6,
                                  compute_ms=wl.compute_s * 1e3,
                                  **{f"{k}_s": times[k] for k in HYBRID_MODES}))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# compressed gossip at scale (8 to 4096 GPUs, the hybrid table's cluster and workloads)
+# ----------------------------------------------------------------------------------------------
+
+#: The columns of the compressed-gossip comparison, (topology, compression): DDP ('allreduce',
+#: never compressed), AER and one-peer-exp uncompressed, int8 and bf16.
+COMPRESSION_MODES: Tuple[Tuple[str, Optional[str]], ...] = (
+    ("allreduce", None),
+    ("alternating-exp-ring", None), ("alternating-exp-ring", "int8"),
+    ("alternating-exp-ring", "bf16"),
+    ("one-peer-exp", None), ("one-peer-exp", "int8"), ("one-peer-exp", "bf16"),
+)
+
+
+def mode_name(topology: str, compression: Optional[str]) -> str:
+    """The key of a (topology, compression) column: the topology, or 'topology+kind'."""
+    return topology if compression is None else f"{topology}+{compression}"
+
+
+def compression_table(gpus: Sequence[int] = HYBRID_GPUS, local: int = HYBRID_LOCAL,
+                      inter_gbps: Sequence[float] = HYBRID_INTER_GBPS
+                      ) -> List[Dict[str, object]]:
+    """Per workload, NIC speed (per node) and GPU count: the iteration time (s, None where the
+    topology does not fit) of each of COMPRESSION_MODES on the GPU cluster of
+    :func:`gpu_hardware`, with the hybrid table's workloads, and the fp32 copies of the model that
+    compressed gossip keeps per GPU on each topology (``<topology>_copies``)."""
+    rows = []
+    topologies = sorted({t for t, c in COMPRESSION_MODES if c is not None})
+    for model, wl in hybrid_workloads().items():
+        for inter in inter_gbps:
+            hw = gpu_hardware(inter)
+            for n in gpus:
+                row: Dict[str, object] = dict(
+                    model=model, gpus=n, nodes=_check_nodes(n, local), local=local,
+                    inter_gbps=inter, model_mb=wl.model_bytes / 1e6, compute_ms=wl.compute_s * 1e3)
+                for topo, kind in COMPRESSION_MODES:
+                    if topo == "allreduce":
+                        t: Optional[float] = ddp_iteration_time(n, local, wl, hw)[0]
+                    elif topology_valid(topo, n, local):
+                        t = decentralized_iteration_time(topo, n, local, wl, hw, kind)[0]
+                    else:
+                        t = None
+                    row[f"{mode_name(topo, kind)}_s"] = t
+                for topo in topologies:
+                    row[f"{topo}_copies"] = (compressed_copies(topo, n, local)
+                                             if topology_valid(topo, n, local) else None)
+                rows.append(row)
     return rows

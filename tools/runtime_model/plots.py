@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
-__all__ = ["SHORT", "plot_iteration_times", "plot_hybrid"]
+__all__ = ["SHORT", "label", "plot_iteration_times", "plot_hybrid"]
 
 # Short labels of the methods, for plot legends and table headers.
 SHORT: Dict[str, str] = {
@@ -22,7 +22,13 @@ SHORT: Dict[str, str] = {
 }
 SHORT.update({f"shard-{k}": f"shard-{v}" for k, v in list(SHORT.items())
               if k not in ("allreduce", "hsdp")})  # sharded gossip on each topology
-_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D")]
+_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D"), ("--", "x"), (":", "P")]
+
+
+def label(name: str) -> str:
+    """Short label of a method: SHORT's, with a compression suffix kept ('AER+int8')."""
+    topology, plus, kind = name.partition("+")
+    return SHORT.get(topology, topology) + plus + kind
 
 
 def _draw(ax, ns: List[int], series: Dict[str, List[Optional[float]]]) -> None:
@@ -32,7 +38,7 @@ def _draw(ax, ns: List[int], series: Dict[str, List[Optional[float]]]) -> None:
         if pts:
             ls, mk = _STYLES[i % len(_STYLES)]
             ax.plot(*zip(*pts), linestyle=ls, marker=mk, ms=4, lw=1.5, alpha=0.85,
-                    label=SHORT.get(name, name))
+                    label=label(name))
     ax.set_xscale("log", base=2)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -69,19 +75,23 @@ def plot_iteration_times(path_png: Path, ns: List[int], series: Dict[str, List[O
 
 
 def plot_hybrid(path_png: Path, ns: List[int],
-                panels: Dict[str, Dict[str, List[Optional[float]]]], title: str) -> Path:
+                panels: Dict[str, Dict[str, List[Optional[float]]]], title: str,
+                logy: bool = False) -> Path:
     """One panel per (workload, NIC speed) key of ``panels``, each with a line per mode, in a
     grid of two columns; a PNG with matplotlib, else one SVG with the panel named in every
-    legend entry. Returns the path written."""
+    legend entry. ``logy``: a log time axis (the PNG), for modes an order of magnitude apart.
+    Returns the path written."""
     plt = _pyplot()
     if plt is None:
-        merged = {f"{panel}: {SHORT.get(k, k)}": ys for panel, series in panels.items()
+        merged = {f"{panel}: {label(k)}": ys for panel, series in panels.items()
                   for k, ys in series.items()}
         return _plot_svg(path_png.with_suffix(".svg"), ns, merged, title)
     rows = (len(panels) + 1) // 2
     fig, axes = plt.subplots(rows, 2, figsize=(11, 3.6 * rows), squeeze=False)
     for ax, (panel, series) in zip(axes.flat, panels.items()):
         _draw(ax, ns, series)
+        if logy:
+            ax.set_yscale("log")
         ax.set_title(panel, fontsize=9)
         ax.set_xlabel("GPUs n")
         ax.set_ylabel("predicted iteration time (ms)")
@@ -120,7 +130,7 @@ def _plot_svg(path: Path, ns: List[int], series: Dict[str, List[Optional[float]]
         c = colors[i % len(colors)]
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
         parts.append(f'<text x="{w - pad + 5}" y="{pad + 14 * i}" font-size="10" fill="{c}">'
-                     f'{SHORT.get(name, name)}</text>')
+                     f'{label(name)}</text>')
     parts.append("</svg>")
     path.write_text("\n".join(parts))
     return path
