@@ -25,7 +25,7 @@ from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, sel
 from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node
 from .compression import Compression, resolve_compression
 from .engine.bucket import Bucket, BucketPlan
-from .engine.choco import CompressedGossip
+from .engine.choco import COMPRESSED_STRATEGIES, CompressedGossip
 from .engine.layout import OptimFn, SchedulerFn
 from .grad_scaling import BucketGradScaling
 from .topology import Topology
@@ -147,9 +147,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         check_intra_node(intra_node)
         self._compression = resolve_compression(compression)
         if self._compression is not None:
-            if intra_node != "gossip":
-                raise ValueError(f"compression={self._compression.kind!r} works with intra_node='gossip' only for now "
-                                 f"(got intra_node={intra_node!r}: its node collectives and shards are not compressed)")
             if comm == "nccl":
                 raise ValueError("compression is not supported by the NCCL communicator yet (comm='nccl'); use "
                                  "comm='auto' or 'torch', which send the compressed bytes over torch.distributed")
@@ -164,7 +161,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
         self._intra_node = intra_node
-        strategy = self._strategy_classes[intra_node] if self._compression is None else CompressedGossip
+        strategy = (self._strategy_classes[intra_node] if self._compression is None else
+                    COMPRESSED_STRATEGIES[intra_node])
         extra = {"compression": self._compression} if self._compression is not None else {}
         self._timeout = timeout if timeout is not None else default_timeout()
 

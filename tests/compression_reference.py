@@ -103,11 +103,13 @@ def pair_schedule(partner: Callable[[int, int], int], weight: float = 0.5) -> Ca
 def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optimizer],
                    grads: Callable[[int, int, nn.Module], None],
                    schedule: Callable[[int, int], Tuple[List[int], float]], kind: str,
-                   gamma: float, steps: int) -> Tuple[List[Tensor], Dict[str, float]]:
+                   gamma: float, steps: int, shards: int = 1) -> Tuple[List[Tensor], Dict[str, float]]:
     """Run ``steps`` iterations; ``grads(i, k, model)`` fills the gradients of worker i at step k;
     ``schedule(k, i)`` is worker i's peers at step k and their (uniform) weight. Every edge has its
-    own copies: worker i sends each peer j its own ``Q(x_i - xhat_{i|j})``. Returns every worker's
-    final flat parameters and the rounding statistics."""
+    own copies: worker i sends each peer j its own ``Q(x_i - xhat_{i|j})``. ``shards``: the flat
+    bucket is quantised in that many equal shards, each from its own start (``intra_node='shard'``:
+    each rank of a node compresses its shard). Returns every worker's final flat parameters and the
+    rounding statistics."""
     n = len(models)
     flat = FlatModels(models)
     x0 = [flat.get(i) for i in range(n)]
@@ -138,7 +140,9 @@ def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optim
             sent[i] = {}
             for j in schedule(k + 1, i)[0]:
                 sc = self_copy[i].setdefault(j, x0[i].clone())
-                dq = quantize64(kind, x - sc, stats)
+                d = x - sc
+                size = d.numel() // shards
+                dq = torch.cat([quantize64(kind, d[r * size:(r + 1) * size], stats) for r in range(shards)])
                 sc += dq
                 sent[i][j] = dq
     return [flat.get(i) for i in range(n)], stats

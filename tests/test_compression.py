@@ -33,6 +33,10 @@ COMBOS = [(topo, opt, kind) for topo in ("ring", "one-peer-exp") for opt in ("sg
 COMBOS += [("complete", "adamw", "int8"), ("alternating-exp-ring", "sgd", "int8"),
            ("alternating-exp-ring", "adamw", "bf16")]
 LOCAL_WORLD_SIZE = {"alternating-exp-ring": 2}
+# compressed exchanges between nodes: 2 nodes of 2 ranks, the node pair every step; shard: each rank
+# compresses its half of the bucket for the same half on the other node; allreduce: the node mean
+NODE_COMBOS = [("ring/shard", "adamw", "int8"), ("ring/allreduce", "sgd", "bf16")]
+COMBOS += NODE_COMBOS
 
 
 def _wire(kind: str, n: int) -> int:
@@ -185,9 +189,11 @@ def _train(rank: int, topo: str, opt: str, kind: str, steps: int) -> Dict[str, A
     from decentpy import Compression, DecentralizedDataParallel
 
     model = make_mlp(0)
+    topo, _, intra = topo.partition("/")
+    nodes = {"intra_node": intra, "local_world_size": 2} if intra else \
+        {"local_world_size": LOCAL_WORLD_SIZE.get(topo, 1)}
     ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology=topo,
-                                    local_world_size=LOCAL_WORLD_SIZE.get(topo, 1),
-                                    compression=Compression(kind, gamma=GAMMA))
+                                    compression=Compression(kind, gamma=GAMMA), **nodes)
     sent = []
     for k in range(steps):
         before = ddp.bytes_sent
@@ -260,8 +266,7 @@ def _refusals(rank: int) -> List[str]:
     from decentpy import DecentralizedDataParallel
 
     msgs = []
-    for kwargs in ({"topology": "ring", "compression": "int8", "intra_node": "shard", "local_world_size": 2},
-                   {"topology": "ring", "compression": "int8", "comm": "nccl"},
+    for kwargs in ({"topology": "ring", "compression": "int8", "comm": "nccl"},
                    {"topology": "ring", "compression": "zstd"}):
         try:
             DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("sgd"), **kwargs)
@@ -286,7 +291,26 @@ def results() -> List[Dict[str, Any]]:
     return run_workers(_all, 4, timeout=300)
 
 
+def _node_reference(topo: str, opt: str, kind: str) -> Tuple[List[torch.Tensor], Dict[str, float]]:
+    """Two nodes of two ranks as two workers whose gradient is the mean of their ranks' (the node's
+    exact reduction), exchanging with each other every step; each rank ends with its node's model."""
+    intra = topo.partition("/")[2]
+    models = [make_mlp(0).double() for _ in range(2)]
+    opts = [REF_OPTIMIZERS[opt](m) for m in models]
+
+    def grads(node: int, k: int, m: nn.Module) -> None:
+        for r in (2 * node, 2 * node + 1):
+            x, y = batch(r, k)
+            (loss_fn(m(x.double()), y.double()) / 2).backward()
+
+    want, stats = simulate_choco(models, opts, grads, pair_schedule(lambda k, i: 1 - i), kind, GAMMA, STEPS,
+                                 shards=2 if intra == "shard" else 1)
+    return [want[r // 2] for r in range(4)], stats
+
+
 def _reference(topo: str, opt: str, kind: str) -> Tuple[List[torch.Tensor], Dict[str, float]]:
+    if "/" in topo:
+        return _node_reference(topo, opt, kind)
     n = 4
     models = [make_mlp(0).double() for _ in range(n)]
     opts = [REF_OPTIMIZERS[opt](m) for m in models]
@@ -342,6 +366,12 @@ def test_group_bytes_and_memory_equal_the_formula(results: List[Dict[str, Any]])
         assert len(aer["peers"]) == 3 and aer["memory"] == 2 * 3 * n * 4 + 2 * 3 * w
         full = r["train"][("complete", "adamw", "int8")]
         assert full["sent"] == [3 * w] * STEPS
+        # between nodes: one pair exchange per step, of this rank's shard (half the bucket) or the whole bucket
+        shard = r["train"][("ring/shard", "adamw", "int8")]
+        assert shard["sent"] == [_wire("int8", n // 2)] * STEPS
+        assert shard["memory"] == 2 * (n // 2) * 4 + 2 * _wire("int8", n // 2)
+        node = r["train"][("ring/allreduce", "sgd", "bf16")]
+        assert node["sent"] == [_wire("bf16", n)] * STEPS
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16", "int8-aer"])
@@ -365,9 +395,8 @@ def test_checkpoint_resume_is_exact(results: List[Dict[str, Any]]) -> None:
 
 def test_refusals_name_the_reason(results: List[Dict[str, Any]]) -> None:
     msgs = results[0]["refusals"]
-    assert "intra_node='gossip' only" in msgs[0]
-    assert "NCCL communicator" in msgs[1]
-    assert "compression kind must be one of" in msgs[2]
+    assert "NCCL communicator" in msgs[0]
+    assert "compression kind must be one of" in msgs[1]
 
 
 def test_single_process_refuses_low_precision_params() -> None:

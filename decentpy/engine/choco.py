@@ -16,13 +16,21 @@ ranks adds ``m - 2`` mix-only passes before it and ``m - 2`` compress-only passe
 same kernel with no optimizer update): each peer's ``q`` differs, because each edge has its own
 copies (time-varying groups never share one public copy). Bytes sent per step: ``(m - 1)`` wire
 sizes, against ``2 (m - 1) / m`` fp32 bucket sizes for the uncompressed group all-reduce.
+
+With ``intra_node='shard'`` / ``'allreduce'`` (:class:`CompressedNodeShard`,
+:class:`CompressedNodeAllReduce`) the node reduces the gradients as without compression and the
+compressed exchange runs between the ranks holding the same shard (or local rank) on the peer
+nodes: the inter-node traffic is what gets compressed, in pairs wherever the node topology pairs
+nodes, while the node collectives stay exact. The composition is the class's base order: this
+module's ``mix_and_step`` calls the node strategy's ``grad_args`` (the node's mean gradient) and
+``stepped`` (the all-gather of the updated shards).
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -34,8 +42,11 @@ from ..grad_scaling import UNSCALED
 from ..optim import CompressedPass
 from .bucket import Bucket
 from .gossip import GossipStrategy
+from .node_allreduce import NodeAllReduce
+from .node_shard import NodeShard
 
-__all__ = ["CompressedGossip", "EdgeCopies", "PeerExchanges"]
+__all__ = ["CompressedGossip", "CompressedNodeShard", "CompressedNodeAllReduce", "COMPRESSED_STRATEGIES",
+           "EdgeCopies", "PeerExchanges"]
 
 
 @dataclass
@@ -218,3 +229,20 @@ class CompressedGossip(GossipStrategy):
                 s, p = copies[j]
                 st.self_copy[j].copy_(s)
                 st.peer_copy[j].copy_(p)
+
+
+class CompressedNodeShard(CompressedGossip, NodeShard):
+    """``intra_node='shard'`` with compressed exchanges of the shards between the nodes."""
+
+    name = "shard"
+
+
+class CompressedNodeAllReduce(CompressedGossip, NodeAllReduce):
+    """``intra_node='allreduce'`` with compressed exchanges of the node means between the nodes."""
+
+    name = "allreduce"
+
+
+#: ``intra_node`` name -> the compressed-gossip strategy (``DecentralizedDataParallel(compression=...)``)
+COMPRESSED_STRATEGIES: Dict[str, Type[CompressedGossip]] = {
+    cls.name: cls for cls in (CompressedGossip, CompressedNodeShard, CompressedNodeAllReduce)}
