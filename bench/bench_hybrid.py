@@ -13,6 +13,9 @@ set-ups, side by side:
 * ``decentpy-shard`` the same with ``intra_node="shard"`` (sharded gossip), only when
                      ``DecentralizedDataParallel.__init__`` has an ``intra_node`` parameter; else a
                      line says it is not available in this build (no row, no numbers);
+* ``decentpy-int8``, ``decentpy-shard-int8``: the two above with ``compression="int8"`` (compressed
+                     gossip; with ``intra_node="shard"`` the node reduces exactly and each rank's
+                     shard is compressed for the same shard on the other node), first topology only;
 * ``ddp``            ``torch.nn.parallel.DistributedDataParallel`` + ``torch.optim.AdamW``;
 * ``ddp-zero``       ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer(optimizer_class=AdamW)``;
 * ``pipe-gossip``    2 stages x 2 replicas (``decentpy.hybrid.pipeline_groups(stages=2,
@@ -73,11 +76,15 @@ STAGES, REPLICAS = 2, 2
 CHUNKS = 4         # micro-batches per pipeline mini-batch
 BATCH = 64
 BASE_TOPO = "alternating-exp-ring"
-FRAMEWORKS = ("decentpy", "decentpy-shard", "ddp", "ddp-zero", "pipe-gossip", "pipe-ddp")
+FRAMEWORKS = ("decentpy", "decentpy-shard", "decentpy-int8", "decentpy-shard-int8", "ddp", "ddp-zero", "pipe-gossip",
+              "pipe-ddp")
+GOSSIP = ("decentpy", "decentpy-shard", "decentpy-int8", "decentpy-shard-int8")
 PIPES = ("pipe-gossip", "pipe-ddp")
 TOPO_OF = {"ddp": "allreduce", "ddp-zero": "allreduce", "pipe-gossip": "pipeline+complete",
            "pipe-ddp": "pipeline+allreduce"}
 SETUP = {"decentpy": "DecentralizedDataParallel", "decentpy-shard": "DecentralizedDataParallel(intra_node=shard)",
+         "decentpy-int8": "DecentralizedDataParallel(compression=int8)",
+         "decentpy-shard-int8": "DecentralizedDataParallel(intra_node=shard, compression=int8)",
          "ddp": "DDP+AdamW", "ddp-zero": "DDP+ZeRO(AdamW)", "pipe-gossip": "AsyncPipe 2x2 + gossip",
          "pipe-ddp": "AsyncPipe 2x2 + all-reduce"}
 WIDTH = {"mlp": 1024, "mlp-small": 256}
@@ -337,10 +344,12 @@ class HybridRunner(Runner):
         import torch
 
         fw = self.cfg.framework
-        if fw in ("decentpy", "decentpy-shard"):
+        if fw in GOSSIP:
             from decentpy import DecentralizedDataParallel
 
-            extra = {"intra_node": "shard"} if fw == "decentpy-shard" else {}
+            extra: Dict[str, Any] = {"intra_node": "shard"} if "shard" in fw else {}
+            if fw.endswith("-int8"):
+                extra["compression"] = "int8"
             self.net = self.ddp = DecentralizedDataParallel(model, adamw_fn, topology=self.cfg.topology,
                                                             local_world_size=LOCAL, **extra)
         elif fw in ("ddp", "ddp-zero"):
@@ -554,7 +563,7 @@ def write_csv(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str]) -
         return dict(
             framework=c.framework, topology=c.topology, setup=SETUP[c.framework], workers=c.workers,
             local_world_size=LOCAL, nodes=WORLD // LOCAL, model=c.model,
-            intra_node="shard" if c.framework == "decentpy-shard" else "",
+            intra_node="shard" if "shard" in c.framework else "",
             step_time_s=f6(r["step"]), step_time_p25_s=f6(r["p25"]), step_time_p75_s=f6(r["p75"]),
             # empty for the pipelines: tools/runtime_model/fit.py then skips them (it models data parallelism only)
             compute_time_s="" if pipe else f6(r["compute"]), timed_steps=r["steps"],
@@ -611,7 +620,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for fw in requested:
         if fw == "decentpy":
             cfgs += [Config(fw, t, WORLD, args.model) for t in topologies]
-        elif fw == "decentpy-shard":
+        elif fw in GOSSIP:
             cfgs.append(Config(fw, topologies[0], WORLD, args.model))
         else:
             cfgs.append(Config(fw, TOPO_OF[fw], WORLD, args.model))
