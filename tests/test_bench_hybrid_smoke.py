@@ -64,3 +64,9 @@ def test_bench_hybrid_quick(bench_rows: Tuple[str, Rows]) -> None:
         assert "decentpy-shard: not available in this build" in out, out
     else:
         assert "[met]" in out or "[NOT MET]" in out, out
+    # compressed: the shard crosses the link as int8 (one pair exchange of P / 2 elements per step:
+    # P / 8 codes + a scale per 256), a quarter of the uncompressed shard's bytes or less
+    si8, shard = by[("decentpy-shard-int8", "alternating-exp-ring")], by[("decentpy-shard", "alternating-exp-ring")]
+    assert 0 < float(si8["inter_bytes_per_step"]) <= 0.26 * float(shard["inter_bytes_per_step"]), (si8, shard)
+    i8 = by[("decentpy-int8", "alternating-exp-ring")]
+    assert 0 < float(i8["inter_bytes_per_step"]) < float(dp["inter_bytes_per_step"]), (i8, dp)
