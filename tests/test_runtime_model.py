@@ -650,14 +650,119 @@ def test_compressed_copies_by_hand():
     assert rm.compressed_copies("alternating-exp-ring", 64, 8) == 2 * (7 + 3 * 8)
 
 
-def test_compression_refused_where_decentpy_refuses_it():
-    with pytest.raises(ValueError, match="intra_node='shard'"):
-        rm.sharded_gossip_iteration_time("alternating-exp-ring", 64, 8, WL, HW, "int8")
-    with pytest.raises(ValueError, match="compression kind must be one of"):
-        rm.decentralized_iteration_time("ring", 64, 8, WL, HW, "fp8")
-    # uncompressed is unchanged by the new parameter
-    assert rm.decentralized_iteration_time("complete", 64, 8, WL, HW, None) == \
-        rm.decentralized_iteration_time("complete", 64, 8, WL, HW)
+def test_compression_kinds_checked_by_decentpy_and_none_is_uncompressed():
+    # sharded gossip takes compression now (decentpy's CompressedNodeShard), with decentpy's kinds
+    t, comm = rm.sharded_gossip_iteration_time("alternating-exp-ring", 64, 8, WL, HW, "int8")
+    assert t > comm > 0.0
+    for call in (rm.decentralized_iteration_time, rm.sharded_gossip_iteration_time):
+        with pytest.raises(ValueError, match="compression kind must be one of"):
+            call("ring", 64, 8, WL, HW, "fp8")
+        # uncompressed is unchanged by the parameter
+        assert call("complete", 64, 8, WL, HW, None) == call("complete", 64, 8, WL, HW)
+
+
+# sharded compressed gossip (intra_node="shard" + compression): each rank's 1/L shard exchanged
+# compressed with the same shard of the peer nodes
+
+
+def _shard_wire(kind, model_bytes, local):
+    """Wire bytes of one rank's compressed shard (model_bytes / L of fp32), by hand."""
+    shard = model_bytes / local
+    return _int8_wire(shard) if kind == "int8" else shard / 2  # bf16: 2 bytes per element
+
+
+def _window(wl, local, hw=HW):
+    """What sharded gossip's exchange overlaps (all-gather in the forward, reduce-scatter in the
+    backward, one bucket of each exposed), full overlap, by hand."""
+    m, b = wl.model_bytes, min(wl.bucket_bytes, wl.model_bytes)
+    ag, agb = _rs(m, local, hw), _rs(b, local, hw)
+    fwd, bwd = wl.compute_s / 3, 2 * wl.compute_s / 3
+    return (agb + max(fwd, ag - agb)) + (max(bwd, ag - agb) + agb)
+
+
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("local", [2, 4, 8])
+def test_sharded_compressed_aer_on_two_nodes_by_hand(kind, local):
+    # 2 nodes of L: AER over the nodes pairs them, then (second step of the period) each node alone
+    m, n = 100e6, 2 * local
+    wl = rm.Workload(model_bytes=m, compute_s=0.03)
+    ws = _shard_wire(kind, m, local)
+    # NIC bytes each way in the pair step: the L ranks each send one compressed shard
+    hw = replace(BYTES_ONLY, intra_bw=math.inf)
+    comm = rm.sharded_gossip_iteration_time("alternating-exp-ring", n, local, wl, hw, kind)[1]
+    assert comm == pytest.approx(local * ws / hw.inter_bw / 2, rel=1e-12)  # (pair + nothing) / 2
+    assert local * ws < m  # less than uncompressed sharded gossip's one model per NIC
+    # the iteration, latency and intra-node link included: one message latency, the compressing
+    # pass on the shard in the pair step, the plain fused step on the shard in the other
+    steps = [HW.inter_lat + local * ws / HW.inter_bw, 0.0]
+    s = m / local
+    kernels = [(12 * s + 2 * ws) / HW.mem_bw, 8 * s / HW.mem_bw]
+    win = _window(wl, local)
+    t, comm = rm.sharded_gossip_iteration_time("alternating-exp-ring", n, local, wl, HW, kind)
+    assert comm == pytest.approx(np.mean(steps), rel=1e-12)
+    assert t == pytest.approx(np.mean([max(win, c) + k for c, k in zip(steps, kernels)]), rel=1e-12)
+
+
+def test_sharded_compressed_groups_of_nodes_by_hand():
+    # complete over 3 nodes of 4: each rank sends its compressed shard to the same shard of the
+    # 2 other nodes (2 messages, 2 latencies), 2 x 4 shards through each NIC; kernels: the fused
+    # pass + one mix-only and one compress-only pass, on the shard
+    local, m = 4, 100e6
+    wl = rm.Workload(model_bytes=m, compute_s=0.0)  # communication-bound: the exchange shows
+    ws = _int8_wire(m / local)
+    c = 2 * HW.inter_lat + 2 * local * ws / HW.inter_bw
+    k = (12 * m / local + 2 * ws + 8 * m / local + 2 * ws) / HW.mem_bw
+    t, comm = rm.sharded_gossip_iteration_time("complete", 3 * local, local, wl, HW, "int8")
+    assert comm == pytest.approx(c, rel=1e-12)
+    assert t == pytest.approx(max(_window(wl, local), c) + k, rel=1e-12)
+    # AER over 4 nodes: a node pair at every step
+    t, comm = rm.sharded_gossip_iteration_time("alternating-exp-ring", 4 * local, local, wl, HW,
+                                               "bf16")
+    assert comm == pytest.approx(HW.inter_lat + local * (m / local / 2) / HW.inter_bw, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["ring", "one-peer-exp", "complete"])
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_sharded_compressed_with_one_rank_per_node_is_plain_compressed_gossip(name, kind):
+    for nodes in (2, 4, 8):
+        assert rm.sharded_gossip_iteration_time(name, nodes, 1, WL, HW, kind) == pytest.approx(
+            rm.decentralized_iteration_time(name, nodes, 1, WL, HW, kind), rel=1e-12)
+
+
+def test_sharded_compressed_never_slower_than_sharded_when_the_nic_is_the_bottleneck():
+    # topologies of node pairs: one compressed shard per rank per peer node, L W_s <= M per NIC
+    wl = replace(WL, compute_s=0.0)
+    free_kernels = replace(HW, mem_bw=math.inf)
+    for name in ("alternating-exp-ring", "ring", "one-peer-exp"):
+        for local in (2, 4, 8):
+            for nodes in (2, 4, 16):
+                for gbps in (1, 25, 100):
+                    hw = replace(free_kernels, inter_bw=gbps * rm.GBIT)
+                    n = nodes * local
+                    t32, c32 = rm.sharded_gossip_iteration_time(name, n, local, wl, hw)
+                    t16, c16 = rm.sharded_gossip_iteration_time(name, n, local, wl, hw, "bf16")
+                    t8, c8 = rm.sharded_gossip_iteration_time(name, n, local, wl, hw, "int8")
+                    assert t8 <= t16 <= t32 and c8 <= c16 <= c32, (name, local, nodes, gbps)
+    # a slow NIC: int8 wins with the real kernels and compute too (the exchange is not hidden)
+    hw = replace(HW, inter_bw=1 * rm.GBIT)
+    assert rm.sharded_gossip_iteration_time("alternating-exp-ring", 64, 8, WL, hw, "int8")[0] \
+        < rm.sharded_gossip_iteration_time("alternating-exp-ring", 64, 8, WL, hw)[0]
+
+
+def test_sharded_compressed_copies_by_hand_and_as_decentpy_counts_them():
+    # 2 copies of the shard per distinct peer node: AER over N = 2^r nodes has r partner nodes
+    assert rm.sharded_compressed_copies("alternating-exp-ring", 2) == 2
+    assert rm.sharded_compressed_copies("alternating-exp-ring", 8) == 2 * 3
+    assert rm.sharded_compressed_copies("alternating-exp-ring", 512) == 2 * 9
+    assert rm.sharded_compressed_copies("ring", 8) == 4
+    assert rm.sharded_compressed_copies("one-peer-exp", 8) == 2 * 3
+    assert rm.sharded_compressed_copies("complete", 3) == 2 * 2
+    # decentpy's own lifting to ranks: rank 0's distinct peers are rank 0 of those nodes
+    for nodes, local in ((8, 8), (4, 2)):
+        ranks = topology.shard_topology(topology.node_topology("alternating-exp-ring", nodes), local)
+        peers = {r for t in range(ranks.period) for r in ranks.group_of(0, t).ranks} - {0}
+        assert peers == {g * local for g in range(1, nodes) if g & (g - 1) == 0}
+        assert rm.sharded_compressed_copies("alternating-exp-ring", nodes) == 2 * len(peers)
 
 
 def test_compression_table():
@@ -675,6 +780,16 @@ def test_compression_table():
         for topo in ("alternating-exp-ring", "one-peer-exp"):
             assert r[f"{topo}+int8_s"] <= r[f"{topo}+bf16_s"]
         assert r["alternating-exp-ring_copies"] == 2 * (7 + 8 * int(math.log2(r["nodes"])))
+        # sharded AER: one compressed model through each NIC per node pair (8 shards of 1/8),
+        # never slower than plain compressed AER, faster than sharded fp32 where the NIC is slow
+        assert r["shard-alternating-exp-ring+int8_s"] < r["alternating-exp-ring+int8_s"]
+        assert r["shard-alternating-exp-ring+int8_s"] <= r["shard-alternating-exp-ring+bf16_s"]
+        if r["inter_gbps"] == 25:
+            assert r["shard-alternating-exp-ring+int8_s"] < r["shard-alternating-exp-ring_s"]
+        assert r["shard-alternating-exp-ring_copies"] == 2 * int(math.log2(r["nodes"]))
+    one_node = [r for r in rows if r["nodes"] == 1]
+    assert one_node and all(r["shard-alternating-exp-ring+int8_s"] is None
+                            and r["shard-alternating-exp-ring_copies"] is None for r in one_node)
 
 
 def test_cli_compression_only(tmp_path, capsys):
@@ -684,8 +799,10 @@ def test_cli_compression_only(tmp_path, capsys):
                      "64", "--compression-csv", str(table), "--compression-plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "Compressed gossip at scale" in text and "AER+int8" in text and "1peer-exp+bf16" in text
+    assert "shard-AER 18 shard copies" not in text and "shard-AER 6 shard copies" in text  # 64 GPUs
     lines = table.read_text().splitlines()
     assert lines[0].startswith("model,NIC Gb/s per node,GPUs (nodes),DDP-AR,AER,AER+int8")
+    assert lines[0].endswith(",shard-AER,shard-AER+int8,shard-AER+bf16")
     assert len(lines) == 1 + 2 * 2 * 2  # 2 workloads x 2 NIC speeds x 2 GPU counts
     assert (tmp_path / "runtime_compression.csv").is_file()
     assert png.is_file() or png.with_suffix(".svg").is_file()

@@ -32,6 +32,7 @@ from .model import (
     HYBRID_LOCAL,
     HYBRID_MODES,
     PUBLISHED_RANGE,
+    SHARD_PREFIX,
     TOPOLOGIES,
     Hardware,
     Workload,
@@ -87,8 +88,8 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="only the hybrid modes at scale (DDP, HSDP, AER, sharded AER on the GPU "
                    "cluster of the published comparison): table, CSV and plot")
     p.add_argument("--compression-only", action="store_true",
-                   help="only compressed gossip at scale (DDP, AER and one-peer-exp uncompressed, "
-                   "int8 and bf16 on the hybrid table's GPU cluster): table, OUT/"
+                   help="only compressed gossip at scale (DDP; AER, one-peer-exp and sharded AER "
+                   "uncompressed, int8 and bf16 on the hybrid table's GPU cluster): table, OUT/"
                    "runtime_compression.csv (every GPU count) and plot")
     p.add_argument("--compression-gpus", type=int, nargs="+", default=list(HYBRID_GPUS),
                    help="GPU counts (multiples of 8) of the printed compressed-gossip table and of "
@@ -174,7 +175,10 @@ def _compression_report(out_dir: Path, gpus: Sequence[int], table_csv: Optional[
           "compressed group exchange is point to point (each member its own difference to every "
           f"other member), so AER's node-pair group of {2 * HYBRID_LOCAL} GPUs puts "
           f"{HYBRID_LOCAL ** 2} compressed models through each NIC where fp32's hierarchical "
-          "all-reduce puts one")
+          "all-reduce puts one; shard-AER = sharded gossip over AER (intra_node=\"shard\": exact "
+          f"reduce-scatter / all-gather in the node, each GPU exchanging its 1/{HYBRID_LOCAL} shard, "
+          f"compressed, with the same shard of the peer node: {HYBRID_LOCAL} compressed shards, one "
+          "compressed model, through each NIC)")
     print("iteration time ms (speedup vs DDP = DDP ms / mode ms); n/a: AER needs >= 2 nodes")
     header = ["model", "NIC Gb/s per node", "GPUs (nodes)", *[label(k) for k in keys]]
     table = [[r["model"], f"{r['inter_gbps']:g}", f"{r['gpus']} ({r['nodes']})",
@@ -185,11 +189,14 @@ def _compression_report(out_dir: Path, gpus: Sequence[int], table_csv: Optional[
     parts = []
     for t in sorted({t for t, c in COMPRESSION_MODES if c is not None}):
         copies = next(iter(at_big.values()))[f"{t}_copies"]
-        parts.append(f"{SHORT[t]} n/a" if copies is None else f"{SHORT[t]} {copies} copies ("
-                     + ", ".join(f"{m} {r['model_mb'] * copies / 1e3:.1f} GB"
+        # sharded gossip keeps copies of its 1/L shard, plain gossip of the whole model
+        what, per = (("shard copies", HYBRID_LOCAL) if t.startswith(SHARD_PREFIX)
+                     else ("copies", 1))
+        parts.append(f"{label(t)} n/a" if copies is None else f"{label(t)} {copies} {what} ("
+                     + ", ".join(f"{m} {r['model_mb'] * copies / per / 1e3:.1f} GB"
                                  for m, r in at_big.items()) + ")")
-    print(f"memory per GPU at {big} GPUs (2 fp32 copies of the model per distinct peer): "
-          + "; ".join(parts))
+    print(f"memory per GPU at {big} GPUs (2 fp32 copies of the model, or of the GPU's "
+          f"1/{HYBRID_LOCAL} shard with shard-, per distinct peer): " + "; ".join(parts))
     written = []
     csv_path = out_dir / "runtime_compression.csv"
     write_csv(csv_path, list(rows[0]), rows)

@@ -9,6 +9,7 @@ predicts the time of one training iteration for
   forward + backward of iteration k+1, uncompressed or with compressed gossip (bf16 / int8),
 * the hybrid modes that shard the model inside a node: HSDP (FSDP HYBRID_SHARD) and decentpy's
   sharded gossip (a topology over the nodes, each node's model sharded over its workers),
+  uncompressed or compressed,
 
 together with the consensus rate of each topology (spectral gap) and the published-speedup
 scenarios the model is compared with. Siblings in tools/runtime_model/: ``fit.py``
@@ -113,10 +114,22 @@ Compressed gossip (decentpy ``compression="int8"`` / ``"bf16"``, CHOCO-style; do
   the 1.28x / 1.20x measured on a 2-core CPU (bench_kernels: 17.9 / 16.8 ms against 14.0 ms for a
   25 MiB bucket, not purely bandwidth-bound there).
 * Memory (reported, not timed): 2 fp32 copies of the model per distinct peer over the period.
-* Not modelled, refused like decentpy refuses them: compression with sharded gossip
-  (``intra_node="shard"``), and DDP / HSDP (no gossip). The consensus rate is taken as
-  uncompressed (``gamma = 1`` with bf16 / int8: docs/compression.md's runs end at the same
-  consensus distance).
+* Sharded compressed gossip (``intra_node="shard"`` with ``compression=``, decentpy's
+  CompressedNodeShard): the node's reduce-scatter and all-gather stay exact and are costed as in
+  sharded gossip above (same window); rank l of a node sends its shard, compressed, to rank l of
+  each other node of its node group, point to point: ``W_s = wire_bytes(kind, M / 4 / L)`` per
+  message (buckets are padded to a multiple of L elements; the model is one run of int8 blocks).
+  As for uncompressed sharded gossip, one rank per node stands for the node's L concurrent flows:
+  the node topology's point-to-point rows (k - 1 messages per rank in a group of k nodes, one
+  latency each; a pair: one) in units of ``L W_s``, the bytes all L ranks put through the NIC per
+  peer node (int8: 0.254 M, where uncompressed sharded gossip puts M). Kernels: the compressing
+  passes above on the shard, ``M / L`` bytes and ``W_s`` per q, for the step's largest node group
+  (k = 1, no exchange: the uncompressed fused step on the shard). Memory: 2 fp32 copies of the
+  shard (``M / L``) per distinct peer node. L == 1: plain compressed gossip. The node-allreduce
+  variant (``intra_node="allreduce"``) is not modelled, compressed or not.
+* Not modelled, refused like decentpy refuses them: compression with DDP / HSDP (no gossip). The
+  consensus rate is taken as uncompressed (``gamma = 1`` with bf16 / int8: docs/compression.md's
+  runs end at the same consensus distance).
 
 Consensus: ``gap`` = 1 - |lambda_2| of the period-averaged mixing matrix, from
 ``decentpy.topology`` for n <= ``EXACT_GAP_MAX_N`` and from closed forms beyond (checked equal
@@ -134,13 +147,13 @@ compiled extension, so decentpy must be built). Run ``python -m tools.runtime_mo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from decentpy.compression import Compression, wire_bytes
-from decentpy.topology import Topology, TopologyError, make_topology
+from decentpy.topology import Topology, TopologyError, make_topology, node_topology
 
 __all__ = [
     "TOPOLOGIES",
@@ -162,7 +175,10 @@ __all__ = [
     "choco_kernel_time",
     "step_group_sizes",
     "compressed_copies",
+    "sharded_compressed_copies",
+    "node_group_sizes",
     "COMPRESSION_MODES",
+    "SHARD_PREFIX",
     "mode_name",
     "compression_table",
     "HYBRID_MODES",
@@ -499,31 +515,54 @@ def sharded_topology_valid(name: str, nodes: int) -> bool:
 
 
 @lru_cache(maxsize=256)
-def node_topology_rows(name: str, nodes: int) -> Tuple[np.ndarray, ...]:
+def _node_topology(name: str, nodes: int) -> Topology:
+    """decentpy's topology over the nodes (decentpy.topology.node_topology: AER's node pairing)."""
+    if not sharded_topology_valid(name, nodes):
+        raise ValueError(f"topology {name!r} is not valid over {nodes} nodes")
+    return node_topology(name, nodes)
+
+
+@lru_cache(maxsize=256)
+def node_topology_rows(name: str, nodes: int, p2p: bool = False) -> Tuple[np.ndarray, ...]:
     """Per step, the cost rows of ``name`` run over the nodes (one rank per node: the node's L
-    same-shard flows of M / L each put the same bytes and messages on its NIC)."""
+    same-shard flows of M / L each put the same bytes and messages on its NIC); ``p2p``: sharded
+    compressed gossip's point-to-point exchanges (rows in units of one node's L messages)."""
     if not sharded_topology_valid(name, nodes):
         raise ValueError(f"topology {name!r} is not valid over {nodes} nodes")
     if name != "alternating-exp-ring":
-        return topology_rows(name, nodes, 1)
-    # AER wants L >= 2; its node pairing does not depend on L, so build it with L = 2 and keep
-    # each group's nodes (a group inside one node becomes a single node: no exchange)
-    topo = _build_topology(name, 2 * nodes, 2)
-    assert topo is not None
-    return tuple(_group_rows([tuple(sorted({r // 2 for r in g.ranks})) for g in topo.groups(t)], 1)
+        return topology_rows(name, nodes, 1, p2p)
+    # AER's node pairing (a cross-node group of 2L ranks becomes the 2 nodes, a group inside a
+    # node the node alone: no exchange)
+    topo = _node_topology(name, nodes)
+    return tuple(_group_rows([g.ranks for g in topo.groups(t)], 1, p2p)
                  for t in range(topo.period))
+
+
+@lru_cache(maxsize=256)
+def node_group_sizes(name: str, nodes: int) -> Tuple[int, ...]:
+    """Per step of the node topology's period, the most nodes in one of its groups (the kernel
+    passes of sharded compressed gossip's slowest rank)."""
+    topo = _node_topology(name, nodes)
+    return tuple(max(g.size for g in topo.groups(t)) for t in range(topo.period))
+
+
+def sharded_compressed_copies(name: str, nodes: int) -> int:
+    """fp32 copies of the shard (1/L of the model) that sharded compressed gossip keeps beside it
+    on rank 0: two per distinct peer node of the period (rank l's peers are the ranks l of those
+    nodes; the copies term of decentpy's CompressedNodeShard.memory_bytes)."""
+    topo = _node_topology(name, nodes)
+    peers = {r for t in range(topo.period) for r in topo.group_of(0, t).ranks} - {0}
+    return 2 * len(peers)
 
 
 def sharded_gossip_iteration_time(
     name: str, n: int, local: int, wl: Workload, hw: Hardware, compression: Optional[str] = None
 ) -> Tuple[float, float]:
     """(mean iteration time, mean inter-node exchange time) of sharded gossip: topology ``name``
-    over the N nodes, each node's model sharded over its L ranks. ``compression`` is refused, as
-    decentpy refuses it with ``intra_node="shard"``."""
-    if compression is not None:
-        raise ValueError(f"compression={compression!r} is not modelled for sharded gossip: decentpy "
-                         "refuses compression with intra_node='shard' (its node collectives and "
-                         "shards are not compressed); use decentralized_iteration_time (plain gossip)")
+    over the N nodes, each node's model sharded over its L ranks. ``compression`` ('bf16',
+    'int8'): decentpy's CompressedNodeShard, each rank's shard exchanged compressed, point to
+    point, with the same shard of every other node of its node group (module docstring)."""
+    kind = _compression_kind(compression)
     nodes = _check_nodes(n, local)
     fwd, bwd = _fwd_bwd(wl)
     m, b = wl.model_bytes, min(wl.bucket_bytes, wl.model_bytes)
@@ -531,9 +570,16 @@ def sharded_gossip_iteration_time(
     # between two steps, what the exchange overlaps: the parameter all-gather with the forward,
     # the gradient reduce-scatter with the backward (both one bucket exposed)
     window = _bucketed(fwd, full, one, hw.overlap) + _bucketed(bwd, full, one, hw.overlap)
-    comm = _step_times(node_topology_rows(name, nodes), m, hw)
-    kernel = wl.kernel_traffic_dec * m / local / hw.mem_bw
-    per_step = [_overlapped(window, c, hw.overlap) + kernel for c in comm]
+    if kind is None:
+        comm = _step_times(node_topology_rows(name, nodes), m, hw)
+        kernels = [wl.kernel_traffic_dec * m / local / hw.mem_bw] * len(comm)
+    else:
+        # the node's L ranks each send one compressed shard per peer node, all at once
+        per_node = local * exchange_bytes(kind, m / local)
+        comm = _step_times(node_topology_rows(name, nodes, p2p=True), per_node, hw)
+        shard = replace(wl, model_bytes=m / local)
+        kernels = [choco_kernel_time(k, kind, shard, hw) for k in node_group_sizes(name, nodes)]
+    per_step = [_overlapped(window, c, hw.overlap) + k for c, k in zip(comm, kernels)]
     return float(np.mean(per_step)), float(np.mean(comm))
 
 
@@ -736,13 +782,17 @@ def hybrid_table(gpus: Sequence[int] = HYBRID_GPUS, local: int = HYBRID_LOCAL,
 # ----------------------------------------------------------------------------------------------
 
 #: The columns of the compressed-gossip comparison, (topology, compression): DDP ('allreduce',
-#: never compressed), AER and one-peer-exp uncompressed, int8 and bf16.
+#: never compressed), AER and one-peer-exp uncompressed, int8 and bf16, and sharded gossip over
+#: AER ('shard-alternating-exp-ring', intra_node="shard") uncompressed, int8 and bf16.
 COMPRESSION_MODES: Tuple[Tuple[str, Optional[str]], ...] = (
     ("allreduce", None),
     ("alternating-exp-ring", None), ("alternating-exp-ring", "int8"),
     ("alternating-exp-ring", "bf16"),
     ("one-peer-exp", None), ("one-peer-exp", "int8"), ("one-peer-exp", "bf16"),
+    ("shard-alternating-exp-ring", None), ("shard-alternating-exp-ring", "int8"),
+    ("shard-alternating-exp-ring", "bf16"),
 )
+SHARD_PREFIX = "shard-"
 
 
 def mode_name(topology: str, compression: Optional[str]) -> str:
@@ -755,8 +805,9 @@ def compression_table(gpus: Sequence[int] = HYBRID_GPUS, local: int = HYBRID_LOC
                       ) -> List[Dict[str, object]]:
     """Per workload, NIC speed (per node) and GPU count: the iteration time (s, None where the
     topology does not fit) of each of COMPRESSION_MODES on the GPU cluster of
-    :func:`gpu_hardware`, with the hybrid table's workloads, and the fp32 copies of the model that
-    compressed gossip keeps per GPU on each topology (``<topology>_copies``)."""
+    :func:`gpu_hardware`, with the hybrid table's workloads, and the fp32 copies that compressed
+    gossip keeps per GPU on each topology (``<topology>_copies``: of the model for plain gossip,
+    of the 1/L shard for 'shard-' topologies, :func:`sharded_compressed_copies`)."""
     rows = []
     topologies = sorted({t for t, c in COMPRESSION_MODES if c is not None})
     for model, wl in hybrid_workloads().items():
@@ -766,16 +817,25 @@ def compression_table(gpus: Sequence[int] = HYBRID_GPUS, local: int = HYBRID_LOC
                 row: Dict[str, object] = dict(
                     model=model, gpus=n, nodes=_check_nodes(n, local), local=local,
                     inter_gbps=inter, model_mb=wl.model_bytes / 1e6, compute_ms=wl.compute_s * 1e3)
+                nodes = n // local
                 for topo, kind in COMPRESSION_MODES:
+                    sharded = topo.startswith(SHARD_PREFIX)
+                    base = topo[len(SHARD_PREFIX):] if sharded else topo
+                    t: Optional[float] = None
                     if topo == "allreduce":
-                        t: Optional[float] = ddp_iteration_time(n, local, wl, hw)[0]
-                    elif topology_valid(topo, n, local):
+                        t = ddp_iteration_time(n, local, wl, hw)[0]
+                    elif sharded and sharded_topology_valid(base, nodes):
+                        t = sharded_gossip_iteration_time(base, n, local, wl, hw, kind)[0]
+                    elif not sharded and topology_valid(topo, n, local):
                         t = decentralized_iteration_time(topo, n, local, wl, hw, kind)[0]
-                    else:
-                        t = None
                     row[f"{mode_name(topo, kind)}_s"] = t
                 for topo in topologies:
-                    row[f"{topo}_copies"] = (compressed_copies(topo, n, local)
-                                             if topology_valid(topo, n, local) else None)
+                    if topo.startswith(SHARD_PREFIX):
+                        base = topo[len(SHARD_PREFIX):]
+                        row[f"{topo}_copies"] = (sharded_compressed_copies(base, nodes)
+                                                 if sharded_topology_valid(base, nodes) else None)
+                    else:
+                        row[f"{topo}_copies"] = (compressed_copies(topo, n, local)
+                                                 if topology_valid(topo, n, local) else None)
                 rows.append(row)
     return rows

@@ -41,7 +41,8 @@ def _draw(ax, ns: List[int], series: Dict[str, List[Optional[float]]]) -> None:
                     label=label(name))
     ax.set_xscale("log", base=2)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    many = len(series) > len(_STYLES)  # two narrower legend columns: less of the panel hidden
+    ax.legend(fontsize=7 if many else 8, ncol=2 if many else 1)
 
 
 def _pyplot():
