@@ -131,8 +131,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::enum_<decentpy::Compressor>(m, "Compressor", "Compressor of the gossip exchange (kernels/mix_and_step.h).")
       .value("NONE", decentpy::Compressor::None)
       .value("BF16", decentpy::Compressor::BF16)
-      .value("INT8", decentpy::Compressor::Int8);
-  m.attr("INT8_BLOCK") = decentpy::kInt8Block;
+      .value("INT8", decentpy::Compressor::Int8)
+      .value("INT4", decentpy::Compressor::Int4);
+  m.attr("INT8_BLOCK") = decentpy::kInt8Block;  // also the int4 scale block
   m.def("compressed_bytes",
         [](decentpy::Compressor c, int64_t n) { return decentpy::compressed_bytes(c, n); },
         py::arg("compressor"), py::arg("numel"), "Wire bytes of numel elements compressed with compressor.");

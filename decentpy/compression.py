@@ -28,22 +28,30 @@ from . import kernels
 
 __all__ = ["Compression", "resolve_compression", "wire_bytes", "INT8_BLOCK", "DEFAULT_GAMMA"]
 
-#: elements per int8 scale block (one fp32 scale each)
+#: elements per int8 / int4 scale block (one fp32 scale each)
 INT8_BLOCK: int = kernels.INT8_BLOCK
 
 #: the consensus step size used when ``gamma`` is not given (see docs/compression.md for the
 #: digits runs behind these values)
-DEFAULT_GAMMA = {"bf16": 1.0, "int8": 1.0}
+DEFAULT_GAMMA = {"bf16": 1.0, "int8": 1.0, "int4": 1.0}
 
-_KINDS = {"bf16": kernels.Compressor.BF16, "int8": kernels.Compressor.INT8}
+_KINDS = {"bf16": kernels.Compressor.BF16, "int8": kernels.Compressor.INT8, "int4": kernels.Compressor.INT4}
+
+
+def _kind_names() -> str:
+    """The valid kinds for error messages: 'bf16', 'int8' or 'int4'."""
+    names = [repr(k) for k in _KINDS]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 @dataclass(frozen=True)
 class Compression:
     """Compressed gossip settings for ``DecentralizedDataParallel(compression=...)``.
 
-    ``kind``: ``"bf16"`` (0.5x the fp32 bytes) or ``"int8"`` (per block of 256 elements one fp32
-    scale ``max|d| / 127`` and round-to-nearest int8 codes: ``1 + 4/256`` bytes per element, 0.254x).
+    ``kind``: ``"bf16"`` (0.5x the fp32 bytes), ``"int8"`` (per block of 256 elements one fp32
+    scale ``max|d| / 127`` and round-to-nearest int8 codes: ``1 + 4/256`` bytes per element, 0.254x)
+    or ``"int4"`` (the same blocks with scale ``max|d| / 7`` and 4-bit codes in [-7, 7], two per
+    byte: ``1/2 + 4/256`` bytes per element, 0.129x; coarser, so it may want a smaller ``gamma``).
     ``gamma``: the consensus step size in ``x_i += gamma * w_ij * (xhat_j - xhat_i)``, in ``(0, 1]``;
     ``None`` takes :data:`DEFAULT_GAMMA` of the kind. ``gamma = 1`` with an exact compressor is plain
     gossip; smaller values damp the compression noise at the price of slower consensus.
@@ -54,7 +62,7 @@ class Compression:
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
-            raise ValueError(f"compression kind must be one of {', '.join(map(repr, _KINDS))}, got {self.kind!r}")
+            raise ValueError(f"compression kind must be one of {_kind_names()}, got {self.kind!r}")
         if self.gamma is not None:
             g = float(self.gamma)
             if not (math.isfinite(g) and 0.0 < g <= 1.0):
@@ -74,7 +82,10 @@ class Compression:
 
 
 def wire_bytes(kind: Optional[str], numel: int) -> int:
-    """Bytes on the wire for ``numel`` fp32 elements: ``None`` 4n, bf16 2n, int8 ``4 ceil(n/256) + n``."""
+    """Bytes on the wire for ``numel`` fp32 elements: ``None`` 4n, bf16 2n, int8 ``4 ceil(n/256) + n``,
+    int4 ``4 ceil(n/256) + ceil(n/2)`` (the fp32 block scales first, then the codes)."""
+    if kind is not None and kind not in _KINDS:
+        raise ValueError(f"compression kind must be None or one of {_kind_names()}, got {kind!r}")
     return kernels.compressed_bytes(_KINDS[kind] if kind is not None else kernels.Compressor.NONE, numel)
 
 
@@ -88,4 +99,4 @@ def resolve_compression(arg: Union[None, str, Compression]) -> Optional[Compress
         if arg.lower() == "none":
             return None
         return Compression(arg.lower())
-    raise TypeError(f"compression must be None, 'bf16', 'int8' or a decentpy.Compression, got {type(arg).__name__}")
+    raise TypeError(f"compression must be None, {_kind_names()} or a decentpy.Compression, got {type(arg).__name__}")

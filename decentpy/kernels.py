@@ -23,7 +23,7 @@ __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step",
 OptKind = _C.OptKind
 GroupHyper = _C.GroupHyper
 Compressor = _C.Compressor
-#: elements per int8 scale block of the compressed exchange (one fp32 scale each)
+#: elements per int8 / int4 scale block of the compressed exchange (one fp32 scale each)
 INT8_BLOCK: int = int(_C.INT8_BLOCK)
 MAX_GROUPS: int = int(_C.MAX_GROUPS)
 # Parameter dtypes the kernels step (fp32 math, fp32 state); others take torch's path.

@@ -6,7 +6,8 @@ gradient at x_i; (k >= 1) xhat_{j|i} += D(q_j) for the q_j that j sent at the en
 x_i += gamma * w * (xhat_{j|i} - xhat_{i|j}); the optimizer step; then for j' = partner(k + 1, i):
 q_i = Q(x_i - xhat_{i|j'}), xhat_{i|j'} += D(q_i). The quantisers act on each worker's flat bucket
 (the parameters in reverse registration order, each at a 128-byte aligned offset), int8 in blocks
-of 256 elements with scale max|d| / 127 and round-half-to-even codes, bf16 by round-to-nearest-even.
+of 256 elements with scale max|d| / 127 and round-half-to-even codes in [-127, 127], int4 the same
+with max|d| / 7 and codes in [-7, 7], bf16 by round-to-nearest-even.
 A group of more than two workers: every member j of i's group plays the partner's part, each edge
 with its own copies and its own q, and the mix sums the members' terms with the group's weight.
 """
@@ -19,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 INT8_BLOCK = 256
+CODE_MAX = {"int8": 127.0, "int4": 7.0}  # the largest code of the block-scaled kinds
 ALIGN_ELEMS = 32  # 128 bytes of fp32
 
 
@@ -50,7 +52,7 @@ def flat_layout(shapes: Sequence[torch.Size]) -> Tuple[List[int], int]:
 
 def quantize64(kind: str, d: Tensor, stats: Dict[str, float]) -> Tensor:
     """D(Q(d)) in float64 for a flat float64 ``d``. ``stats['unit']`` keeps the largest rounding
-    unit seen (int8: the block scale; bf16: 2^-8 of |d|)."""
+    unit seen (int8 / int4: the block scale; bf16: 2^-8 of |d|)."""
     if kind == "bf16":
         out = d.to(torch.bfloat16).double()
         stats["unit"] = max(stats.get("unit", 0.0), float(d.abs().max()) * 2.0 ** -8)
@@ -58,9 +60,10 @@ def quantize64(kind: str, d: Tensor, stats: Dict[str, float]) -> Tensor:
     n = d.numel()
     pad = -(-n // INT8_BLOCK) * INT8_BLOCK - n
     blocks = torch.cat([d, d.new_zeros(pad)]).view(-1, INT8_BLOCK)
-    s = blocks.abs().amax(dim=1, keepdim=True) / 127.0
+    cmax = CODE_MAX[kind]
+    s = blocks.abs().amax(dim=1, keepdim=True) / cmax
     safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.where(s > 0, torch.round(blocks / safe).clamp(-127, 127), torch.zeros_like(blocks))
+    codes = torch.where(s > 0, torch.round(blocks / safe).clamp(-cmax, cmax), torch.zeros_like(blocks))
     stats["unit"] = max(stats.get("unit", 0.0), float(s.max()))
     return (codes * s).reshape(-1)[:n]
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from compression_reference import (INT8_BLOCK, FlatModels, flat_layout, group_schedule, one_peer_exp_partner,
+from compression_reference import (CODE_MAX, INT8_BLOCK, flat_layout, group_schedule, one_peer_exp_partner,
                                    pair_schedule, quantize64, ring_partner, simulate_choco)
 from dist_harness import run_workers
 from reference import batch, decentpy_optim_fn, loss_fn, make_mlp, REF_OPTIMIZERS
@@ -32,6 +32,8 @@ COMBOS = [(topo, opt, kind) for topo in ("ring", "one-peer-exp") for opt in ("sg
 # (a group of 4, then the node pairs)
 COMBOS += [("complete", "adamw", "int8"), ("alternating-exp-ring", "sgd", "int8"),
            ("alternating-exp-ring", "adamw", "bf16")]
+# int4: a pair topology and a group one
+COMBOS += [("ring", "sgd", "int4"), ("alternating-exp-ring", "adamw", "int4")]
 LOCAL_WORLD_SIZE = {"alternating-exp-ring": 2}
 # compressed exchanges between nodes: 2 nodes of 2 ranks, the node pair every step; shard: each rank
 # compresses its half of the bucket for the same half on the other node; allreduce: the node mean
@@ -40,7 +42,29 @@ COMBOS += NODE_COMBOS
 
 
 def _wire(kind: str, n: int) -> int:
-    return 2 * n if kind == "bf16" else 4 * (-(-n // INT8_BLOCK)) + n
+    """The documented wire size: bf16 2n; int8 / int4 the fp32 block scales, then n or ceil(n/2) code bytes."""
+    if kind == "bf16":
+        return 2 * n
+    return 4 * (-(-n // INT8_BLOCK)) + (n if kind == "int8" else -(-n // 2))
+
+
+def _decode(kind: str, q: torch.Tensor, n: int) -> torch.Tensor:
+    """D(q) in float64 from the wire bytes, read as docs/compression.md lays them out: the fp32 block
+    scales, then the codes (int8: a byte each; int4: two's-complement nibbles, the even element low)."""
+    nb = -(-n // INT8_BLOCK)
+    scales = q[:4 * nb].view(torch.float32).double()
+    if kind == "int8":
+        codes = q[4 * nb:].view(torch.int8).double()
+    else:
+        b = q[4 * nb:].to(torch.int32)
+        nib = torch.stack([b & 0xF, b >> 4], dim=1).reshape(-1)
+        codes = torch.where(nib >= 8, nib - 16, nib).double()
+        assert codes.numel() == n + n % 2
+        if n % 2:
+            assert int(nib[-1]) == 0, "int4, odd count: the last high nibble is padding 0"
+        codes = codes[:n]
+    assert float(codes.abs().max()) <= CODE_MAX[kind]
+    return codes * scales.repeat_interleave(INT8_BLOCK)[:n]
 
 
 def check_close(got: torch.Tensor, want: torch.Tensor, unit: float, what: str) -> None:
@@ -119,6 +143,9 @@ def _kernel_case(kind: str, opt: str, seed: int = 0) -> None:
     check_close(p, P, unit, f"{kind}/{opt} param")
     check_close(pc, PC, 1e-6, f"{kind}/{opt} peer copy")
     check_close(nc, nxt.double() + dq, unit, f"{kind}/{opt} next copy")
+    if kind != "bf16":  # the wire layout: what the next copy moved by is what the bytes say
+        assert q_send.numel() == _wire(kind, n)
+        assert torch.allclose(nxt.double() + _decode(kind, q_send, n), nc.double(), rtol=0, atol=1e-6)
     assert torch.count_nonzero(gr) == 0, "zero_grad: the gradient is zeroed in the pass"
     assert torch.equal(mc, mine), "the copy used for the mix is not the next peer's: it stays"
     # the receiving end: the same bytes applied to an equal copy give a bit-identical copy
@@ -129,7 +156,7 @@ def _kernel_case(kind: str, opt: str, seed: int = 0) -> None:
     assert torch.equal(other, nc), "both ends of an edge must hold bit-identical copies"
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "bf16", "int4"])
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_kernel_pass_matches_float64(kind: str, opt: str) -> None:
     _kernel_case(kind, opt)
@@ -150,15 +177,57 @@ def test_kernel_refuses_bad_buffers() -> None:
     with pytest.raises(RuntimeError, match="uint8"):
         kernels.compressed_step(kernels.OptKind.NONE, kernels.Compressor.BF16, p, None, [], seg, [],
                                 q_send=torch.zeros(n, dtype=torch.bfloat16), self_copy_next=torch.zeros(n))
+    with pytest.raises(RuntimeError, match="take 158"):  # int4: 2 scales + 150 code bytes
+        kernels.compressed_step(kernels.OptKind.NONE, kernels.Compressor.INT4, p, None, [], seg, [],
+                                q_send=torch.zeros(308, dtype=torch.uint8), self_copy_next=torch.zeros(n))
+    with pytest.raises(RuntimeError, match="take 159"):  # an odd count: the last code byte half used
+        kernels.compressed_step(kernels.OptKind.NONE, kernels.Compressor.INT4, torch.zeros(301), None, [], seg, [],
+                                q_recv=torch.zeros(158, dtype=torch.uint8), peer_copy=torch.zeros(301),
+                                self_copy_mix=torch.zeros(301))
     assert kernels.compressed_bytes(kernels.Compressor.INT8, n) == 4 * 2 + n == _wire("int8", n)
     assert kernels.compressed_bytes(kernels.Compressor.BF16, n) == 2 * n
+    for m in (1, 256, 257, 300, 301, 512, 513):
+        assert kernels.compressed_bytes(kernels.Compressor.INT4, m) == 4 * (-(-m // 256)) + (m + 1) // 2 == _wire("int4", m)
+
+
+def test_wire_slots_stay_4_byte_aligned() -> None:
+    """A buffer of several peers' wire slots (groups) starts every slot at a multiple of 4 bytes, also
+    when the wire size is not one (int4 of 12 elements: 4 + 6 bytes; a shard of 4 * odd elements with
+    intra_node='shard' and 8 ranks per node): the kernel reads the fp32 block scales there."""
+    from decentpy import kernels
+    from decentpy.engine.choco import EdgeCopies, wire_buffer_bytes
+
+    n = 12
+    wire = _wire("int4", n)
+    assert wire == 10 and wire_buffer_bytes(3, wire) == 2 * 12 + 10 and wire_buffer_bytes(1, wire) == wire
+    st = EdgeCopies({}, {}, torch.zeros(wire_buffer_bytes(3, wire), dtype=torch.uint8), wire,
+                    kernels.segments_for_numel(n, torch.device("cpu")))
+    for t in range(3):
+        q = st.slot(st.send, t)
+        assert q.numel() == wire and q.data_ptr() % 4 == 0
+        kernels.compressed_step(kernels.OptKind.NONE, kernels.Compressor.INT4, torch.randn(n), None, [], None, [],
+                                q_send=q, self_copy_next=torch.zeros(n))
+
+
+def test_kinds_and_their_errors() -> None:
+    from decentpy.compression import DEFAULT_GAMMA, Compression, resolve_compression, wire_bytes
+
+    assert Compression("int4").gamma == DEFAULT_GAMMA["int4"]
+    assert resolve_compression("INT4") == Compression("int4")
+    assert wire_bytes("int4", 301) == _wire("int4", 301) and wire_bytes(None, 3) == 12
+    for bad in (lambda: Compression("int2"), lambda: wire_bytes("int2", 3)):
+        with pytest.raises(ValueError, match="'bf16', 'int8' or 'int4', got 'int2'"):
+            bad()
+    with pytest.raises(TypeError, match="'bf16', 'int8' or 'int4'"):
+        resolve_compression(4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_cuda_matches_cpu() -> None:
     from decentpy import kernels
 
-    for kind, comp in (("int8", kernels.Compressor.INT8), ("bf16", kernels.Compressor.BF16)):
+    for kind, comp in (("int8", kernels.Compressor.INT8), ("bf16", kernels.Compressor.BF16),
+                       ("int4", kernels.Compressor.INT4)):
         n = 5 * INT8_BLOCK + 3
         g = torch.Generator().manual_seed(1)
         bufs = [torch.randn(n, generator=g) for _ in range(6)]
@@ -166,7 +235,7 @@ def test_kernel_cuda_matches_cpu() -> None:
         hyper = [kernels.GroupHyper(lr=0.01, weight_decay=0.1, bias_step=2)]
         wire = kernels.compressed_bytes(comp, n)
         q_recv = torch.randint(0, 255, (wire,), dtype=torch.uint8, generator=g)
-        if kind == "int8":
+        if kind != "bf16":  # every byte pattern is a valid code (int4's nibble 8 reads as -8)
             q_recv[:4 * 6].view(torch.float32).copy_(torch.rand(6, generator=g) * 0.01)
         outs = []
         for dev in ("cpu", "cuda"):
@@ -279,7 +348,7 @@ def _refusals(rank: int) -> List[str]:
 def _all(rank: int, world: int) -> Dict[str, Any]:
     torch.set_num_threads(1)
     return {"train": {c: _train(rank, *c, STEPS) for c in COMBOS},
-            "mean": {**{k: _linear_mean(rank, k) for k in ("int8", "bf16")},
+            "mean": {**{k: _linear_mean(rank, k) for k in ("int8", "bf16", "int4")},
                      "int8-aer": _linear_mean(rank, "int8", "alternating-exp-ring")},
             "ckpt": {**{k: _checkpoint(rank, k) for k in ("int8", "bf16")},
                      "int8-aer": _checkpoint(rank, "int8", "alternating-exp-ring")},
@@ -339,16 +408,16 @@ def test_training_matches_float64_reference(results: List[Dict[str, Any]], topo:
     check_close(mean, torch.stack(want).mean(0), stats["unit"], f"{topo}/{opt}/{kind} mean")
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16"])
+@pytest.mark.parametrize("kind", ["int8", "bf16", "int4"])
 def test_bytes_per_step_equal_the_formula(results: List[Dict[str, Any]], kind: str) -> None:
-    for topo in ("ring", "one-peer-exp"):
+    for topo in ("ring", "one-peer-exp") if kind != "int4" else ("ring",):
         for r in results:
             run = r["train"][(topo, "sgd", kind)]
             n = run["numel"]
             assert run["sent"] == [_wire(kind, n)] * STEPS
-            # this bucket is small (a partial scale block); a 25 MiB one: 0.254x (int8) and 0.5x (bf16)
+            # this bucket is small (a partial scale block); a 25 MiB one: 0.254x (int8), 0.5x (bf16), 0.129x (int4)
             big = 25 * 2 ** 20 // 4
-            assert _wire(kind, big) / (4 * big) <= (0.2541 if kind == "int8" else 0.5)
+            assert _wire(kind, big) / (4 * big) <= {"int8": 0.2541, "bf16": 0.5, "int4": 0.1290}[kind]
             # memory: two fp32 copies per distinct peer, plus the send and receive bytes
             assert len(run["peers"]) == 2
             assert run["memory"] == 2 * 2 * n * 4 + 2 * _wire(kind, n)
@@ -374,7 +443,7 @@ def test_group_bytes_and_memory_equal_the_formula(results: List[Dict[str, Any]])
         assert node["sent"] == [_wire("bf16", n)] * STEPS
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16", "int8-aer"])
+@pytest.mark.parametrize("kind", ["int8", "bf16", "int4", "int8-aer"])
 def test_mixing_preserves_the_global_mean(results: List[Dict[str, Any]], kind: str) -> None:
     ws = [r["mean"][kind][0].double() for r in results]
     x0 = results[0]["mean"][kind][1].double()

@@ -263,27 +263,51 @@ void run_dtype(const Launch& L) {
 }
 
 // ---- compressed gossip (kernels/mix_and_step.h, kernels/compress.h) ------------------------
-// Elements [lo, hi) of one int8 scale block: the received difference into the peer's copy and the
-// mix; the optimizer update (the uncompressed pass's own code, no comm, no send); then the next
+// Visits the code bytes of m elements (int8: one code a byte; int4: two): f(k, count) for code
+// byte k, which holds the count elements from k * kPerByte on. The whole bytes first, where count
+// is the constant kPerByte once f is inlined (so the compiler vectorises over the bytes), then the
+// last, partial byte (int4 with an odd count: count 1, the high nibble 0).
+template <int Bits, typename F>
+inline void for_each_code_byte(int64_t m, F&& f) {
+  constexpr int kPer = BlockCode<Bits>::kPerByte;
+  const int64_t whole = m / kPer;
+  for (int64_t k = 0; k < whole; ++k) f(k, kPer);
+  if (m % kPer != 0) f(whole, static_cast<int>(m % kPer));
+}
+
+// Elements [lo, hi) of one scale block: the received difference into the peer's copy and the mix;
+// the optimizer update (the uncompressed pass's own code, no comm, no send); then the next
 // difference against the next peer's copy of this rank, quantised, into the send bytes. The block
-// (1 KiB of p) stays in L1 between the three steps.
+// (1 KiB of p) stays in L1 between the three steps. Int8 and int4 share the block-scaled path
+// (Bits = code_bits(C)): per-block max, scale, codes packed 8 / Bits to a byte.
 template <Compressor C>
 void choco_block(const Launch& L, int64_t lo, int64_t hi) {
+  constexpr int Bits = code_bits(C);
   const MixStepArgs& A = L.A;
   float* __restrict P = static_cast<float*>(A.param);
   const int64_t n = A.numel;
+  const int64_t m = hi - lo;
   if (A.q_recv != nullptr) {
     float* XP = A.peer_copy;
     const float* XS = A.self_copy_mix;
     const float gw = A.choco_mix;
-    if constexpr (C == Compressor::Int8) {
-      const float s = int8_scales(A.q_recv)[lo / kInt8Block];
-      const int8_t* Q = int8_codes(A.q_recv, n);
-      for (int64_t i = lo; i < hi; ++i) {
-        const float xp = int8_copy_update(XP[i], static_cast<float>(Q[i]), s);
-        XP[i] = xp;
-        P[i] = choco_mix(P[i], xp, XS[i], gw);
-      }
+    if constexpr (Bits != 0) {
+      constexpr int kPer = BlockCode<Bits>::kPerByte;
+      const float s = block_scales(A.q_recv)[lo / kInt8Block];
+      // lo is a multiple of kInt8Block (even): the block's codes start on a byte.
+      const uint8_t* Q = block_codes(A.q_recv, n) + lo / kPer;
+      float* Pb = P + lo;
+      float* XPb = XP + lo;
+      const float* XSb = XS + lo;
+      for_each_code_byte<Bits>(m, [&](int64_t k, int count) {
+        const uint32_t byte = Q[k];
+        for (int j = 0; j < count; ++j) {
+          const int64_t e = k * kPer + j;
+          const float xp = block_copy_update(XPb[e], block_code_of_byte<Bits>(byte, j), s);
+          XPb[e] = xp;
+          Pb[e] = choco_mix(Pb[e], xp, XSb[e], gw);
+        }
+      });
     } else {
       const uint16_t* Q = static_cast<const uint16_t*>(A.q_recv);
       for (int64_t i = lo; i < hi; ++i) {
@@ -296,8 +320,8 @@ void choco_block(const Launch& L, int64_t lo, int64_t hi) {
   run_range<float, false, false>(L, lo, hi);
   if (A.q_send != nullptr) {
     float* XN = A.self_copy_next;
-    const int64_t m = hi - lo;
-    if constexpr (C == Compressor::Int8) {
+    if constexpr (Bits != 0) {
+      constexpr int kPer = BlockCode<Bits>::kPerByte;
       alignas(64) float d[kInt8Block];
       Vec vmax(0.f);
       int64_t e = 0;
@@ -314,15 +338,21 @@ void choco_block(const Launch& L, int64_t lo, int64_t hi) {
         d[e] = P[lo + e] - XN[lo + e];
         amax = std::max(amax, std::fabs(d[e]));
       }
-      const float s = int8_scale(amax);
-      int8_scales(A.q_send)[lo / kInt8Block] = s;
-      int8_t* Q = int8_codes(A.q_send, n) + lo;
+      const float s = block_scale<Bits>(amax);
+      block_scales(A.q_send)[lo / kInt8Block] = s;
+      // The codes (in place of d) and the copy update, then the codes packed into their bytes.
       float* X = XN + lo;
       for (int64_t k = 0; k < m; ++k) {
-        const float c = int8_code(d[k], s);
-        Q[k] = static_cast<int8_t>(c);
-        X[k] = int8_copy_update(X[k], c, s);
+        const float c = block_code<Bits>(d[k], s);
+        d[k] = c;
+        X[k] = block_copy_update(X[k], c, s);
       }
+      uint8_t* Q = block_codes(A.q_send, n) + lo / kPer;
+      for_each_code_byte<Bits>(m, [&](int64_t k, int count) {
+        uint32_t byte = 0;  // a partial byte's missing codes are 0 (int4's padding nibble)
+        for (int j = 0; j < count; ++j) byte |= block_code_field<Bits>(d[k * kPer + j], j);
+        Q[k] = static_cast<uint8_t>(byte);
+      });
     } else {
       uint16_t* Q = static_cast<uint16_t*>(A.q_send);
       for (int64_t i = lo; i < hi; ++i) {
@@ -337,7 +367,7 @@ void choco_block(const Launch& L, int64_t lo, int64_t hi) {
 template <Compressor C>
 void run_choco(const Launch& L) {
   const int64_t n = L.A.numel;
-  const int64_t blocks = (n + kInt8Block - 1) / kInt8Block;
+  const int64_t blocks = num_scale_blocks(n);
   at::parallel_for(0, blocks, std::max<int64_t>(1, kGrainElems / kInt8Block), [&](int64_t bb, int64_t be) {
     for (int64_t b = bb; b < be; ++b) choco_block<C>(L, b * kInt8Block, std::min(n, (b + 1) * kInt8Block));
   });
@@ -353,8 +383,11 @@ inline void mix_and_step(const MixStepArgs& A) {
     L.skip = f.skip;
   }
   if (A.compressor != Compressor::None) {  // fp32 parameters only (checked by the launcher)
-    if (A.compressor == Compressor::Int8) return run_choco<Compressor::Int8>(L);
-    return run_choco<Compressor::BF16>(L);
+    switch (A.compressor) {
+      case Compressor::Int8: return run_choco<Compressor::Int8>(L);
+      case Compressor::Int4: return run_choco<Compressor::Int4>(L);
+      default: return run_choco<Compressor::BF16>(L);
+    }
   }
   switch (A.param_dtype) {
     case DType::Float32: return run_dtype<float>(L);

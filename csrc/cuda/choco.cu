@@ -5,8 +5,10 @@
 // One thread block of kThreads == kInt8Block threads per scale block (grid-stride over blocks), one
 // element per thread: received q into the peer's copy and the mix, the optimizer update of the
 // element's group (segment lookup by binary search when several groups share the bucket), then the
-// next difference; for int8 the block's max |d| comes from a warp-shuffle + shared-memory reduction,
-// thread 0 writes the block's scale. fp32 parameters only. The launcher checks its CUDA calls.
+// next difference; for int8 and int4 (one code path, Bits = code_bits(C)) the block's max |d| comes
+// from a warp-shuffle + shared-memory reduction, thread 0 writes the block's scale, and for int4 the
+// even thread of each pair packs its neighbour's nibble (a shuffle) into the byte it writes. fp32
+// parameters only. The launcher checks its CUDA calls.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -24,7 +26,7 @@ namespace cuda {
 namespace {
 
 using detail::kThreads;
-static_assert(kThreads == kInt8Block, "one thread per element of an int8 scale block");
+static_assert(kThreads == kInt8Block, "one thread per element of a scale block");
 
 struct CArgs {
   float* param;
@@ -83,6 +85,7 @@ __device__ __forceinline__ float block_max(float v, float* shared) {
 
 template <OptKind K, Compressor C>
 __global__ void __launch_bounds__(kThreads) choco_kernel(const __grid_constant__ CArgs a) {
+  constexpr int Bits = code_bits(C);
   __shared__ float red[kThreads / 32];
   float gs = a.grad_scale;
   bool skip = a.skip_update != 0;
@@ -99,9 +102,9 @@ __global__ void __launch_bounds__(kThreads) choco_kernel(const __grid_constant__
       p = a.param[i];
       if (a.q_recv != nullptr) {
         float xp;
-        if constexpr (C == Compressor::Int8) {
-          const float s = int8_scales(a.q_recv)[b];
-          xp = int8_copy_update(a.peer_copy[i], static_cast<float>(int8_codes(a.q_recv, a.numel)[i]), s);
+        if constexpr (Bits != 0) {
+          const float s = block_scales(a.q_recv)[b];
+          xp = block_copy_update(a.peer_copy[i], block_code_at<Bits>(block_codes(a.q_recv, a.numel), i), s);
         } else {
           xp = bf16_copy_update(a.peer_copy[i], static_cast<const uint16_t*>(a.q_recv)[i]);
         }
@@ -127,13 +130,20 @@ __global__ void __launch_bounds__(kThreads) choco_kernel(const __grid_constant__
     }
     if (a.q_send != nullptr) {  // every thread of the block takes part (the reduction)
       const float d = valid ? p - a.self_copy_next[i] : 0.f;
-      if constexpr (C == Compressor::Int8) {
-        const float s = int8_scale(block_max(fabsf(d), red));
-        if (threadIdx.x == 0) int8_scales(a.q_send)[b] = s;
+      if constexpr (Bits != 0) {
+        using BC = BlockCode<Bits>;
+        const float s = block_scale<Bits>(block_max(fabsf(d), red));
+        if (threadIdx.x == 0) block_scales(a.q_send)[b] = s;
+        const float c = valid ? block_code<Bits>(d, s) : 0.f;  // past the end: a 0 nibble (padding)
+        // the byte of threads t .. t + kPerByte - 1 (t a multiple of kPerByte), written by thread t
+        uint32_t byte = block_code_field<Bits>(c, 0);
+#pragma unroll
+        for (int j = 1; j < BC::kPerByte; ++j)
+          byte |= __shfl_down_sync(0xffffffffu, block_code_field<Bits>(c, j), j);
         if (valid) {
-          const float c = int8_code(d, s);
-          int8_codes(a.q_send, a.numel)[i] = static_cast<int8_t>(c);
-          a.self_copy_next[i] = int8_copy_update(a.self_copy_next[i], c, s);
+          if (threadIdx.x % BC::kPerByte == 0)
+            block_codes(a.q_send, a.numel)[i / BC::kPerByte] = static_cast<uint8_t>(byte);
+          a.self_copy_next[i] = block_copy_update(a.self_copy_next[i], c, s);
         }
       } else {
         if (valid) {
@@ -181,7 +191,9 @@ void launch_choco_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   require(args.numel >= 0, "numel must be >= 0");
   if (args.numel == 0) return;
   require(args.param_dtype == DType::Float32, "param must be float32");
-  require(args.compressor == Compressor::BF16 || args.compressor == Compressor::Int8, "unknown compressor");
+  require(args.compressor == Compressor::BF16 || args.compressor == Compressor::Int8 ||
+              args.compressor == Compressor::Int4,
+          "unknown compressor (valid: BF16 = 1, Int8 = 2, Int4 = 3)");
   require(args.param != nullptr, "param is required");
   require(args.q_recv == nullptr || (args.peer_copy != nullptr && args.self_copy_mix != nullptr),
           "q_recv needs peer_copy and self_copy_mix");
@@ -215,7 +227,7 @@ void launch_choco_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   a.segs = args.num_groups > 1 ? args.segments : nullptr;
   a.num_segments = args.num_groups > 1 ? args.num_segments : 0;
   a.numel = args.numel;
-  a.nblocks = int8_num_blocks(args.numel);
+  a.nblocks = num_scale_blocks(args.numel);
   a.q_recv = args.q_recv;
   a.peer_copy = args.peer_copy;
   a.self_copy_mix = args.self_copy_mix;
@@ -230,8 +242,11 @@ void launch_choco_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   a.skip_update = args.skip_update ? 1 : 0;
   a.num_groups = kind != OptKind::None ? args.num_groups : 0;
   for (int g = 0; g < args.num_groups && g < kMaxGroups; ++g) a.hyp[g] = derive_step(args, args.groups[g]);
-  if (args.compressor == Compressor::Int8) launch_c<Compressor::Int8>(a, kind, stream);
-  else launch_c<Compressor::BF16>(a, kind, stream);
+  switch (args.compressor) {
+    case Compressor::Int8: return launch_c<Compressor::Int8>(a, kind, stream);
+    case Compressor::Int4: return launch_c<Compressor::Int4>(a, kind, stream);
+    default: return launch_c<Compressor::BF16>(a, kind, stream);
+  }
 }
 
 }  // namespace cuda

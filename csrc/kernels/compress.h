@@ -3,9 +3,9 @@
 // a tracked public copy, and the consensus mix. Contract and wire layout: kernels/mix_and_step.h.
 //
 // Every rank that tracks a copy applies the same bytes with the same operations (an explicit fused
-// multiply-add for int8, one addition for bf16: no compiler contraction can differ), so the two
-// ends of an edge hold bit-identical copies; the mix p_i += gamma w (xhat_j - xhat_i) then moves
-// the pair's sum by zero in exact arithmetic: the global mean is preserved.
+// multiply-add for int8 and int4, one addition for bf16: no compiler contraction can differ), so
+// the two ends of an edge hold bit-identical copies; the mix p_i += gamma w (xhat_j - xhat_i) then
+// moves the pair's sum by zero in exact arithmetic: the global mean is preserved.
 //
 // No torch types; host and device (DECENTPY_HD). Internal linkage, like update.h.
 #pragma once
@@ -20,15 +20,16 @@ namespace decentpy {
 namespace {
 
 // ---- wire layout ----------------------------------------------------------------------------
-DECENTPY_HD int64_t int8_num_blocks(int64_t n) { return (n + kInt8Block - 1) / kInt8Block; }
-// Int8: the scales come first (4-byte aligned at offset 0), then the codes.
-DECENTPY_HD float* int8_scales(void* wire) { return static_cast<float*>(wire); }
-DECENTPY_HD const float* int8_scales(const void* wire) { return static_cast<const float*>(wire); }
-DECENTPY_HD int8_t* int8_codes(void* wire, int64_t n) {
-  return reinterpret_cast<int8_t*>(static_cast<char*>(wire) + 4 * int8_num_blocks(n));
+// Int8 / Int4: one fp32 scale per block of kInt8Block elements (4-byte aligned at offset 0), then
+// the codes (int8: one byte each; int4: two per byte, see "block-scaled integer codes" below).
+DECENTPY_HD int64_t num_scale_blocks(int64_t n) { return (n + kInt8Block - 1) / kInt8Block; }
+DECENTPY_HD float* block_scales(void* wire) { return static_cast<float*>(wire); }
+DECENTPY_HD const float* block_scales(const void* wire) { return static_cast<const float*>(wire); }
+DECENTPY_HD uint8_t* block_codes(void* wire, int64_t n) {
+  return static_cast<uint8_t*>(wire) + 4 * num_scale_blocks(n);
 }
-DECENTPY_HD const int8_t* int8_codes(const void* wire, int64_t n) {
-  return reinterpret_cast<const int8_t*>(static_cast<const char*>(wire) + 4 * int8_num_blocks(n));
+DECENTPY_HD const uint8_t* block_codes(const void* wire, int64_t n) {
+  return static_cast<const uint8_t*>(wire) + 4 * num_scale_blocks(n);
 }
 
 // ---- bf16 -----------------------------------------------------------------------------------
@@ -57,18 +58,57 @@ DECENTPY_HD float bf16_value(uint16_t b) {
 // xhat += D(q) for a bf16 q.
 DECENTPY_HD float bf16_copy_update(float xhat, uint16_t q) { return xhat + bf16_value(q); }
 
-// ---- int8 with one fp32 scale per block of kInt8Block elements ------------------------------
-// The scale of a block whose largest |d| is amax: s = amax / 127 (0 for an all-zero block).
-DECENTPY_HD float int8_scale(float amax) { return ScalarMath::div(amax, 127.f); }
-// The code of d in a block of scale s: d / s rounded to nearest (ties to even), in [-127, 127];
+// ---- block-scaled integer codes: int8 (Bits = 8) and int4 (Bits = 4) ------------------------
+// One fp32 scale per block of kInt8Block elements, s = amax / kMax with kMax = 2^(Bits-1) - 1 (127,
+// 7), and the codes round(d / s) in [-kMax, kMax], stored as Bits-bit two's complement, 8 / Bits
+// codes per byte, the lower element in the lower bits: int4 element 2k is the low nibble of code
+// byte k, element 2k+1 the high nibble. Blocks hold an even number of elements, so a byte never
+// straddles two blocks; an odd element count leaves the high nibble of the last byte 0.
+//
+// Bits of the codes of a compressor (0: not block-scaled).
+DECENTPY_HD constexpr int code_bits(Compressor c) {
+  return c == Compressor::Int8 ? 8 : c == Compressor::Int4 ? 4 : 0;
+}
+
+template <int Bits>
+struct BlockCode {
+  static_assert(Bits == 8 || Bits == 4, "block-scaled codes are int8 or int4");
+  static constexpr int kPerByte = 8 / Bits;
+  static constexpr uint32_t kMask = (1u << Bits) - 1u;
+  static constexpr float kMax = static_cast<float>((1 << (Bits - 1)) - 1);
+};
+
+// The scale of a block whose largest |d| is amax: s = amax / kMax (0 for an all-zero block).
+template <int Bits>
+DECENTPY_HD float block_scale(float amax) { return ScalarMath::div(amax, BlockCode<Bits>::kMax); }
+// The code of d in a block of scale s: d / s rounded to nearest (ties to even), in [-kMax, kMax];
 // 0 when s == 0 (then every d of the block is 0).
-DECENTPY_HD float int8_code(float d, float s) {
+template <int Bits>
+DECENTPY_HD float block_code(float d, float s) {
+  constexpr float kMax = BlockCode<Bits>::kMax;
   if (!(s > 0.f)) return 0.f;
   const float c = ScalarMath::rint(ScalarMath::div(d, s));
-  return c > 127.f ? 127.f : (c < -127.f ? -127.f : c);
+  return c > kMax ? kMax : (c < -kMax ? -kMax : c);
+}
+// Code c (an integer-valued float in [-kMax, kMax]) as the j-th field of its byte (j < kPerByte).
+template <int Bits>
+DECENTPY_HD uint32_t block_code_field(float c, int j) {
+  return (static_cast<uint32_t>(static_cast<int32_t>(c)) & BlockCode<Bits>::kMask) << (j * Bits);
+}
+// The j-th code of a code byte (j < kPerByte) as a float: shifted to the top, then an arithmetic
+// shift back sign-extends it (no branch: the CPU loops over it vectorise).
+template <int Bits>
+DECENTPY_HD float block_code_of_byte(uint32_t byte, int j) {
+  return static_cast<float>(static_cast<int32_t>(byte << (32 - Bits - j * Bits)) >> (32 - Bits));
+}
+// The code of element i (counted from the start of the codes) as a float.
+template <int Bits>
+DECENTPY_HD float block_code_at(const uint8_t* codes, int64_t i) {
+  using BC = BlockCode<Bits>;
+  return block_code_of_byte<Bits>(codes[i / BC::kPerByte], static_cast<int>(i % BC::kPerByte));
 }
 // xhat += D(q) = code * s, one rounding (fused multiply-add).
-DECENTPY_HD float int8_copy_update(float xhat, float code, float s) { return ScalarMath::fma(code, s, xhat); }
+DECENTPY_HD float block_copy_update(float xhat, float code, float s) { return ScalarMath::fma(code, s, xhat); }
 
 // ---- the consensus step ---------------------------------------------------------------------
 // p += gamma * w_ij * (xhat_peer - xhat_self)   (gw = gamma * w_ij)

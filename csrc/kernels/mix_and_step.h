@@ -31,7 +31,7 @@
 //
 // Compressed gossip (compressor != None; CHOCO-style, kernels/compress.h has the arithmetic). The
 // plain comm / send buffers are then unused (null) and param is fp32. Per element i, in blocks of
-// kInt8Block elements (the int8 scale blocks, also the unit of work):
+// kInt8Block elements (the int8 / int4 scale blocks, also the unit of work):
 //   if q_recv:   xp[i] += D(q_recv)[i]                     (peer_copy: the peer's public copy)
 //                p = p + choco_mix * (xp[i] - xs[i])       (xs: self_copy_mix, this rank's public
 //                                                           copy as that peer knows it)
@@ -40,7 +40,10 @@
 //                q = Q(d), written into q_send (wire bytes);  xn[i] += D(q)
 // self_copy_mix may be self_copy_next (the same peer twice in a row); peer_copy aliases neither.
 // Wire layout of q for n elements: BF16: n x bf16 (round to nearest even) = 2n bytes; Int8:
-// ceil(n / kInt8Block) fp32 scales, then n int8 codes (4 * ceil(n / 256) + n bytes).
+// ceil(n / kInt8Block) fp32 scales, then n int8 codes (4 * ceil(n / 256) + n bytes); Int4: the
+// same scales, then ceil(n / 2) bytes of 4-bit two's-complement codes in [-7, 7], element 2k in
+// the low nibble of byte k, 2k + 1 in the high one, the last high nibble 0 for odd n
+// (4 * ceil(n / 256) + ceil(n / 2) bytes).
 #pragma once
 
 #include <cstdint>
@@ -52,15 +55,18 @@ enum class OptKind : int32_t { None = 0, SGD = 1, Adam = 2, AccumAdam = 3 };
 enum class DType : int32_t { Float32 = 0, BFloat16 = 1, Float16 = 2 };
 
 // Compressors of the gossip exchange (see the header comment).
-enum class Compressor : int32_t { None = 0, BF16 = 1, Int8 = 2 };
+enum class Compressor : int32_t { None = 0, BF16 = 1, Int8 = 2, Int4 = 3 };
 
-// Elements per int8 scale block (one fp32 scale each) and per unit of the compressed pass.
+// Elements per int8 / int4 scale block (one fp32 scale each; even, so an int4 byte never straddles
+// two blocks) and per unit of the compressed pass.
 constexpr int64_t kInt8Block = 256;
+static_assert(kInt8Block % 2 == 0, "int4 packs two codes per byte within a block");
 
 // Bytes on the wire for n elements compressed with c (None: fp32, 4n).
 inline constexpr int64_t compressed_bytes(Compressor c, int64_t n) {
   return c == Compressor::BF16   ? 2 * n
          : c == Compressor::Int8 ? 4 * ((n + kInt8Block - 1) / kInt8Block) + n
+         : c == Compressor::Int4 ? 4 * ((n + kInt8Block - 1) / kInt8Block) + (n + 1) / 2
                                  : 4 * n;
 }
 

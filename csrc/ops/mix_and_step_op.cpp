@@ -123,6 +123,7 @@ const char* compressor_name(Compressor c) {
     case Compressor::None: return "none";
     case Compressor::BF16: return "bf16";
     case Compressor::Int8: return "int8";
+    case Compressor::Int4: return "int4";
   }
   return "?";
 }
@@ -148,7 +149,7 @@ void check_wire(const at::Tensor& t, const at::Tensor& param, Compressor c, cons
               param.device());
   TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 4 == 0, what,
-              " must be 4-byte aligned (its int8 scales are fp32)");
+              " must be 4-byte aligned (its int8 / int4 block scales are fp32)");
 }
 
 void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
@@ -323,8 +324,8 @@ void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<a
   if (choco != nullptr) {
     const ChocoTensors& ch = *choco;
     const int ci = static_cast<int>(ch.compressor);
-    TORCH_CHECK(ci == 1 || ci == 2, "compressed_mix_and_step: unknown compressor ", ci,
-                " (BF16 = 1, INT8 = 2)");
+    TORCH_CHECK(ci == 1 || ci == 2 || ci == 3, "compressed_mix_and_step: unknown compressor ", ci,
+                "; valid compressors are BF16 = 1, INT8 = 2 and INT4 = 3");
     TORCH_CHECK(dt == DType::Float32, "compressed_mix_and_step: param has dtype ", param.scalar_type(),
                 "; compressed gossip steps float32 parameters only");
     TORCH_CHECK(!c.defined() && !s.defined(), "compressed_mix_and_step: internal error: comm / send given");

@@ -46,7 +46,14 @@ from .node_allreduce import NodeAllReduce
 from .node_shard import NodeShard
 
 __all__ = ["CompressedGossip", "CompressedNodeShard", "CompressedNodeAllReduce", "COMPRESSED_STRATEGIES",
-           "EdgeCopies", "PeerExchanges"]
+           "EdgeCopies", "PeerExchanges", "wire_buffer_bytes"]
+
+
+def wire_buffer_bytes(slots: int, wire: int) -> int:
+    """Bytes of a send / receive buffer of ``slots`` slots of ``wire`` bytes: slot t starts at
+    ``t * ceil(wire / 4) * 4``, so that every slot's fp32 block scales are 4-byte aligned even when
+    the wire size is not a multiple of 4 (int4 of an odd count or of a shard of ``4 * odd`` elements)."""
+    return (slots - 1) * (-(-wire // 4) * 4) + wire if slots > 0 else 0
 
 
 @dataclass
@@ -62,7 +69,9 @@ class EdgeCopies:
     segments: Tensor               # [0, numel) in one group (the mix-only / compress-only passes)
 
     def slot(self, buf: Tensor, t: int) -> Tensor:
-        return buf[t * self.wire:(t + 1) * self.wire]
+        """Slot t: ``wire`` bytes at a 4-byte aligned offset (see :func:`wire_buffer_bytes`)."""
+        start = t * (-(-self.wire // 4) * 4)
+        return buf[start:start + self.wire]
 
 
 class PeerExchanges:
@@ -126,7 +135,7 @@ class CompressedGossip(GossipStrategy):
             p = b.param.detach()
             wire = self.compression.wire_bytes(p.numel())
             st = EdgeCopies({j: p.clone() for j in self.peers}, {j: p.clone() for j in self.peers},
-                            torch.zeros(self.slots * wire, dtype=torch.uint8, device=p.device), wire,
+                            torch.zeros(wire_buffer_bytes(self.slots, wire), dtype=torch.uint8, device=p.device), wire,
                             kernels.segments_for_numel(p.numel(), p.device))
             b.comm = torch.zeros_like(st.send)  # the receive bytes, slot t from the t-th peer
             b.choco = st  # type: ignore[attr-defined]
@@ -137,7 +146,7 @@ class CompressedGossip(GossipStrategy):
         total = 0
         for b in self.buckets:
             total += (2 * len(self.peers) * b.param.numel() * 4 +
-                      2 * self.slots * self.compression.wire_bytes(b.param.numel()))
+                      2 * wire_buffer_bytes(self.slots, self.compression.wire_bytes(b.param.numel())))
         return total
 
     # -- the per-bucket work -------------------------------------------------------------------
