@@ -9,7 +9,7 @@ model, whose test accuracy is reported. The baseline is ``torch.nn.parallel.Dist
 (all-reduce of gradients) with the *same* optimizer object type (the decentpy optimizer helper,
 stepped standalone), same schedule, seed, shards and batches.
 
-Compressed gossip (``--compression int8,bf16``): every topology also runs as ``<topology>+<kind>``
+Compressed gossip (``--compression int8,int4,bf16``): every topology also runs as ``<topology>+<kind>``
 with ``DecentralizedDataParallel(compression=...)``
 (``--gamma``: the consensus step size, default the kind's default); its row also shows the
 difference to the same topology uncompressed at the same number of steps.
@@ -151,8 +151,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seeds", default="0", help="comma-separated; accuracies are averaged over seeds")
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     p.add_argument("--topologies", default=",".join(TOPOLOGIES))
-    p.add_argument("--compression", default="", help="comma-separated compressors (int8, bf16) to add for the "
-                   "pair topologies, e.g. int8,bf16 (default: none)")
+    p.add_argument("--compression", default="", help="comma-separated compressors (int8, int4, bf16) to add for "
+                   "every topology, e.g. int8,bf16 (default: none)")
     p.add_argument("--gamma", type=float, default=None, help="consensus step size of compressed gossip "
                    "(default: decentpy.compression.DEFAULT_GAMMA of the kind)")
     p.add_argument("--timeout", type=float, default=600.0)
@@ -164,6 +164,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
+    from decentpy import Compression
+
+    for kind in (c for c in args.compression.split(",") if c):
+        Compression(kind)  # an unknown kind fails here, naming the valid ones, not in every worker
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     plan = dict(seeds=seeds, optimizers=[o for o in args.optimizers.split(",") if o],
                 topologies=[t for t in args.topologies.split(",") if t], epochs=args.epochs,

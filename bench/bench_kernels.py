@@ -17,14 +17,16 @@ Compared with:
 After the first zero_grad call the gradient stays zero: same memory traffic and the same
 arithmetic (AdamW has no data-dependent branch), so the timing is that of a training step.
 
-Compressed gossip (--compression int8|bf16|all|none, default all): the fused compressing pass
-(kernels.compressed_step: received q into the peer's copy, CHOCO mix, AdamW, zero_grad, next
+Compressed gossip (--compression int8|int4|bf16|all|none, default all): the fused compressing
+pass (kernels.compressed_step: received q into the peer's copy, CHOCO mix, AdamW, zero_grad, next
 q = Q(p - copy) into the send bytes and the copy update) against the same work as torch ops
-(dequantise, two adds, torch AdamW fused/foreach, grad.zero_(), the difference, per-block amax,
-scale, round, clamp, the int8/bf16 casts, the copy update). Target: >= 1.5x on CPU.
+(dequantise (int4: unpack the nibbles), two adds, torch AdamW fused/foreach, grad.zero_(), the
+difference, per-block amax, scale, round, clamp, the int8/bf16 casts or the int4 nibble packing,
+the copy update). Target: >= 1.5x on CPU. --compressed-only skips the uncompressed pass.
 
 Usage: python bench/bench_kernels.py [--size-mb 25] [--repeats 9] [--threads N] [--device cpu|cuda|all]
-                                     [--zero-grad | --no-zero-grad] [--compression int8|bf16|all|none]
+                                     [--zero-grad | --no-zero-grad]
+                                     [--compression int8|int4|bf16|all|none] [--compressed-only]
 """
 import argparse
 import os
@@ -212,7 +214,7 @@ TARGET_COMPRESSED = 1.5
 
 
 def bench_compressed(device, numel, repeats, kind):
-    """The compressing fused pass vs the same work as torch ops (AdamW, int8 or bf16)."""
+    """The compressing fused pass vs the same work as torch ops (AdamW, int8, int4 or bf16)."""
     block = kernels.INT8_BLOCK
     numel = max(block, numel // block * block)
     nb = numel // block
@@ -222,7 +224,7 @@ def bench_compressed(device, numel, repeats, kind):
         return (torch.randn(numel, generator=gen) * scale).to(device)
 
     lr, wd, betas, eps, gw = 1e-3, 0.01, (0.9, 0.999), 1e-8, 0.4
-    comp = kernels.Compressor.INT8 if kind == "int8" else kernels.Compressor.BF16
+    comp = getattr(kernels.Compressor, kind.upper())
     wire = kernels.compressed_bytes(comp, numel)
     groups = [kernels.GroupHyper(lr=lr, weight_decay=wd, beta1=betas[0], beta2=betas[1], eps=eps, bias_step=10)]
     segments = kernels.segments_for_numel(numel, device)
@@ -251,6 +253,12 @@ def bench_compressed(device, numel, repeats, kind):
         t_send = torch.zeros(wire, dtype=torch.uint8, device=device)
         s_scales = t_send[:4 * nb].view(torch.float32)
         s_codes = t_send[4 * nb:].view(torch.int8)
+    elif kind == "int4":  # two's-complement nibbles, the even element low (docs/compression.md)
+        r_scales = q_recv[:4 * nb].view(torch.float32)
+        r_codes = q_recv[4 * nb:]
+        t_send = torch.zeros(wire, dtype=torch.uint8, device=device)
+        s_scales = t_send[:4 * nb].view(torch.float32)
+        s_codes = t_send[4 * nb:].view(torch.int8)
     else:
         r_bf16 = q_recv.view(torch.bfloat16)
         t_send = torch.zeros(wire, dtype=torch.uint8, device=device).view(torch.bfloat16)
@@ -259,6 +267,11 @@ def bench_compressed(device, numel, repeats, kind):
         with torch.no_grad():
             if kind == "int8":
                 dq = (r_codes.float().view(nb, block) * r_scales[:, None]).view(-1)
+            elif kind == "int4":  # sign-extending arithmetic shifts of the int8 bytes
+                lo = (r_codes << 4).view(torch.int8) >> 4
+                hi = r_codes.view(torch.int8) >> 4
+                codes = torch.stack([lo, hi], dim=1).view(nb, block)
+                dq = (codes.float() * r_scales[:, None]).view(-1)
             else:
                 dq = r_bf16.float()
             tpc.add_(dq)
@@ -267,12 +280,17 @@ def bench_compressed(device, numel, repeats, kind):
         with torch.no_grad():
             tp.grad.zero_()
             d = tp - tsn
-            if kind == "int8":
+            if kind in ("int8", "int4"):
+                cmax = 127.0 if kind == "int8" else 7.0
                 db = d.view(nb, block)
-                sc = db.abs().amax(dim=1) / 127.0
+                sc = db.abs().amax(dim=1) / cmax
                 safe = torch.where(sc > 0, sc, torch.ones_like(sc))
-                codes = torch.round(db / safe[:, None]).clamp_(-127, 127)
-                s_codes.copy_(codes.view(-1))
+                codes = torch.round(db / safe[:, None]).clamp_(-cmax, cmax)
+                if kind == "int8":
+                    s_codes.copy_(codes.view(-1))
+                else:
+                    pairs = codes.view(-1, 2).to(torch.int8)
+                    torch.bitwise_or(pairs[:, 0] & 0xF, pairs[:, 1] << 4, out=s_codes)
                 s_scales.copy_(sc)
                 tsn.add_((codes * sc[:, None]).view(-1))
             else:
@@ -301,8 +319,10 @@ def main(argv=None):
     ap.add_argument("--zero-grad", action=argparse.BooleanOptionalAction, default=True,
                     help="benchmark the kernel with zero_grad=True (the training mode; default) "
                          "or without (--no-zero-grad: 9 x 4 B/element as before)")
-    ap.add_argument("--compression", choices=["int8", "bf16", "all", "none"], default="all",
-                    help="also benchmark the compressed gossip pass (default: int8 and bf16)")
+    ap.add_argument("--compression", choices=["int8", "int4", "bf16", "all", "none"], default="all",
+                    help="also benchmark the compressed gossip pass (default: all = int8, int4 and bf16)")
+    ap.add_argument("--compressed-only", action="store_true",
+                    help="only the compressed gossip pass (skip the uncompressed fused-pass comparison)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -326,8 +346,9 @@ def main(argv=None):
         print("cuda: not available", file=sys.stderr)
         return 1
     for d in devices:
-        bench_device(d, numel, max(args.repeats, 1), zero_grad=args.zero_grad)
-        kinds = {"all": ["int8", "bf16"], "none": []}.get(args.compression, [args.compression])
+        if not args.compressed_only:
+            bench_device(d, numel, max(args.repeats, 1), zero_grad=args.zero_grad)
+        kinds = {"all": ["int8", "int4", "bf16"], "none": []}.get(args.compression, [args.compression])
         for kind in kinds:
             bench_compressed(d, numel, max(args.repeats, 1), kind)
     return 0
