@@ -61,11 +61,11 @@ from bench.common.tables import print_table as print_table_rows
 from bench.common.tables import write_csv as write_rows_csv
 
 
-FRAMEWORKS = ("decentpy", "decentpy-int8", "decentpy-bf16", "decent-dp", "torch-ddp", "torch-ddp-fp16",
+FRAMEWORKS = ("decentpy", "decentpy-int8", "decentpy-int4", "decentpy-bf16", "decent-dp", "torch-ddp", "torch-ddp-fp16",
               "torch-ddp-bf16", "torch-ddp-powersgd", "local", "local-fused")
-COMPRESSED = {"decentpy-int8": "int8", "decentpy-bf16": "bf16"}  # decentpy with compressed gossip
+COMPRESSED = {"decentpy-int8": "int8", "decentpy-int4": "int4", "decentpy-bf16": "bf16"}  # decentpy with compressed gossip
 DECENTPY = ("decentpy",) + tuple(COMPRESSED)
-LINK_FRAMEWORKS = tuple(f for f in FRAMEWORKS if f != "decentpy-bf16")  # the default on a throttled link
+LINK_FRAMEWORKS = tuple(f for f in FRAMEWORKS if f not in ("decentpy-bf16", "decentpy-int4"))  # the default on a throttled link
 DEFAULT_FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "local", "local-fused")  # on loopback
 DDP_HOOKS = ("torch-ddp-fp16", "torch-ddp-bf16", "torch-ddp-powersgd")  # DDP + a compression comm hook
 DDPS = ("torch-ddp",) + DDP_HOOKS
@@ -81,9 +81,9 @@ bytes/step = bytes SENT per worker per step, averaged over one period of the sch
 ranks (P = parameter bytes, m = size of the worker's group at that step):
   decentpy   m == 1: 0;  m == 2: P (peer exchange: send own bucket, receive the peer's);
              m > 2: 2(m-1)/m * P (in-place all-reduce of the group, ring algorithm)
-  decentpy-int8 / -bf16   (m-1) * C: every other member of the group gets its own compressed
-             difference, C = P/4 + 4 ceil(P/1024) bytes (int8: a code per element and an fp32
-             scale per 256) or P/2 (bf16)
+  decentpy-int8 / -int4 / -bf16   (m-1) * C: every other member of the group gets its own
+             compressed difference, C = P/4 + 4 ceil(P/1024) bytes (int8: a code per element and
+             an fp32 scale per 256), P/8 + 4 ceil(P/1024) (int4: two codes per byte) or P/2 (bf16)
   decent-dp  m == 1: 0;  m >= 2: 2(m-1)/m * P (all-reduce on a per-edge group, pairs too: 1.0 P)
   torch-ddp  2(n-1)/n * P (ring all-reduce of the gradients); fp16/bf16 hooks: half of it;
              powersgd: 2(n-1)/n * (sum over matrices (rows + cols) * rank * 4 + vector bytes)
@@ -418,7 +418,7 @@ def compression_targets(rows: List[Dict[str, Any]], link: Optional[str]) -> List
     uncompressed, and with int8 >= 2.5x faster than DDP and >= 1.3x faster than DDP + PowerSGD."""
     out = []
     by = {(r["cfg"].model, r["cfg"].workers, r["cfg"].framework, r["cfg"].topology): r for r in rows}
-    for fw, limit in (("decentpy-int8", 0.27), ("decentpy-bf16", 0.5)):
+    for fw, limit in (("decentpy-int8", 0.27), ("decentpy-int4", 0.14), ("decentpy-bf16", 0.5)):
         pairs = [(r, by.get((r["cfg"].model, r["cfg"].workers, "decentpy", r["cfg"].topology)))
                  for r in rows if r["cfg"].framework == fw]
         pairs = [(r, u) for r, u in pairs if u is not None and u["bytes"] > 0]
@@ -544,7 +544,7 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], link: 
     if plt is None:
         return None
     models = [m for m in MODELS if any(r["cfg"].model == m for r in rows)]
-    colors = {"decentpy": "#1f77b4", "decentpy-int8": "#aec7e8", "decentpy-bf16": "#6baed6", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "torch-ddp-fp16": "#98df8a",
+    colors = {"decentpy": "#1f77b4", "decentpy-int8": "#aec7e8", "decentpy-int4": "#c6dbef", "decentpy-bf16": "#6baed6", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "torch-ddp-fp16": "#98df8a",
               "torch-ddp-bf16": "#17becf", "torch-ddp-powersgd": "#9467bd", "local": "#7f7f7f",
               "local-fused": "#bcbd22"}
     fig, axes = plt.subplots(len(models), 1, figsize=(13, 4.2 * len(models)), squeeze=False)

@@ -74,7 +74,7 @@ def _is_allreduce(framework: str, topology: str) -> bool:
 
 #: frameworks whose bytes are compressed (bench-train's decentpy-int8/-bf16, torch DDP's comm hooks):
 #: not the fp32 buffers the model's communication terms are fitted on, so they are skipped
-COMPRESSED_SUFFIXES = ("-int8", "-bf16", "-fp16", "-powersgd")
+COMPRESSED_SUFFIXES = ("-int8", "-int4", "-bf16", "-fp16", "-powersgd")
 
 
 def _row_kind(framework: str, topology: str, row: Dict[str, str]) -> str:
