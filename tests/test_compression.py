@@ -345,9 +345,45 @@ def _refusals(rank: int) -> List[str]:
     return msgs
 
 
+CLIP = 0.05  # small enough that every step of the test clips
+
+
+def _amp_and_clip(rank: int) -> Dict[str, Any]:
+    """int8 ring: (a) bf16 autocast with a GradScaler (a power-of-two scale: scaling and unscaling
+    are exact) against the same autocast run without it -- the same bits; (b) gradient clipping
+    (no autocast), compared with the float64 reference below."""
+    from decentpy import Compression, DecentralizedDataParallel
+
+    out: Dict[str, Any] = {}
+    for use_scaler in (True, False):
+        model = make_mlp(0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000) if use_scaler else None
+        ddp = DecentralizedDataParallel(model, decentpy_optim_fn("sgd"), topology="ring", scaler=scaler,
+                                        compression=Compression("int8", gamma=GAMMA))
+        for k in range(STEPS):
+            x, y = batch(rank, k)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn(ddp(x), y)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        ddp.wait()
+        out["scaler" if use_scaler else "plain"] = ddp.buckets[0].param_block.detach().clone()
+        ddp.close()
+    model = make_mlp(0)
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("sgd"), topology="ring", grad_clip_norm=CLIP,
+                                    compression=Compression("int8", gamma=GAMMA))
+    for k in range(STEPS):
+        x, y = batch(rank, k)
+        loss_fn(ddp(x), y).backward()
+    ddp.wait()
+    out["clip"] = ddp.buckets[0].param_block.detach().clone()
+    ddp.close()
+    return out
+
+
 def _all(rank: int, world: int) -> Dict[str, Any]:
     torch.set_num_threads(1)
     return {"train": {c: _train(rank, *c, STEPS) for c in COMBOS},
+            "amp_clip": _amp_and_clip(rank),
             "mean": {**{k: _linear_mean(rank, k) for k in ("int8", "bf16", "int4")},
                      "int8-aer": _linear_mean(rank, "int8", "alternating-exp-ring")},
             "ckpt": {**{k: _checkpoint(rank, k) for k in ("int8", "bf16")},
@@ -455,6 +491,29 @@ def test_mixing_preserves_the_global_mean(results: List[Dict[str, Any]], kind: s
     got = torch.stack(ws).mean(0)
     assert torch.allclose(got, want, rtol=0, atol=2e-5), float((got - want).abs().max())
     assert float(torch.stack(ws).std(0).max()) > 0, "workers differ (the test would be vacuous otherwise)"
+
+
+def test_amp_with_a_grad_scaler_gives_the_same_bits(results: List[Dict[str, Any]]) -> None:
+    for r in results:
+        got, want = r["amp_clip"]["scaler"], r["amp_clip"]["plain"]
+        assert torch.equal(got, want), float((got - want).abs().max())
+    assert not torch.equal(results[0]["amp_clip"]["plain"], results[1]["amp_clip"]["plain"])  # not vacuous
+
+
+def test_clipping_matches_float64_reference(results: List[Dict[str, Any]]) -> None:
+    n = 4
+    models = [make_mlp(0).double() for _ in range(n)]
+    opts = [REF_OPTIMIZERS["sgd"](m) for m in models]
+
+    def grads(i: int, k: int, m: nn.Module) -> None:
+        x, y = batch(i, k)
+        loss_fn(m(x.double()), y.double()).backward()
+        norm = torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)  # one bucket: the bucket's norm
+        assert float(norm) > CLIP  # every step clips (the test would be vacuous otherwise)
+
+    want, stats = simulate_choco(models, opts, grads, pair_schedule(ring_partner(n)), "int8", GAMMA, STEPS)
+    for rank, r in enumerate(results):
+        check_close(r["amp_clip"]["clip"], want[rank], stats["unit"], f"clip rank {rank}")
 
 
 def test_checkpoint_resume_is_exact(results: List[Dict[str, Any]]) -> None:
