@@ -380,10 +380,26 @@ def _amp_and_clip(rank: int) -> Dict[str, Any]:
     return out
 
 
+def _join(rank: int) -> torch.Tensor:
+    """int8 ring under Join: rank r has 2 + r batches; a rank out of data keeps mixing and sending."""
+    from decentpy import Compression, DecentralizedDataParallel
+
+    ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("sgd"), topology="ring",
+                                    compression=Compression("int8", gamma=GAMMA))
+    with ddp.join():
+        for k in range(2 + rank):
+            x, y = batch(rank, k)
+            loss_fn(ddp(x), y).backward()
+    ddp.wait()
+    out = ddp.buckets[0].param_block.detach().clone()
+    ddp.close()
+    return out
+
+
 def _all(rank: int, world: int) -> Dict[str, Any]:
     torch.set_num_threads(1)
     return {"train": {c: _train(rank, *c, STEPS) for c in COMBOS},
-            "amp_clip": _amp_and_clip(rank),
+            "amp_clip": _amp_and_clip(rank), "join": _join(rank),
             "mean": {**{k: _linear_mean(rank, k) for k in ("int8", "bf16", "int4")},
                      "int8-aer": _linear_mean(rank, "int8", "alternating-exp-ring")},
             "ckpt": {**{k: _checkpoint(rank, k) for k in ("int8", "bf16")},
@@ -514,6 +530,23 @@ def test_clipping_matches_float64_reference(results: List[Dict[str, Any]]) -> No
     want, stats = simulate_choco(models, opts, grads, pair_schedule(ring_partner(n)), "int8", GAMMA, STEPS)
     for rank, r in enumerate(results):
         check_close(r["amp_clip"]["clip"], want[rank], stats["unit"], f"clip rank {rank}")
+
+
+def test_join_matches_float64_reference(results: List[Dict[str, Any]]) -> None:
+    """Uneven inputs: rank r steps on its 2 + r batches, then only applies, mixes and sends (its
+    optimizer skips: no gradient) until the last rank's 5 iterations are done."""
+    n = 4
+    models = [make_mlp(0).double() for _ in range(n)]
+    opts = [REF_OPTIMIZERS["sgd"](m) for m in models]
+
+    def grads(i: int, k: int, m: nn.Module) -> None:
+        if k < 2 + i:
+            x, y = batch(i, k)
+            loss_fn(m(x.double()), y.double()).backward()
+
+    want, stats = simulate_choco(models, opts, grads, pair_schedule(ring_partner(n)), "int8", GAMMA, 2 + n - 1)
+    for rank, r in enumerate(results):
+        check_close(r["join"], want[rank], stats["unit"], f"join rank {rank}")
 
 
 def test_checkpoint_resume_is_exact(results: List[Dict[str, Any]]) -> None:
