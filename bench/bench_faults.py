@@ -64,7 +64,7 @@ Columns of ``bench/out/bench_faults.csv`` (one row per framework x topology x fa
   time (DDP: the steps between the last checkpoint and the kill, summed over the restarts; torchft:
   a step whose commit failed and was retried; gossip: none, nothing restarts).
 
-    python -m bench.bench_faults                          # ~4 minutes on 2 cores with torchft, ~3 without
+    python -m bench.bench_faults                          # ~4 minutes on 2 idle cores, torchft included
     python -m bench.bench_faults --steps 3000 --kill-every 60 --topologies alternating-exp-ring
     python -m bench.bench_faults --frameworks torch-ddp-restarts --checkpoint-every 1200
 """
