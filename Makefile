@@ -15,7 +15,8 @@
 #   make bench-hybrid       2 nodes x 2 ranks: decentpy vs torch DDP / ZeRO, pipelines with gossip vs all-reduce:
 #                           step time, optimizer state, peak memory, bytes intra / inter node (BENCH_ARGS=...)
 #   make bench-convergence  fixed-budget accuracy of each topology x optimizer vs DDP on digits
-#   make bench-faults       elastic gossip under SIGKILLs + replacements vs the same run without faults (CSV, plot)
+#   make bench-faults       elastic gossip under SIGKILLs + replacements vs the same run without faults, torch DDP
+#                           with torchrun restarts + checkpoints, torchft if BENCH_TORCHFT_PATH=dir (CSV, plot)
 #   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
 #   make wheel   build a wheel into dist/ (e.g. decentpy-0.1.0+cu130.torch213.sm80.sm90-...whl);

@@ -20,12 +20,10 @@ EVERY = 20
 
 @pytest.mark.timeout(300)
 def test_bench_faults_ddp_restarts(tmp_path_factory: pytest.TempPathFactory) -> None:
-    stdout, rows = run_quick("bench_faults.py", ["--frameworks", "torch-ddp-restarts", "--workers", "2", "--steps", "150",
-                                                 "--kill-every", "2", "--max-kills", "1",
-                                                 "--checkpoint-every", str(EVERY),
-                                                 "--run-timeout", "120"],
-                             tmp_path_factory.mktemp("bench_faults"), "bench_faults.csv", COLUMNS,
-                             ("checkpoint every 20 steps", "group restarts"), timeout=290)
+    args = ["--frameworks", "torch-ddp-restarts", "--workers", "2", "--steps", "150", "--kill-every", "2",
+            "--max-kills", "1", "--checkpoint-every", str(EVERY), "--run-timeout", "120"]
+    _, rows = run_quick("bench_faults.py", args, tmp_path_factory.mktemp("bench_faults"), "bench_faults.csv", COLUMNS,
+                        ("checkpoint every 20 steps", "group restarts"), timeout=290)
     assert len(rows) == 2 and all(r["framework"] == "torch-ddp-restarts" for r in rows), rows
     base, hit = rows
     assert int(base["kills"]) == 0 and float(base["goodput_vs_no_faults"]) == 1.0, base
