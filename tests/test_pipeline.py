@@ -13,8 +13,10 @@ cached results, so a failure names its scenario and configuration.
 from __future__ import annotations
 
 import datetime
+import gc
 import time
 import traceback
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -705,6 +707,47 @@ def sc_reused_buffers(rank: int, world: int) -> Dict[str, Any]:
     return {"errors": [float((got.detach() - want).abs().max()) for got, want in kept]}
 
 
+class Recorder(nn.Module):
+    """Identity that keeps a weak reference to every tensor it is given and to what they view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[Any] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        t: Optional[Tensor] = x
+        while t is not None:
+            self.seen.append(weakref.ref(t))
+            t = t._base
+        return x
+
+
+def sc_step_memory_freed(rank: int, world: int) -> Dict[str, Any]:
+    """Nothing of a step stays alive once it ended: the activations every stage received (and the
+    buffers they view) are freed, with both schedules, checkpointing, and fairscale's way of
+    driving the pipe -- as with the unpipelined model, whose step keeps nothing either."""
+    layers: List[nn.Module] = []
+    for s in range(world):
+        layers += [Recorder(), nn.Linear(6, 6 if s + 1 < world else 3)]
+    torch.manual_seed(0)
+    out: Dict[str, Any] = {}
+    for checkpoint in ("never", "except_last"):
+        pipe = make_pipe(nn.Sequential(*layers).double(), [2] * world, chunks=4, checkpoint=checkpoint)
+        recorder = pipe[0]
+        x, y = data(seed=3)
+        for schedule in ("gpipe", "1f1b", "gpipe"):
+            pipe.train_step(x, y, mse, schedule=schedule)
+        res = pipe(x if pipe.stage == 0 else None)
+        if pipe.final_stage:
+            mse(res, y).backward()
+        else:
+            pipe.back_helper(res)
+        del res, x, y
+        gc.collect()
+        out[checkpoint] = (len(recorder.seen), sum(r() is not None for r in recorder.seen))
+    return out
+
+
 def sc_grad_of_grad(rank: int, world: int) -> Dict[str, Any]:
     """Gradients of gradients cannot cross stages: a backward with create_graph=True fails on every
     rank (the final stage's own RuntimeError, a PipelineError elsewhere), and a training forward is
@@ -764,7 +807,7 @@ def sc_mixed_modes(rank: int, world: int) -> Dict[str, Any]:
 
 
 SCENARIOS: Dict[str, Callable[[int, int], Any]] = {
-    "transport": sc_transport,
+    "transport": sc_transport, "step_memory_freed": sc_step_memory_freed,
     "memory": sc_memory,
     "matrix": sc_matrix, "training": sc_training, "tuples": sc_tuples, "dropout": sc_dropout,
     "calls": sc_calls, "batchnorm": sc_batchnorm, "failures": sc_failures, "container": sc_container,
@@ -892,6 +935,13 @@ def test_transport_wire_formats() -> None:
     assert res["one_buffer"] == [True] * 5 and res["parts"] == [True] * 5, res
     assert res["directional"] == [True] * 5, res
     assert res["reuse"] == (True, True, True, True), res
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nothing_of_a_step_stays_alive(world: int) -> None:
+    for stage, res in enumerate(scenario(world, "step_memory_freed")):
+        for checkpoint, (seen, alive) in res.items():
+            assert seen >= 16 and alive == 0, (stage, checkpoint, seen, alive)
 
 
 @pytest.mark.parametrize("world", (3, 4))

@@ -42,6 +42,7 @@ import contextlib
 import datetime
 import itertools
 import logging
+import weakref
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -462,8 +463,9 @@ class AsyncPipe(nn.Module):
         single = not isinstance(inputs, tuple)
         diff = [i for i, t in enumerate(xs) if t.requires_grad] if self.stage != 0 else []
         if diff:
-            views = _GradTap.apply(lambda grads: self._send_input_grads(step, mb, len(xs), diff, grads), False,
-                                    *[xs[i] for i in diff])
+            width = len(xs)
+            views = _GradTap.apply(_step_hook(step, lambda s, grads: self._send_input_grads(s, mb, width, diff, grads)),
+                                   False, *[xs[i] for i in diff])
             for i, v in zip(diff, views):
                 xs[i] = v
         part = self.partition
@@ -639,7 +641,8 @@ class AsyncPipe(nn.Module):
         sizes = [as_tuple(o)[0].shape[0] for o in outs]
         leaves = [joined[i].requires_grad_(True) for i in diff]
         width = len(joined)
-        owned = _GradTap.apply(lambda grads: self._final_backward(step, sizes, width, diff, grads), True, *leaves)
+        owned = _GradTap.apply(_step_hook(step, lambda s, grads: self._final_backward(s, sizes, width, diff, grads)),
+                               True, *leaves)
         for i, v in zip(diff, owned):
             joined[i] = v
         self._pending = step
@@ -836,6 +839,24 @@ class AsyncPipe(nn.Module):
             self._prev.settle(table[self._prev.peer_stage][2])
         if self._next is not None:
             self._next.settle(table[self._next.peer_stage][1])
+
+
+def _step_hook(step: _Step, fn: Callable[[_Step, Tuple[Optional[Tensor], ...]], None]
+               ) -> Callable[[Tuple[Optional[Tensor], ...]], None]:
+    """A :class:`_GradTap` hook that runs ``fn(step, grads)``, holding ``step`` weakly. The tap's
+    node lives in the step's autograd graph, which the step reaches (its outputs, the final stage's
+    losses): a strong reference back from the node would make a cycle through C++ autograd nodes
+    that Python's garbage collector cannot see through, and every step's received activations would
+    stay alive for good (found as a leak of every receive buffer of the final stage)."""
+    ref = weakref.ref(step)
+
+    def hook(grads: Tuple[Optional[Tensor], ...]) -> None:
+        alive = ref()
+        if alive is None:
+            raise RuntimeError("AsyncPipe: backward of an output whose step already ended (a later forward ran)")
+        fn(alive, grads)
+
+    return hook
 
 
 def _detached(value: TensorOrTensors) -> TensorOrTensors:
