@@ -748,6 +748,27 @@ def sc_step_memory_freed(rank: int, world: int) -> Dict[str, Any]:
     return out
 
 
+def sc_closed(rank: int, world: int) -> Dict[str, Any]:
+    """close() releases the pipe's own groups: a step after it is refused clearly on every rank, a
+    second close() does nothing, the layers keep their trained values, the process group the pipe
+    was built on stays usable."""
+    torch.manual_seed(0)
+    with make_pipe(nn.Sequential(*[nn.Linear(6, 6) for _ in range(world)]).double(), [1] * world, chunks=2) as pipe:
+        x, _ = data(seed=4)
+        pipe.train_step(x, torch.zeros(BATCH, 6, dtype=torch.float64), mse)
+        trained = [p.grad.clone() for p in pipe.parameters()]
+    pipe.close()
+    try:
+        pipe.train_step(x, x, mse)
+        refused = None
+    except RuntimeError as exc:
+        refused = str(exc)
+    ok = torch.ones(1)
+    dist.all_reduce(ok)
+    return {"refused": refused, "grads_kept": all(torch.equal(p.grad, g) for p, g in zip(pipe.parameters(), trained)),
+            "group_usable": float(ok) == world}
+
+
 def sc_grad_of_grad(rank: int, world: int) -> Dict[str, Any]:
     """Gradients of gradients cannot cross stages: a backward with create_graph=True fails on every
     rank (the final stage's own RuntimeError, a PipelineError elsewhere), and a training forward is
@@ -808,6 +829,7 @@ def sc_mixed_modes(rank: int, world: int) -> Dict[str, Any]:
 
 SCENARIOS: Dict[str, Callable[[int, int], Any]] = {
     "transport": sc_transport, "step_memory_freed": sc_step_memory_freed,
+    "closed": sc_closed,
     "memory": sc_memory,
     "matrix": sc_matrix, "training": sc_training, "tuples": sc_tuples, "dropout": sc_dropout,
     "calls": sc_calls, "batchnorm": sc_batchnorm, "failures": sc_failures, "container": sc_container,
@@ -935,6 +957,12 @@ def test_transport_wire_formats() -> None:
     assert res["one_buffer"] == [True] * 5 and res["parts"] == [True] * 5, res
     assert res["directional"] == [True] * 5, res
     assert res["reuse"] == (True, True, True, True), res
+
+
+def test_close_releases_the_pipe() -> None:
+    for res in scenario(3, "closed"):
+        assert res["refused"] is not None and "closed" in res["refused"], res
+        assert res["grads_kept"] and res["group_usable"], res
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -199,6 +199,8 @@ class AsyncPipe(nn.Module):
         self._prev: Optional[Link] = None
         self._next: Optional[Link] = None
         down, up = self._direction_groups(nccl)
+        self._own_groups: List[SubGroup] = [*down.values(), *up.values()]  # released by close()
+        self._closed = False
         if self.stage is not None and self.stage > 0:
             s = self.stage - 1
             self._prev = Link(self._ranks[s], s, self.stage, self.group, self._wire, not nccl, self.timeout,
@@ -391,7 +393,29 @@ class AsyncPipe(nn.Module):
         return loss
 
     # -- one step, step by step --------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the process groups the pipe made for itself (on gloo, two per pair of neighbouring
+        stages). The stage keeps its layers and their trained parameters; the pipe cannot run
+        another step. Idempotent; local (no collective); also called by ``with AsyncPipe(...) as
+        pipe:``. Call it on every rank, after the last step, before destroying the process group
+        the pipe was built on."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pending = None
+        for sub in self._own_groups:
+            sub.destroy()
+        self._own_groups = []
+
+    def __enter__(self) -> "AsyncPipe":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def _start(self) -> None:
+        if self._closed:
+            raise RuntimeError("AsyncPipe: this pipe was closed (close()); build a new AsyncPipe to train again")
         if self._broken is not None:
             raise RuntimeError(f"AsyncPipe: {self._broken}; build a new AsyncPipe (its message streams are out of "
                                "step)")
@@ -699,10 +723,12 @@ class AsyncPipe(nn.Module):
         targets: Optional[List[Any]] = None
         weights: List[float] = []
         actions: List[Action] = SCHEDULES[name](count, self.num_stages, self.stage)
-        later_forward = [any(b.forward for b in actions[i + 1:]) for i in range(len(actions))]
+        # per action: whether a forward comes later, and the micro-batch of the next backward
+        later_forward = [False] * len(actions)
         next_backward: List[Optional[int]] = [None] * len(actions)
         for i in range(len(actions) - 2, -1, -1):
             nb = actions[i + 1]
+            later_forward[i] = nb.forward or later_forward[i + 1]
             next_backward[i] = nb.mb if not nb.forward else next_backward[i + 1]
         for i, a in enumerate(actions):
             if a.forward:
@@ -716,9 +742,7 @@ class AsyncPipe(nn.Module):
                 if self._prev is not None and later_forward[i]:
                     self._prev.prepost()  # see the docstring
                 out = self._forward_one(step, a.mb, inp, grad, waits)
-                nb = next_backward[i]
-                if self._next is not None and grad and nb is not None and nb in step.outputs and \
-                        self._expects_grad(step, nb):
+                if grad and self._grad_will_come(step, next_backward[i]):
                     self._next.prepost()  # the gradients of the next backward, while this stage moves on
                 if self.final_stage:
                     if targets is None:
@@ -745,15 +769,18 @@ class AsyncPipe(nn.Module):
                     _, grads = self._receive_grad(step, a.mb)
                 else:
                     grads = None
-                assert self._next is not None
-                nb = next_backward[i]
-                if nb is not None and nb in step.outputs and self._expects_grad(step, nb):
+                if self._grad_will_come(step, next_backward[i]):
                     self._next.prepost()  # see the docstring
                 self._backward_one(step, a.mb, grads)
         self._answer_all(step)
         if self.final_stage:
             return torch.stack([step.losses[j].detach() for j in range(count)]).sum()
         return None
+
+    def _grad_will_come(self, step: _Step, mb: Optional[int]) -> bool:
+        """Whether the next stage will send gradients for micro-batch ``mb`` (the next backward's)
+        in this step: its forward ran here and an output requires grad."""
+        return self._next is not None and mb is not None and mb in step.outputs and self._expects_grad(step, mb)
 
     def _split_target(self, target: Any, step: _Step, first_out: TensorOrTensors) -> Tuple[List[Any], List[float]]:
         """The target cut as the batch was (sizes from the micro-batches), and each one's weight."""
