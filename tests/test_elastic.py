@@ -88,12 +88,29 @@ def _wait_all_done(store: Any, key: str, n: int, timeout_s: float = 30.0) -> Non
         time.sleep(0.05)
 
 
-def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int]) -> Dict[str, Any]:
-    """Trains to STEPS; member ``v`` SIGKILLs itself at step ``kills[v]``. Survivors record their
+def _die_when_announced(store: Any, key: str) -> None:
+    """A watcher thread: SIGKILL this process as soon as ``key`` appears in the store (this worker
+    announced itself to a re-formation: it dies in the middle of the membership change)."""
+    import threading
+
+    def watch() -> None:
+        while not store.check([key]):
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int],
+                    dies_in_change: Optional[int] = None, reform_s: float = 30.0) -> Dict[str, Any]:
+    """Trains to STEPS; member ``v`` SIGKILLs itself at step ``kills[v]``, member ``dies_in_change``
+    as soon as it has announced itself to the first re-formation. Survivors record their
     parameters when the last membership is in place (the callback) and at the end."""
     from decentpy.elastic import ElasticGossip, connect
 
     store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    if member == dies_in_change:
+        _die_when_announced(store, f"decentpy/elastic/default/epoch2/here/{member}")
     model = make_mlp(0)
     seen: List[Any] = []
     at_change: Dict[str, Any] = {}
@@ -105,7 +122,8 @@ def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int]) ->
     eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology=topo,
                        store=store, member_id=str(member), initial_workers=4,
                        timeout=datetime.timedelta(seconds=30), peer_liveness_timeout=datetime.timedelta(seconds=4),
-                       bucket_size_in_mb=0.0002, on_membership_change=on_change)
+                       reform_timeout=datetime.timedelta(seconds=reform_s), bucket_size_in_mb=0.0002,
+                       on_membership_change=on_change)
     first_members = eg.members
     while True:
         eg.update()
@@ -116,9 +134,9 @@ def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int]) ->
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(member, k)
         loss_fn(eg(x), y).backward()
-    _wait_all_done(store, "test/done", 4 - len(kills))
+    _wait_all_done(store, "test/done", 4 - len(kills) - (dies_in_change is not None))
     return {"first_members": first_members, "members": eg.members, "rank": eg.rank, "world_size": eg.world_size,
-            "changes": [(c.world_size, c.rank, c.left, c.step, c.reform_s, c.detect_s) for c in seen],
+            "changes": [(c.world_size, c.rank, c.left, c.step, c.reform_s, c.detect_s, c.epoch) for c in seen],
             "at_change": at_change, "final": _params64(model), "topology": eg.topology.name}
 
 
@@ -189,6 +207,33 @@ def test_survivors_go_on_after_sigkill(topo: str, kills: Dict[int, int]) -> None
     reform = max(c[4] for r in res.values() for c in r["changes"])
     detect = max((c[5] or 0.0) for r in res.values() for c in r["changes"])
     print(f"\n{topo}: detect <= {detect:.2f} s, re-form <= {reform:.2f} s, whole test {elapsed:.1f} s")
+
+
+def test_a_member_dying_during_the_membership_change() -> None:
+    """Member 2 is SIGKILLed at step 5; member 3 dies right after it announced itself to the
+    re-formation (so the first new membership includes it, and setting it up fails). The two
+    left re-form once more without it -- one membership change for the user -- and train on, their
+    parameters exactly the float64 re-computation over them from the step they went on from."""
+    t0 = time.monotonic()
+    res = run_members(survivor_worker, [0, 1, 2, 3], ("ring", {2: 5}, 3, 8.0), timeout=150, expect_dead=[2, 3])
+    elapsed = time.monotonic() - t0
+    assert sorted(res) == [0, 1]
+    for m, r in res.items():
+        assert r["members"] == ("0", "1") and r["world_size"] == 2 and r["rank"] == m, r
+        assert [c[0] for c in r["changes"]] == [2], r["changes"]  # one change seen by the user
+        assert sorted(r["changes"][0][2]) == ["2", "3"], r["changes"]
+        assert r["changes"][0][6] == 3, r["changes"]  # epoch 2 (with member 3) failed to form: epoch 3 without it
+    starts = {r["at_change"]["step"] for r in res.values()}
+    assert len(starts) == 1, starts
+    start = starts.pop()
+    assert 5 <= start < STEPS
+    want = _reference("ring", ["0", "1"], {str(m): r["at_change"]["params"] for m, r in res.items()}, start, STEPS)
+    for i, m in enumerate((0, 1)):
+        for name, w in want[i].items():
+            assert torch.allclose(res[m]["final"][name], w, rtol=1e-5, atol=1e-6), \
+                f"{name} on survivor {m}: off by {(res[m]['final'][name] - w).abs().max():.3g}"
+    print(f"\ndeath during the change: re-formed in {max(r['changes'][0][4] for r in res.values()):.2f} s, "
+          f"whole test {elapsed:.1f} s")
 
 
 JOIN_STEPS = 24

@@ -49,11 +49,17 @@ __all__ = ["CompressedGossip", "CompressedNodeShard", "CompressedNodeAllReduce",
            "EdgeCopies", "PeerExchanges", "wire_buffer_bytes"]
 
 
+def slot_stride(wire: int) -> int:
+    """Bytes from one slot of ``wire`` bytes to the next: ``ceil(wire / 4) * 4``, so that every
+    slot's fp32 block scales are 4-byte aligned even when the wire size is not a multiple of 4
+    (int4 of an odd count or of a shard of ``4 * odd`` elements)."""
+    return -(-wire // 4) * 4
+
+
 def wire_buffer_bytes(slots: int, wire: int) -> int:
-    """Bytes of a send / receive buffer of ``slots`` slots of ``wire`` bytes: slot t starts at
-    ``t * ceil(wire / 4) * 4``, so that every slot's fp32 block scales are 4-byte aligned even when
-    the wire size is not a multiple of 4 (int4 of an odd count or of a shard of ``4 * odd`` elements)."""
-    return (slots - 1) * (-(-wire // 4) * 4) + wire if slots > 0 else 0
+    """Bytes of a send / receive buffer of ``slots`` slots of ``wire`` bytes (slot t starts at
+    ``t * slot_stride(wire)``)."""
+    return (slots - 1) * slot_stride(wire) + wire if slots > 0 else 0
 
 
 @dataclass
@@ -69,8 +75,8 @@ class EdgeCopies:
     segments: Tensor               # [0, numel) in one group (the mix-only / compress-only passes)
 
     def slot(self, buf: Tensor, t: int) -> Tensor:
-        """Slot t: ``wire`` bytes at a 4-byte aligned offset (see :func:`wire_buffer_bytes`)."""
-        start = t * (-(-self.wire // 4) * 4)
+        """Slot t: ``wire`` bytes at a 4-byte aligned offset (see :func:`slot_stride`)."""
+        start = t * slot_stride(self.wire)
         return buf[start:start + self.wire]
 
 
