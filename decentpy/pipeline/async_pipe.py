@@ -210,6 +210,9 @@ class AsyncPipe(nn.Module):
             self._next = Link(self._ranks[s + 1], s + 1, self.stage, self.group, self._wire, not nccl, self.timeout,
                               send_group=down.get(s), recv_group=up.get(s))
         self._agreement = Agreement(self.group, self._ranks, rank, self._wire, not nccl, 1 + _COUNTS, self.timeout)
+        self._stepping = False  # between _start and _finish_step: the agreement may be armed
+        for link in self._links():
+            link.before_wait = self._arm_agreement
         self._broken: Optional[str] = None
         self._here = self._wire  # this stage's device during a step (set by _start)
         self._pending: Optional[_Step] = None   # the final stage's step waiting for its user-driven backward
@@ -393,6 +396,14 @@ class AsyncPipe(nn.Module):
         return loss
 
     # -- one step, step by step --------------------------------------------------------------------
+    def _arm_agreement(self) -> None:
+        """Before a blocking wait inside a step: post the step's agreement now, where this stage
+        waits anyway (see :meth:`Agreement.arm`). Not while a step ends (reading what a failed step
+        left): receives armed then would outlive the step, and a later pipe on the same group could
+        have its agreement's messages taken by them."""
+        if self._stepping:
+            self._agreement.arm()
+
     def close(self) -> None:
         """Release the process groups the pipe made for itself (on gloo, two per pair of neighbouring
         stages). The stage keeps its layers and their trained parameters; the pipe cannot run
@@ -426,7 +437,7 @@ class AsyncPipe(nn.Module):
                 "AsyncPipe: the final stage ran forward again before the backward of the previous training "
                 "output (in training with autograd on, call backward on a loss of the output, or run the "
                 "forward under torch.no_grad() / in eval mode)"))
-        self._agreement.arm()
+        self._stepping = True
         self._here = self._device()  # once per step, not per message (the layers do not move mid-step)
 
     def _refuse_grads_of_grads(self, grad: bool) -> None:
@@ -829,6 +840,7 @@ class AsyncPipe(nn.Module):
         (read what is left unread, fill the receives posted ahead; so the next step starts in
         step), then every rank raises."""
         code = NO_FAILURE if failure is None else failure[0]
+        self._stepping = False
         try:
             origin, table = self._agreement.agree(code, self._counts())
             if origin != NO_FAILURE:

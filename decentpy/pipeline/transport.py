@@ -36,10 +36,12 @@ exchange), so the next step starts in step.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import enum
+import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -136,6 +138,18 @@ def _unviewed(buf: Tensor) -> bool:
     return _storage_users(buf) == _ALONE
 
 
+def _write_int64(buf: Tensor, values: Sequence[int]) -> None:
+    """``values`` as int64 at the start of the host buffer ``buf`` (one C call: a message's header is
+    written per message on the pipeline's critical path, where each torch op costs microseconds)."""
+    data = struct.pack(f"<{len(values)}q", *values)
+    ctypes.memmove(buf.data_ptr(), data, len(data))
+
+
+def _read_int64(buf: Tensor, count: int) -> List[int]:
+    """The first ``count`` int64 of the host buffer ``buf``."""
+    return list(struct.unpack(f"<{count}q", ctypes.string_at(buf.data_ptr(), 8 * count)))
+
+
 def _bytes(t: Tensor) -> Tensor:
     """``t``'s elements as a flat uint8 tensor (a view when contiguous)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -192,6 +206,9 @@ class Link:
     _pool: Dict[int, List[Tensor]] = field(default_factory=dict)  # free send buffers by size
     _lent: List[Tensor] = field(default_factory=list)  # send buffers of this step (back to the pool at finish)
     _received: List[Tensor] = field(default_factory=list)  # receive buffers, reused once nothing views them
+    #: called before every blocking wait on the peer (the pipe posts its end-of-step agreement there:
+    #: work that can go while this stage would wait anyway, rather than before its first message)
+    before_wait: Optional[Callable[[], None]] = None
 
     @property
     def consumed(self) -> int:
@@ -244,12 +261,15 @@ class Link:
             self._isend(self._header([int(Kind.GROW), total, 0, 0, _FIXED, 0]).view(torch.uint8))
             self.send_capacity = total
         buf = self._buffer(total)
-        head = buf[:8 * max(len(values), HEADER_SLOTS)].view(torch.int64)
-        head[:len(values)] = torch.tensor(values, dtype=torch.int64)
+        _write_int64(buf, values)
+        base = buf.data_ptr()
         for t, at in zip(tensors, offsets):
             if t is not None and t.numel() > 0:
-                # straight into the buffer (one copy, also when t is not contiguous)
-                buf[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t.detach())
+                nbytes = t.numel() * t.element_size()
+                if t.device.type == "cpu" and t.is_contiguous():
+                    ctypes.memmove(base + at, t.data_ptr(), nbytes)
+                else:  # straight into the buffer (one copy, also when t is not contiguous)
+                    buf[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
         self._isend(buf)
 
     def send_error(self, origin_stage: int, text: str) -> None:
@@ -290,6 +310,8 @@ class Link:
         self._wait(self._irecv(t), what)
 
     def _wait(self, work: Any, what: str) -> None:
+        if self.before_wait is not None:
+            self.before_wait()
         wait_bounded(work, self.timeout, f"stage {self.stage}: receiving {what} from stage {self.peer_stage}",
                      [self.peer])
 
@@ -307,12 +329,12 @@ class Link:
             work, buf = self._posted
             self._posted = None
             self._wait(work, what)
-            values = buf[:8 * HEADER_SLOTS].view(torch.int64).tolist()
+            values = _read_int64(buf, HEADER_SLOTS)
             if values[0] != Kind.GROW:
                 break
             self.recv_capacity = values[1]
         if values[4] > HEADER_SLOTS:
-            values = buf[:8 * values[4]].view(torch.int64).tolist()
+            values = _read_int64(buf, values[4])
         kind, mb, count, specs, is_tuple = decode(values)
         offsets, _ = _layout(values[4], [None if s is None else (s[0], s[2]) for s in specs])
         tensors: List[Optional[Tensor]] = []
