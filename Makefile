@@ -17,6 +17,7 @@
 #   make bench-convergence  fixed-budget accuracy of each topology x optimizer vs DDP on digits
 #   make bench-faults       elastic gossip under SIGKILLs + replacements vs the same run without faults, torch DDP
 #                           with torchrun restarts + checkpoints, torchft if BENCH_TORCHFT_PATH=dir (CSV, plot)
+#   make bench-elastic      the per-step cost of ElasticGossip against plain DecentralizedDataParallel, no faults
 #   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
 #   make wheel   build a wheel into dist/ (e.g. decentpy-0.1.0+cu130.torch213.sm80.sm90-...whl);
@@ -75,9 +76,11 @@ $(DEPS_STAMP): | $(PY)
 	@touch $@
 
 # scipy is for the bench only (the runtime model's calibration, tools/runtime_model/fit.py), which the
-# tests import. Its own stamp: a venv made before it gets scipy without rebuilding the extension.
+# tests import; python-etcd is the client torch's EtcdStore is written for (the elastic tests with an
+# etcd rendezvous; they skip where the etcd server itself is not installed). Its own stamp: a venv
+# made before it gets these without rebuilding the extension.
 $(BENCH_DEPS_STAMP): $(DEPS_STAMP)
-	$(PIP) install $(PIP_Q) scipy
+	$(PIP) install $(PIP_Q) scipy python-etcd
 	@touch $@
 
 # The docs' tools (Sphinx, MyST, furo, matplotlib for the topology pictures); none pulls torch. Its own
@@ -135,7 +138,7 @@ bench: $(BUILD_STAMP)
 	$(PY) -m bench.bench_kernels $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults runtime-model
+.PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults bench-elastic runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) -m bench.bench_train $(BENCH_ARGS)
@@ -165,6 +168,10 @@ bench-convergence: $(BUILD_STAMP)
 bench-faults: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) -m bench.bench_faults $(BENCH_ARGS)
+
+bench-elastic: $(BUILD_STAMP)
+	$(PIP) install $(PIP_Q) matplotlib
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_elastic $(BENCH_ARGS)
 
 runtime-model: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib

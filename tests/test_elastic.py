@@ -102,13 +102,20 @@ def _die_when_announced(store: Any, key: str) -> None:
 
 
 def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int],
-                    dies_in_change: Optional[int] = None, reform_s: float = 30.0) -> Dict[str, Any]:
+                    dies_in_change: Optional[int] = None, reform_s: float = 30.0,
+                    etcd_endpoint: Optional[str] = None) -> Dict[str, Any]:
     """Trains to STEPS; member ``v`` SIGKILLs itself at step ``kills[v]``, member ``dies_in_change``
     as soon as it has announced itself to the first re-formation. Survivors record their
-    parameters when the last membership is in place (the callback) and at the end."""
+    parameters when the last membership is in place (the callback) and at the end. The rendezvous
+    is the test's TCPStore, or an etcd server (``etcd_endpoint``)."""
     from decentpy.elastic import ElasticGossip, connect
 
-    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    if etcd_endpoint is not None:
+        from decentpy.elastic.etcd import connect_etcd
+
+        store = connect_etcd(etcd_endpoint, prefix=f"/decentpy-test-{port}", timeout=datetime.timedelta(seconds=20))
+    else:
+        store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
     if member == dies_in_change:
         _die_when_announced(store, f"decentpy/elastic/default/epoch2/here/{member}")
     model = make_mlp(0)
@@ -234,6 +241,81 @@ def test_a_member_dying_during_the_membership_change() -> None:
                 f"{name} on survivor {m}: off by {(res[m]['final'][name] - w).abs().max():.3g}"
     print(f"\ndeath during the change: re-formed in {max(r['changes'][0][4] for r in res.values()):.2f} s, "
           f"whole test {elapsed:.1f} s")
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: Any) -> Any:
+    """An etcd server (v2 API on) on free ports, for the test's lifetime; skipped where etcd or the
+    python-etcd client is not installed (Debian: etcd-server; pip: python-etcd)."""
+    import shutil
+    import subprocess
+
+    from tools.spawn import free_port
+
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian package etcd-server)")
+    pytest.importorskip("etcd", reason="the python-etcd client (torch's EtcdStore is written for it) is not installed")
+    client_port, peer_port = free_port(), free_port()
+    data = tmp_path_factory.mktemp("etcd")
+    proc = subprocess.Popen(
+        ["etcd", "--data-dir", str(data / "data"), "--enable-v2=true",
+         "--listen-client-urls", f"http://127.0.0.1:{client_port}",
+         "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
+         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-cluster", f"default=http://127.0.0.1:{peer_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    endpoint = f"127.0.0.1:{client_port}"
+    try:
+        from decentpy.elastic.etcd import connect_etcd
+
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                connect_etcd(endpoint, timeout=datetime.timedelta(seconds=2))
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                assert proc.poll() is None and time.monotonic() < deadline, "etcd did not start"
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_etcd_store_operations(etcd_server: str) -> None:
+    """The store decentpy's membership uses, on etcd: c10d's semantics for every operation it calls."""
+    from decentpy.elastic.etcd import connect_etcd
+
+    store = connect_etcd(etcd_server, prefix="/decentpy-test-ops")
+    store.set("a", "x")
+    assert store.get("a") == b"x" and store.check(["a"]) and not store.check(["missing"])
+    assert store.add("n", 2) == 2 and store.add("n", 0) == 2 and store.add("n", 3) == 5
+    assert store.compare_set("d", "", "first") == b"first"      # absent: created
+    assert store.compare_set("d", "", "second") == b"first"     # present: the first proposal stays
+    assert store.compare_set("d", "first", "third") == b"third"  # swapped
+    assert store.compare_set("e", "old", "new") == b"old" and not store.check(["e"])
+    assert store.delete_key("a") and not store.delete_key("a") and not store.check(["a"])
+
+
+def test_survivors_go_on_with_an_etcd_rendezvous(etcd_server: str) -> None:
+    """The whole membership (heartbeats, epochs, the per-epoch gloo rendezvous) in etcd instead of a
+    TCPStore: a SIGKILLed member is dropped and the survivors end exactly where the float64
+    re-computation over them does."""
+    kills = {2: 5}
+    res = run_members(survivor_worker, [0, 1, 2, 3], ("ring", kills, None, 30.0, etcd_server), timeout=150,
+                      expect_dead=[2])
+    survivors = ["0", "1", "3"]
+    assert sorted(res) == [0, 1, 3]
+    for m, r in res.items():
+        assert r["members"] == tuple(survivors) and r["rank"] == survivors.index(str(m)), r
+    starts = {r["at_change"]["step"] for r in res.values()}
+    assert len(starts) == 1, starts
+    start = starts.pop()
+    want = _reference("ring", survivors, {str(m): r["at_change"]["params"] for m, r in res.items()}, start, STEPS)
+    for i, m in enumerate(survivors):
+        for name, w in want[i].items():
+            assert torch.allclose(res[int(m)]["final"][name], w, rtol=1e-5, atol=1e-6), (m, name)
 
 
 JOIN_STEPS = 24

@@ -2,6 +2,8 @@
 
 - :mod:`.rendezvous` -- the one process that must stay up: a c10d ``TCPStore`` host
   (``python -m decentpy.rendezvous``) and :func:`connect`;
+- :mod:`.etcd` -- the same membership in an etcd cluster (:func:`~decentpy.elastic.etcd.connect_etcd`),
+  where no single host may be trusted to stay up (imported on demand: it needs ``python-etcd``);
 - :mod:`.membership` -- member ids, heartbeats, and the agreement on each epoch's member list;
 - :mod:`.strategy` -- the gossip step that finishes locally when a peer fails;
 - :mod:`.wrapper` -- :class:`ElasticGossip`, one ``DecentralizedDataParallel`` per membership epoch.
