@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
-__all__ = ["Formation", "Membership", "RendezvousError", "EvictedError", "HEARTBEAT_INTERVAL_S"]
+__all__ = ["Formation", "Membership", "RendezvousError", "EvictedError", "HEARTBEAT_INTERVAL_S", "POLL_INTERVAL_S"]
 
 logger = logging.getLogger(__name__)
 
