@@ -37,7 +37,7 @@ COMBOS += [("ring", "sgd", "int4"), ("alternating-exp-ring", "adamw", "int4")]
 LOCAL_WORLD_SIZE = {"alternating-exp-ring": 2}
 # compressed exchanges between nodes: 2 nodes of 2 ranks, the node pair every step; shard: each rank
 # compresses its half of the bucket for the same half on the other node; allreduce: the node mean
-NODE_COMBOS = [("ring/shard", "adamw", "int8"), ("ring/allreduce", "sgd", "bf16")]
+NODE_COMBOS = [("ring/shard", "adamw", "int8"), ("ring/allreduce", "sgd", "bf16"), ("ring/shard", "sgd", "int4")]
 COMBOS += NODE_COMBOS
 
 
