@@ -36,6 +36,13 @@ TABLES: Dict[str, str] = {
                         "400 Mbit/s link (tbf on both ends), MLP 3 x Linear(1024,1024), AdamW; median over 12 timed "
                         "steps of the means over each period of the schedule, max over ranks per step; one run. AMD "
                         "EPYC, 2 cores shared with other load, torch 2.13.0+cpu, decent-dp 0.2.3.",
+    "bench_train_link_8workers": "`make bench-train BENCH_ARGS=\"--workers 8 --models mlp --frameworks decentpy,"
+                                 "decentpy-int8,decent-dp,torch-ddp,torch-ddp-fp16,torch-ddp-powersgd,local --topologies "
+                                 "ring,one-peer-exp,alternating-exp-ring --rounds 3 --link-mbit 400 --link-layout "
+                                 "two-nodes\"`: 8 workers as 2 nodes of 4 joined by one 400 Mbit/s link, MLP 3 x "
+                                 "Linear(1024,1024), AdamW; median over 12 period means (DDP and one-peer-exp: 24 "
+                                 "steps), max over ranks per step; one run. AMD EPYC, 2 cores shared by the 8 workers "
+                                 "(quiet otherwise), torch 2.13.0+cpu, decent-dp 0.2.3, 2026-11-25.",
     "bench_train_link_compressed": "`make bench-train BENCH_ARGS=\"--workers 4 --models mlp --frameworks decentpy,"
                                    "decentpy-int8,torch-ddp,torch-ddp-powersgd,local --topologies ring,"
                                    "alternating-exp-ring --link-mbit B --link-layout L\"` with B, L = 1000, per-worker "
