@@ -56,15 +56,7 @@ struct CArgs {
 
 __device__ __forceinline__ int group_of(const CArgs& a, int64_t i) {
   if (a.num_groups <= 1 || a.segs == nullptr) return 0;
-  int64_t lo = 0, hi = a.num_segments - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) >> 1;
-    if (__ldg(&a.segs[mid].begin) <= i) lo = mid; else hi = mid - 1;
-  }
-  int64_t g = __ldg(&a.segs[lo].group);
-  if (g < 0) g = 0;  // memory safety only: the table is validated on the host
-  if (g >= a.num_groups) g = a.num_groups - 1;
-  return static_cast<int>(g);
+  return detail::clamp_group(__ldg(&a.segs[detail::segment_index(a.segs, a.num_segments, i)].group), a.num_groups);
 }
 
 __device__ __forceinline__ float block_max(float v, float* shared) {
@@ -159,14 +151,8 @@ __global__ void __launch_bounds__(kThreads) choco_kernel(const __grid_constant__
 template <OptKind K, Compressor C>
 void launch_kc(const CArgs& a, cudaStream_t stream) {
   auto kernel = choco_kernel<K, C>;
-  static std::atomic<int> blocks_per_sm{0};
-  int bps = blocks_per_sm.load(std::memory_order_relaxed);
-  if (bps == 0) {
-    bps = detail::query_blocks_per_sm(kernel);
-    blocks_per_sm.store(bps, std::memory_order_relaxed);
-  }
-  const unsigned grid = detail::grid_for(a.nblocks * kThreads, bps);
-  kernel<<<grid, kThreads, 0, stream>>>(a);
+  static std::atomic<int> occupancy{0};  // one per instantiation
+  kernel<<<detail::occupancy_grid(kernel, occupancy, a.nblocks * kThreads), kThreads, 0, stream>>>(a);
   DECENTPY_CUDA_CHECK_LAUNCH();
 }
 
@@ -199,17 +185,7 @@ void launch_choco_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
           "q_recv needs peer_copy and self_copy_mix");
   require(args.q_send == nullptr || args.self_copy_next != nullptr, "q_send needs self_copy_next");
   const OptKind kind = args.skip_update ? OptKind::None : args.kind;
-  if (kind != OptKind::None) {
-    require(args.grad != nullptr, "grad is required unless kind == None or skip_update");
-    require(args.num_groups >= 1 && args.num_groups <= kMaxGroups, "num_groups must be in [1, kMaxGroups]");
-    if (args.num_groups > 1)
-      require(args.segments != nullptr && args.num_segments >= 1, "several groups need a device segment table");
-    if (kind == OptKind::Adam)
-      require(args.state0 != nullptr && args.state1 != nullptr, "Adam needs state0 and state1");
-    if (kind == OptKind::AccumAdam)
-      require(args.state0 != nullptr && args.state1 != nullptr && args.state2 != nullptr,
-              "AccumAdam needs state0, state1 and state2");
-  }
+  const bool sgd_momentum = detail::check_optimizer_args(args, kind, "decentpy compressed mix_and_step (CUDA)");
   require(!args.zero_grad || args.grad != nullptr, "zero_grad needs grad");
 
   CArgs a{};
@@ -218,12 +194,7 @@ void launch_choco_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   a.s0 = kind == OptKind::None ? nullptr : args.state0;
   a.s1 = (kind == OptKind::Adam || kind == OptKind::AccumAdam) ? args.state1 : nullptr;
   a.s2 = kind == OptKind::AccumAdam ? args.state2 : nullptr;
-  if (kind == OptKind::SGD) {
-    bool any_momentum = false;
-    for (int g = 0; g < args.num_groups; ++g) any_momentum |= args.groups[g].momentum != 0.f;
-    require(!any_momentum || args.state0 != nullptr, "SGD with momentum needs state0 (momentum buffer)");
-    if (!any_momentum) a.s0 = nullptr;
-  }
+  if (kind == OptKind::SGD && !sgd_momentum) a.s0 = nullptr;
   a.segs = args.num_groups > 1 ? args.segments : nullptr;
   a.num_segments = args.num_groups > 1 ? args.num_segments : 0;
   a.numel = args.numel;

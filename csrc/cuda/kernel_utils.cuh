@@ -2,7 +2,9 @@
 //
 // - storage <-> fp32 conversion for float / __nv_bfloat16 / __half (round to nearest even),
 // - 16-byte vector loads/stores of kVec<T> = 16 / sizeof(T) elements, unpacked to fp32,
-// - the per-device SM count (queried once per device, cached) and the grid size.
+// - the per-device SM count (queried once per device, cached) and the grid size (occupancy cached
+//   per kernel),
+// - the segment lookup of parameter groups, and the host checks of the optimizer arguments.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,6 +13,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "cuda/cuda_check.h"
 #include "kernels/mix_and_step.h"
@@ -182,6 +186,63 @@ inline unsigned grid_for(int64_t work, int blocks_per_sm) {
   int64_t need = (work + kThreads - 1) / kThreads;
   if (need < 1) need = 1;
   return static_cast<unsigned>(need < full ? need : full);
+}
+
+// The grid of a launch of `kernel` for `work` items; `cache` (one per kernel instantiation, a
+// function-local static of the caller) keeps its occupancy after the first query.
+template <typename Kernel>
+inline unsigned occupancy_grid(Kernel kernel, std::atomic<int>& cache, int64_t work) {
+  int bps = cache.load(std::memory_order_relaxed);
+  if (bps == 0) {
+    bps = query_blocks_per_sm(kernel);
+    cache.store(bps, std::memory_order_relaxed);
+  }
+  return grid_for(work, bps);
+}
+
+// ---- parameter groups ------------------------------------------------------------------------
+// Index of the segment holding element i: the last segment whose begin <= i (the table is sorted
+// and covers [0, numel); validated on the host).
+__device__ __forceinline__ int64_t segment_index(const Segment* __restrict__ segs, int64_t num_segments, int64_t i) {
+  int64_t lo = 0, hi = num_segments - 1;
+  while (lo < hi) {  // invariant: answer in [lo, hi]
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (__ldg(&segs[mid].begin) <= i) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// A segment's group index clamped to [0, num_groups) (memory safety only: the table is validated on
+// the host).
+__device__ __forceinline__ int clamp_group(int64_t g, int num_groups) {
+  if (g < 0) g = 0;
+  if (g >= num_groups) g = num_groups - 1;
+  return static_cast<int>(g);
+}
+
+// ---- host checks --------------------------------------------------------------------------
+// The optimizer arguments both CUDA launchers require for `kind` (the effective kind: None when
+// skip_update), as std::invalid_argument prefixed with `who`. Returns whether SGD has a momentum
+// buffer to use (some group has momentum != 0).
+inline bool check_optimizer_args(const MixStepArgs& args, OptKind kind, const char* who) {
+  auto require = [who](bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string(who) + ": " + what);
+  };
+  if (kind == OptKind::None) return false;
+  require(args.grad != nullptr, "grad is required unless kind == None or skip_update");
+  require(args.num_groups >= 1 && args.num_groups <= kMaxGroups, "num_groups must be in [1, kMaxGroups]");
+  if (args.num_groups > 1)
+    require(args.segments != nullptr && args.num_segments >= 1, "several groups need a device segment table");
+  if (kind == OptKind::Adam)
+    require(args.state0 != nullptr && args.state1 != nullptr, "Adam needs state0 (exp_avg) and state1 (exp_avg_sq)");
+  if (kind == OptKind::AccumAdam)
+    require(args.state0 != nullptr && args.state1 != nullptr && args.state2 != nullptr,
+            "AccumAdam needs state0 (M), state1 (V) and state2 (acc)");
+  if (kind != OptKind::SGD) return false;
+  bool any_momentum = false;
+  for (int g = 0; g < args.num_groups; ++g) any_momentum |= args.groups[g].momentum != 0.f;
+  require(!any_momentum || args.state0 != nullptr, "SGD with momentum needs state0 (momentum buffer)");
+  return any_momentum;
 }
 
 }  // namespace detail

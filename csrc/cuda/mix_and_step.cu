@@ -81,19 +81,11 @@ struct SegCache {
 // Segment holding element i: the last segment whose begin <= i (segments sorted, cover [0, numel)).
 __device__ __forceinline__ void find_segment(const KArgs& a, int64_t i, SegCache& c) {
   const Segment* __restrict__ segs = a.segs;
-  int64_t lo = 0, hi = a.num_segments - 1;
-  while (lo < hi) {  // invariant: answer in [lo, hi]
-    const int64_t mid = (lo + hi + 1) >> 1;
-    if (__ldg(&segs[mid].begin) <= i) lo = mid; else hi = mid - 1;
-  }
-  c.begin = __ldg(&segs[lo].begin);
-  c.end = __ldg(&segs[lo].end);
-  int64_t g = __ldg(&segs[lo].group);
-  // Memory safety only: a bad group index is clamped. The table is validated on the host (the
-  // launcher for CPU tables; check_segments before a table is copied to the device).
-  if (g < 0) g = 0;
-  if (g >= a.num_groups) g = a.num_groups - 1;
-  c.group = static_cast<int>(g);
+  const int64_t s = detail::segment_index(segs, a.num_segments, i);
+  c.begin = __ldg(&segs[s].begin);
+  c.end = __ldg(&segs[s].end);
+  // the table is validated on the host (check_segments before it is copied to the device)
+  c.group = detail::clamp_group(__ldg(&segs[s].group), a.num_groups);
   if (c.end <= c.begin || i < c.begin || i >= c.end) {
     // Malformed table (gap / empty segment): use the group for this element only.
     c.begin = i;
@@ -249,16 +241,10 @@ mix_step_kernel(const __grid_constant__ KArgs a) {
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
 void launch_typed(const KArgs& a, cudaStream_t stream) {
   auto kernel = mix_step_kernel<T, K, HC, HS, MULTI, VAR>;
-  static std::atomic<int> blocks_per_sm{0};  // one per instantiation
-  int bps = blocks_per_sm.load(std::memory_order_relaxed);
-  if (bps == 0) {
-    bps = detail::query_blocks_per_sm(kernel);
-    blocks_per_sm.store(bps, std::memory_order_relaxed);
-  }
+  static std::atomic<int> occupancy{0};  // one per instantiation
   const int64_t nscalar = a.numel - a.nvec * kVec<T>;
   const int64_t work = a.nvec > nscalar ? a.nvec : nscalar;
-  const unsigned grid = detail::grid_for(work, bps);
-  kernel<<<grid, kThreads, 0, stream>>>(a);
+  kernel<<<detail::occupancy_grid(kernel, occupancy, work), kThreads, 0, stream>>>(a);
   DECENTPY_CUDA_CHECK_LAUNCH();
 }
 
@@ -348,27 +334,11 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
     return;
   }
 
-  bool multi = false;
-  bool variant = false;
-  if (kind != OptKind::None) {
-    require(args.grad != nullptr, "grad is required unless kind == None or skip_update");
-    require(args.num_groups >= 1 && args.num_groups <= kMaxGroups, "num_groups must be in [1, kMaxGroups]");
-    multi = args.num_groups > 1;
-    if (multi) require(args.segments != nullptr && args.num_segments >= 1,
-                       "several groups need a device segment table");
-    if (kind == OptKind::SGD) {
-      bool any_momentum = false;
-      for (int g = 0; g < args.num_groups; ++g) any_momentum |= args.groups[g].momentum != 0.f;
-      require(!any_momentum || args.state0 != nullptr, "SGD with momentum needs state0 (momentum buffer)");
-      variant = args.state0 != nullptr && any_momentum;
-    } else if (kind == OptKind::Adam) {
-      require(args.state0 != nullptr && args.state1 != nullptr, "Adam needs state0 (exp_avg) and state1 (exp_avg_sq)");
-    } else {
-      require(args.state0 != nullptr && args.state1 != nullptr && args.state2 != nullptr,
-              "AccumAdam needs state0 (M), state1 (V) and state2 (acc)");
-      variant = args.accum_boundary != 0;
-    }
-  }
+  const bool sgd_momentum = detail::check_optimizer_args(args, kind, "decentpy mix_and_step (CUDA)");
+  const bool multi = kind != OptKind::None && args.num_groups > 1;
+  // the kind's variant: SGD with a momentum buffer; AccumAdam at an accumulation boundary
+  const bool variant = (kind == OptKind::SGD && args.state0 != nullptr && sgd_momentum) ||
+                       (kind == OptKind::AccumAdam && args.accum_boundary != 0);
 
   KArgs a{};
   a.param = args.param;
