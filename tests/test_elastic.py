@@ -318,6 +318,102 @@ def test_survivors_go_on_with_an_etcd_rendezvous(etcd_server: str) -> None:
             assert torch.allclose(res[int(m)]["final"][name], w, rtol=1e-5, atol=1e-6), (m, name)
 
 
+def node_worker(member: int, port: int, intra_node: str, kill: int, at: int) -> Dict[str, Any]:
+    """Three nodes of two workers (node ``n{member // 2}``), ``intra_node`` gossip of node means or
+    shards over a ring of nodes; member ``kill`` SIGKILLs itself at step ``at``. Its node partner
+    must be left out (EvictedError); the others record their parameters at the change and the end."""
+    from decentpy.elastic import ElasticGossip, EvictedError, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    model = make_mlp(0)
+    at_change: Dict[str, Any] = {}
+    seen: List[Any] = []
+
+    def on_change(change: Any) -> None:
+        seen.append((change.world_size, change.rank, change.left, change.epoch))
+        at_change.update(params=_params64(model), step=change.step)
+
+    eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology="ring",
+                       store=store, member_id=str(member), node_id=f"n{member // 2}", intra_node=intra_node,
+                       local_world_size=2, initial_workers=6, timeout=datetime.timedelta(seconds=30),
+                       peer_liveness_timeout=datetime.timedelta(seconds=4), reform_timeout=datetime.timedelta(seconds=10),
+                       bucket_size_in_mb=0.0002, on_membership_change=on_change)
+    try:
+        while True:
+            eg.update()
+            k = eg.step_count
+            if k >= STEPS:
+                break
+            if member == kill and k == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = batch(member, k)
+            loss_fn(eg(x), y).backward()
+    except EvictedError as exc:
+        return {"evicted": str(exc)}
+    _wait_all_done(store, "test/done", 4)
+    return {"evicted": None, "members": eg.members, "rank": eg.rank, "changes": seen, "at_change": at_change,
+            "final": _params64(model)}
+
+
+def _node_reference(nodes: Sequence[Sequence[str]], start: Dict[str, Dict[str, torch.Tensor]], s0: int,
+                    steps: int) -> List[Dict[str, torch.Tensor]]:
+    """Float64 re-computation of gossip between node means: each node steps with the mean of its
+    members' gradients (its exact reduction), the ring over the nodes mixes, no mix at ``s0``."""
+    from decentpy.topology import node_topology
+
+    t = node_topology("ring", len(nodes))
+    models = [make_mlp(0).double() for _ in nodes]
+    with torch.no_grad():
+        for m, members in zip(models, nodes):
+            for name, p in m.named_parameters():
+                p.copy_(start[members[0]][name])
+    for k in range(s0, steps):
+        grads = []
+        for m, members in zip(models, nodes):
+            m.zero_grad()
+            for member in members:
+                x, y = batch(int(member), k)
+                (loss_fn(m(x.double()), y.double()) / len(members)).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        W = torch.eye(len(nodes), dtype=torch.float64) if k == s0 else t.mixing_matrix(k).double()
+        with torch.no_grad():
+            for tensors in zip(*[list(m.parameters()) for m in models]):
+                mixed = torch.einsum("ij,j...->i...", W, torch.stack([p.clone() for p in tensors]))
+                for p, z in zip(tensors, mixed):
+                    p.copy_(z)
+            for m, g in zip(models, grads):
+                for p, gp in zip(m.parameters(), g):
+                    p.sub_(LR * gp)
+    return [{name: p.detach().clone() for name, p in m.named_parameters()} for m in models]
+
+
+@pytest.mark.parametrize("intra_node", ["allreduce"])
+def test_a_node_is_the_failure_domain(intra_node: str) -> None:
+    """intra_node='allreduce': one worker of node n2 is SIGKILLed; the whole node leaves (its partner
+    raises EvictedError), nodes n0 and n1 go on as two nodes of two, and their parameters are the
+    float64 re-computation of gossip between the node means from the step they went on from."""
+    res = run_members(node_worker, list(range(6)), (intra_node, 5, 5), timeout=150, expect_dead=[5])
+    assert res[4]["evicted"] is not None and "left out" in res[4]["evicted"], res[4]
+    survivors = ["0", "1", "2", "3"]
+    for m in (0, 1, 2, 3):
+        r = res[m]
+        assert r["evicted"] is None and r["members"] == tuple(survivors) and r["rank"] == m, r
+        assert [(c[0], sorted(c[2])) for c in r["changes"]] == [(4, ["4", "5"])], r["changes"]
+    starts = {res[m]["at_change"]["step"] for m in range(4)}
+    assert len(starts) == 1, starts
+    start = starts.pop()
+    assert 5 <= start < STEPS
+    for a, b in ((0, 1), (2, 3)):  # a node's members hold the same model
+        for name, v in res[a]["at_change"]["params"].items():
+            assert torch.equal(v, res[b]["at_change"]["params"][name]), name
+    want = _node_reference([["0", "1"], ["2", "3"]], {str(m): res[m]["at_change"]["params"] for m in range(4)},
+                           start, STEPS)
+    for m in range(4):
+        for name, w in want[m // 2].items():
+            assert torch.allclose(res[m]["final"][name], w, rtol=1e-5, atol=1e-6), \
+                f"{intra_node}: {name} on member {m}: off by {(res[m]['final'][name] - w).abs().max():.3g}"
+
+
 JOIN_STEPS = 24
 
 
@@ -520,7 +616,10 @@ def test_rendezvous_host_gone_is_a_clear_bounded_error(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"topology": "ring", "process_group": None}, ValueError, "sub-group gossip"),
-    ({"topology": "ring", "intra_node": "shard"}, ValueError, "intra_node='gossip' only"),
+    ({"topology": "ring", "intra_node": "nodes"}, ValueError, "intra_node must be one of"),
+    ({"topology": "ring", "intra_node": "allreduce", "local_world_size": 3, "node_id": "a"}, ValueError,
+     "not a whole number of nodes"),
+    ({"topology": "ring", "intra_node": "shard"}, ValueError, "'shard' is not elastic yet"),
     ({"topology": "ring", "comm": "nccl"}, ValueError, "NCCL communicator"),
     ({"topology": object()}, TypeError, "topology name"),
     ({"topology": "alternating-exp-ring", "local_world_size": 1}, ValueError, "local_world_size"),

@@ -11,8 +11,8 @@
 
 from .membership import EvictedError, Formation, Membership, RendezvousError
 from .rendezvous import connect, serve
-from .strategy import ElasticGossipStrategy
+from .strategy import ELASTIC_STRATEGIES, ElasticGossipStrategy, ElasticStrategy
 from .wrapper import ElasticGossip, MembershipChange
 
 __all__ = ["ElasticGossip", "MembershipChange", "Membership", "Formation", "RendezvousError", "EvictedError",
-           "ElasticGossipStrategy", "connect", "serve"]
+           "ElasticStrategy", "ElasticGossipStrategy", "ELASTIC_STRATEGIES", "connect", "serve"]

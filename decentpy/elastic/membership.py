@@ -75,11 +75,18 @@ class Membership:
     """This worker's view of the job's membership (see the module): heartbeat, change poller, and
     the agreement on each epoch's member list."""
 
-    def __init__(self, store: Any, member_id: str, liveness_s: float, job: str = "default") -> None:
-        if not member_id or any(c in member_id for c in ",|/ "):
-            raise ValueError(f"member_id must be a non-empty string without ',', '|', '/' or spaces, got {member_id!r}")
+    def __init__(self, store: Any, member_id: str, liveness_s: float, job: str = "default",
+                 node: Optional[str] = None, node_size: int = 1) -> None:
+        for what, value in (("member_id", member_id), ("node", node if node is not None else "x")):
+            if not value or any(c in value for c in ",|/ "):
+                raise ValueError(f"{what} must be a non-empty string without ',', '|', '/' or spaces, got {value!r}")
         self.store = store
         self.id = member_id
+        #: failure domains of ``node_size`` members (intra_node modes): a node is in a membership whole
+        #: or not at all; ``node``: this member's (its member id when each member is its own domain)
+        self.node = node if node is not None else member_id
+        self.node_size = int(node_size)
+        self._nodes: Dict[str, str] = {}  # member id -> node (read from the store once)
         self.liveness_s = float(liveness_s)
         self.prefix = f"decentpy/elastic/{job}/"
         self.formation: Optional[Formation] = None
@@ -90,6 +97,7 @@ class Membership:
         self._seen: Dict[str, tuple] = {}  # id -> (beat count, when it last moved)
         self._stop = threading.Event()
         try:
+            self.store.set(f"{self.prefix}node/{member_id}", self.node)
             self._add("beat/" + member_id, 1)
         except Exception as exc:  # noqa: BLE001 - the store's host is not there
             raise RendezvousError(f"member {member_id}: the rendezvous store is unreachable: "
@@ -151,6 +159,29 @@ class Membership:
                 f"member {self.id}: {what}: the rendezvous store is unreachable ({str(exc).splitlines()[0][:200]}); "
                 "it is the one process that must stay up (python -m decentpy.rendezvous)") from exc
 
+    # -- failure domains --------------------------------------------------------------------
+    def node_of(self, member_id: str) -> str:
+        if member_id not in self._nodes:
+            key = f"{self.prefix}node/{member_id}"
+            self._nodes[member_id] = self.store.get(key).decode() if self.store.check([key]) else member_id
+        return self._nodes[member_id]
+
+    def ordered(self, ids: Sequence[str]) -> List[str]:
+        """``ids`` in rank order for a new membership: by node, then by id (a node's members get
+        consecutive ranks), in the natural order of both."""
+        return sorted(ids, key=lambda m: (natural_key(self.node_of(m)), natural_key(m)))
+
+    def whole_nodes(self, ids: Sequence[str]) -> List[str]:
+        """``ids`` (kept in their order) without the members of nodes that do not have all of their
+        ``node_size`` members among them: a node with a dead worker leaves the membership whole, and
+        a joining node is admitted once all its workers asked. Every member when nodes are of one."""
+        if self.node_size <= 1:
+            return list(ids)
+        count: Dict[str, int] = {}
+        for m in ids:
+            count[self.node_of(m)] = count.get(self.node_of(m), 0) + 1
+        return [m for m in ids if count[self.node_of(m)] == self.node_size]
+
     # -- forming epochs ----------------------------------------------------------------------
     def form_initial(self, initial_workers: int, timeout_s: float) -> Formation:
         """Epoch 1: the first ``initial_workers`` members to arrive, in the natural order of their ids."""
@@ -175,7 +206,11 @@ class Membership:
             ids = [self.store.get(f"{self.prefix}epoch1/arrival/{i}").decode() for i in range(1, initial_workers + 1)]
             if len(set(ids)) != len(ids):
                 raise RendezvousError(f"two workers arrived with the same member_id: {sorted(ids)}")
-            self.store.compare_set(self.prefix + "epoch1/members", "", _encode(0, sorted(ids, key=natural_key)))
+            if len(self.whole_nodes(ids)) != len(ids):
+                nodes = sorted({self.node_of(m) for m in ids})
+                raise RendezvousError(f"the first {initial_workers} workers do not make whole nodes of {self.node_size}: "
+                                      f"nodes {nodes} with members {self.ordered(ids)}")
+            self.store.compare_set(self.prefix + "epoch1/members", "", _encode(0, self.ordered(ids)))
         formation = self._await_decision(1, deadline, "the first membership")
         self._adopt(formation)
         return formation
@@ -269,7 +304,8 @@ class Membership:
             members = self.formation.members
             if self._add(f"epoch{self.formation.epoch + 1}/announced", 0) > 0:
                 return True
-            return any(self._has("leave/" + m) for m in members) or bool(self._joiners(members, fresh=True))
+            return (any(self._has("leave/" + m) for m in members)
+                    or bool(self.whole_nodes(self._joiners(members, fresh=True))))
         if self.store_lost is not None:
             raise RendezvousError(f"member {self.id}: the rendezvous store is unreachable ({self.store_lost}); it is "
                                   "the one process that must stay up (python -m decentpy.rendezvous)")
@@ -301,8 +337,10 @@ class Membership:
                 waiting = [m for m in waiting if m not in stale]
             if not waiting or time.monotonic() > deadline:
                 start = max(int(self.store.get(self.prefix + here_key + m).decode().partition("|")[0]) for m in here)
-                members = [m for m in here if not self._has("leave/" + m)] + self._joiners(old)
-                self.store.compare_set(f"{self.prefix}epoch{epoch}/members", "", _encode(start, members))
+                staying = self.whole_nodes([m for m in here if not self._has("leave/" + m)])
+                members = staying + self.whole_nodes(self.ordered(self._joiners(old)))
+                if self.id in members:  # a worker whose node is lost leaves the decision to the others
+                    self.store.compare_set(f"{self.prefix}epoch{epoch}/members", "", _encode(start, members))
                 break
             time.sleep(_SLEEP_S)
         formation = self._await_decision(epoch, deadline + 5.0, "the new membership")

@@ -1,7 +1,7 @@
 """The gossip step of an elastic wrapper: a failed exchange ends the step's communication, not the run.
 
-:class:`ElasticGossipStrategy` is :class:`~decentpy.engine.gossip.GossipStrategy` with one change,
-taken only when a peer fails: the first :class:`~decentpy.comm.PeerTimeoutError` of an iteration
+:class:`ElasticStrategy`, mixed into plain gossip and into the node strategies
+(:data:`ELASTIC_STRATEGIES`), is its parent with one change, taken only when a peer fails: the first :class:`~decentpy.comm.PeerTimeoutError` of an iteration
 (a wait for a bucket's exchange, or the launch of the next one) is kept in :attr:`failure` instead of
 raised, and from there to the end of the iteration every bucket that has not stepped yet takes its
 local optimizer step *without mixing* (its exchange failed or may be half done: nothing received is
@@ -21,51 +21,96 @@ from typing import Any, Optional
 from ..comm import PeerTimeoutError
 from ..engine.bucket import Bucket
 from ..engine.gossip import GossipStrategy
+from ..engine.node import NodeGossip
+from ..engine.node_allreduce import NodeAllReduce
 from ..grad_scaling import UNSCALED
 
-__all__ = ["ElasticGossipStrategy"]
+__all__ = ["ElasticStrategy", "ElasticGossipStrategy", "ElasticNodeAllReduce", "ELASTIC_STRATEGIES"]
 
 logger = logging.getLogger(__name__)
 
 
-class ElasticGossipStrategy(GossipStrategy):
-    """Gossip mix-and-step that degrades to local steps after a peer failure (see the module)."""
+class ElasticStrategy:
+    """The elastic behaviour, mixed into a gossip strategy class (plain gossip, or a node strategy:
+    ``intra_node='allreduce'``, whose failure domain is the node); see the module.
+
+    A failure inside the node's own collectives (the reduction of the gradients) means a worker of
+    this node died or left for the re-formation: this worker's remaining buckets do nothing more
+    in the iteration, and the node's members are made equal again at the re-formation (a node
+    whose worker died is left out whole)."""
 
     #: the iteration's first peer failure (None: none); read by the elastic wrapper before the next forward
     failure: Optional[PeerTimeoutError] = None
     #: the step at which it happened
     failed_at: Optional[int] = None
+    #: the failure came from the node's own collectives (their work in flight is dropped at abandon)
+    node_failed: bool = False
 
     def mix_and_step(self, b: Bucket, local_step: bool, reduction: Optional[Any] = None) -> None:
         if self.failure is None:
             try:
-                self.wait_exchange(b)
+                self.wait_exchange(b)  # type: ignore[attr-defined]
             except PeerTimeoutError as exc:
                 self._failed(exc)
         if self.failure is None:
             try:
-                super().mix_and_step(b, local_step, reduction)  # its wait is done: the mix, step and launch
+                super().mix_and_step(b, local_step, reduction)  # type: ignore[misc]
                 return
-            except PeerTimeoutError as exc:  # the launch of the next exchange (the bucket has stepped)
-                self._failed(exc)
+            except PeerTimeoutError as exc:  # the launch of the next exchange (the bucket has stepped),
+                self._failed(exc)            # or the node's reduction (node_failed: it has not)
                 b.work = None
                 return
-        # Degraded: the local step alone, nothing received is mixed, nothing is launched.
         b.work = None
-        grads = self.grad_args(b, reduction) if local_step else UNSCALED
+        if self.node_failed:
+            return
+        # Degraded: the local step alone, nothing received is mixed, nothing is launched.
+        try:
+            grads = self.grad_args(b, reduction) if local_step else UNSCALED
+        except PeerTimeoutError:
+            return  # node_failed: the node's own collective failed
         b.step(None, 1.0, 0.0, None, grads, local_step)
         b.comm_valid = False
         b.skip_mix = True
-        self.stepped(b)
+        self.stepped(b)  # type: ignore[attr-defined]
+
+    def attach(self, comm: Any, hook_edges: Any = None) -> None:
+        super().attach(comm, hook_edges)  # type: ignore[misc]
+        watch = getattr(comm, "watch", None)
+        if isinstance(self, NodeGossip) and watch is not None:
+            # a node collective whose peer left for a re-formation ends when that peer reports it
+            self.node.watch_peers(watch, self.group)
+
+    def grad_args(self, b: Bucket, reduction: Optional[Any]) -> Any:
+        """The parent's; a failure there is the node's own reduction (a node strategy)."""
+        try:
+            return super().grad_args(b, reduction)  # type: ignore[misc]
+        except PeerTimeoutError:
+            self.node_failed = True
+            raise
 
     def _failed(self, exc: PeerTimeoutError) -> None:
-        self.failure, self.failed_at = exc, self.step
+        self.failure, self.failed_at = exc, self.step  # type: ignore[attr-defined]
         logger.warning("decentpy.elastic: rank %d, step %d: %s; finishing this step locally (no mix) and re-forming "
-                       "the group over the survivors", self.group.to_global(self.rank), self.step, exc)
+                       "the group over the survivors", self.group.to_global(self.rank),  # type: ignore[attr-defined]
+                       self.step, exc)  # type: ignore[attr-defined]
 
     def abandon(self) -> None:
-        """Forget every exchange in flight (the group is being replaced: nobody will complete them)."""
-        for b in self.buckets:
+        """Forget every exchange in flight (the group is being replaced: nobody will complete them),
+        and, where a node collective failed, the node's own work in flight too."""
+        for b in self.buckets:  # type: ignore[attr-defined]
             b.work = None
             b.comm_valid = False
             b.skip_mix = True
+        if self.node_failed:
+            self.drop_node_work()  # type: ignore[attr-defined]
+
+
+class ElasticGossipStrategy(ElasticStrategy, GossipStrategy):
+    """Plain gossip mix-and-step that degrades to local steps after a peer failure."""
+
+
+class ElasticNodeAllReduce(ElasticStrategy, NodeAllReduce):
+    """``intra_node='allreduce'``, elastic (the failure domain is the node)."""
+
+
+ELASTIC_STRATEGIES = {"gossip": ElasticGossipStrategy, "allreduce": ElasticNodeAllReduce}

@@ -26,9 +26,9 @@ from ..comm import PeerTimeoutError, PeerUnreachableError
 from ..ddp import DecentralizedDataParallel
 from ..engine import GOSSIP_STRATEGIES
 from ..engine.layout import OptimFn, SchedulerFn
-from ..topology import Topology, TopologyError, make_topology
+from ..topology import Topology, TopologyError, make_topology, node_topology
 from .membership import EvictedError, Formation, Membership, RendezvousError
-from .strategy import ElasticGossipStrategy
+from .strategy import ELASTIC_STRATEGIES, ElasticStrategy
 
 __all__ = ["ElasticGossip", "MembershipChange"]
 
@@ -52,9 +52,10 @@ class MembershipChange:
 
 
 class _EpochDDP(DecentralizedDataParallel):
-    """The inner wrapper of one epoch: plain gossip whose step degrades to local after a peer failure."""
+    """The inner wrapper of one epoch: gossip (plain, or of nodes) whose step degrades to local after
+    a peer failure."""
 
-    _strategy_classes = {**GOSSIP_STRATEGIES, "gossip": ElasticGossipStrategy}
+    _strategy_classes = {**GOSSIP_STRATEGIES, **ELASTIC_STRATEGIES}
 
 
 class ElasticGossip(nn.Module):
@@ -77,6 +78,11 @@ class ElasticGossip(nn.Module):
         on_membership_change: ``callback(change: MembershipChange)``, called on every worker after
             each membership change, before the next forward (rebuild a ``DistributedSampler`` there).
         job: a name that separates jobs sharing one rendezvous store.
+        node_id: with ``intra_node='allreduce'``, this worker's node (default: the host name): the
+            failure domain. A node is in a membership whole or not at all: when one of
+            its ``local_world_size`` workers dies, the others of that node are left out too (they
+            raise :class:`~decentpy.elastic.EvictedError`), and a replacement node joins once all of
+            its workers asked. Not used with ``intra_node='gossip'`` (each worker is its own domain).
         **ddp_kwargs: further arguments of ``DecentralizedDataParallel`` (``bucket_size_in_mb``,
             ``grad_clip_norm``, ``scaler``, ``local_world_size``, ``nonfinite``, ...).
     """
@@ -87,7 +93,7 @@ class ElasticGossip(nn.Module):
                  peer_liveness_timeout: datetime.timedelta = datetime.timedelta(seconds=10),
                  reform_timeout: Optional[datetime.timedelta] = None,
                  on_membership_change: Optional[Callable[[MembershipChange], None]] = None,
-                 job: str = "default", **ddp_kwargs: Any) -> None:
+                 job: str = "default", node_id: Optional[str] = None, **ddp_kwargs: Any) -> None:
         super().__init__()
         if not isinstance(topology, str):
             raise TypeError(f"ElasticGossip needs a topology name (it is re-made for every membership size), got "
@@ -100,9 +106,13 @@ class ElasticGossip(nn.Module):
         if "process_group" in ddp_kwargs:
             raise ValueError("ElasticGossip does not take process_group=: it owns the default process group (one per "
                              "membership epoch, over every member); sub-group gossip is not elastic yet")
-        if ddp_kwargs.get("intra_node", "gossip") != "gossip":
-            raise ValueError(f"ElasticGossip supports intra_node='gossip' only (got {ddp_kwargs['intra_node']!r}); "
-                             "node-level failure domains with 'allreduce'/'shard' are not elastic yet")
+        intra_node = ddp_kwargs.get("intra_node", "gossip")
+        if intra_node == "shard":
+            raise ValueError("ElasticGossip supports intra_node='gossip' and 'allreduce'; 'shard' is not elastic yet "
+                             "(each worker of a node owns its shard's optimizer state, which a re-formed node would "
+                             "have to regather)")
+        if intra_node not in ELASTIC_STRATEGIES:
+            raise ValueError(f"intra_node must be one of {', '.join(map(repr, ELASTIC_STRATEGIES))}, got {intra_node!r}")
         if ddp_kwargs.get("comm", "torch") not in ("torch", "auto"):
             raise ValueError(f"ElasticGossip runs on gloo through torch.distributed (comm='torch'); comm="
                              f"{ddp_kwargs['comm']!r} (decentpy's NCCL communicator) is not elastic yet")
@@ -126,14 +136,28 @@ class ElasticGossip(nn.Module):
         self._liveness = peer_liveness_timeout
         self._reform_timeout = reform_timeout if reform_timeout is not None else timeout
         self._callback = on_membership_change
-        self._ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if k not in ("comm", "intra_node")}
+        self._ddp_kwargs = {k: v for k, v in ddp_kwargs.items() if k != "comm"}
+        self._intra_node = intra_node
+        # the failure domain: a node of local_world_size workers (intra_node modes), else the worker
+        self._node_size = (int(ddp_kwargs.get("local_world_size") or os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                           if intra_node != "gossip" else 1)
+        if intra_node != "gossip":
+            import socket
+            node_id = node_id if node_id is not None else socket.gethostname()
+            self._ddp_kwargs["local_world_size"] = self._node_size
+        else:
+            node_id = None
         self._graveyard: List[Any] = []  # old epochs' communicators: never torn down while peers may hold them
         self._closed = False
+        self._settled = False  # update() ran since the last forward
         self.history: List[MembershipChange] = []
+        if int(initial_workers) % self._node_size:
+            raise ValueError(f"initial_workers={initial_workers} is not a whole number of nodes of local_world_size="
+                             f"{self._node_size} workers (intra_node={intra_node!r}: the node is the failure domain)")
         # the topology must be defined for the first membership (later sizes fall back to 'ring' where it is not)
-        make_topology(topology, int(initial_workers),
-                      int(ddp_kwargs.get("local_world_size") or os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        self._membership = Membership(store, member_id, peer_liveness_timeout.total_seconds(), job)
+        self._check_topology(topology, int(initial_workers))
+        self._membership = Membership(store, member_id, peer_liveness_timeout.total_seconds(), job, node=node_id,
+                                      node_size=self._node_size)
         t0 = time.monotonic()
         formation = self._membership.form_initial(int(initial_workers), timeout.total_seconds())
         joining = self._membership.joining
@@ -184,15 +208,20 @@ class ElasticGossip(nn.Module):
 
     # -- training ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # after update() this iteration's membership is settled: a change announced since waits for
+        # the next iteration (the caller drew its data for the step and rank update() left)
+        settled, self._settled = self._settled, False
         if self._inner._strategy.failure is not None or (  # type: ignore[attr-defined]
-                self._membership.changed and self._membership.confirm()):
+                not settled and self._membership.changed and self._membership.confirm()):
             self._reform()
         return self._inner(*args, **kwargs)
 
     def update(self) -> Optional[MembershipChange]:
-        """Apply a pending membership change now (the next forward would), e.g. at the top of the
-        training loop, so that :attr:`step_count`, :attr:`rank` and :attr:`world_size` read afterwards
-        are those the iteration runs with. Returns the change, or None."""
+        """Apply a pending membership change now, e.g. at the top of the training loop, so that
+        :attr:`step_count`, :attr:`rank` and :attr:`world_size` read afterwards are those the next
+        forward runs with: a change announced after this call is applied at the next iteration
+        (without update(), the forward applies pending changes itself). Returns the change, or None."""
+        self._settled = True
         if self._inner._strategy.failure is not None or (  # type: ignore[attr-defined]
                 self._membership.changed and self._membership.confirm()):
             self._reform()
@@ -252,13 +281,21 @@ class ElasticGossip(nn.Module):
         dist.init_process_group("gloo", store=prefix, rank=formation.rank_of(self._membership.id),
                                 world_size=len(formation.members), timeout=self._reform_timeout)
 
+    def _check_topology(self, name: str, n: int) -> None:
+        """Raise TopologyError where ``name`` is not defined for ``n`` members (over their nodes in the
+        intra_node modes)."""
+        if self._intra_node != "gossip":
+            node_topology(name, n // self._node_size)
+        else:
+            lws = self._ddp_kwargs.get("local_world_size") or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            make_topology(name, n, int(lws))
+
     def _topology_for(self, n: int) -> str:
         """The topology name for ``n`` members: the user's, or ``ring`` (defined for every ``n``) where
         the user's is not defined (e.g. alternating-exp-ring on a single node); the same choice on
         every member (a function of ``n``)."""
-        lws = self._ddp_kwargs.get("local_world_size") or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         try:
-            make_topology(self._topology_name, n, int(lws))
+            self._check_topology(self._topology_name, n)
             return self._topology_name
         except TopologyError as exc:
             logger.warning("decentpy.elastic: %s; using 'ring' while the membership has %d workers",
@@ -292,7 +329,7 @@ class ElasticGossip(nn.Module):
     def _reform(self) -> None:
         t0 = time.monotonic()
         old_inner = self._inner
-        strategy: ElasticGossipStrategy = old_inner._strategy  # type: ignore[assignment]
+        strategy: ElasticStrategy = old_inner._strategy  # type: ignore[assignment]
         assert self._membership.formation is not None
         old = self._membership.formation
         failure = strategy.failure
@@ -303,13 +340,17 @@ class ElasticGossip(nn.Module):
         strategy.abandon()
         state = old_inner.training_state_dict()
         self._retire(old_inner)
+        # the failed iteration's gradients are not carried over (buckets whose node reduction failed
+        # did not step, and left theirs): the new epoch starts from the parameters, as a new job would
+        for p in self._model.parameters():
+            p.grad = None
         cause = (f"{type(failure).__name__} at step {strategy.failed_at}" if failure is not None
                  else "a membership change announced by a peer")
-        if failure is None:  # nobody failed: end the peers' waits on this worker's abandoned exchanges now
-            from ..comm import peer_monitor
-            monitor = peer_monitor()
-            if monitor is not None:
-                monitor.report(f"member {self._membership.id} is re-forming the group (membership change)")
+        # end the peers' waits on this worker's abandoned exchanges (and on its node collectives) now
+        from ..comm import peer_monitor
+        monitor = peer_monitor()
+        if monitor is not None:
+            monitor.report(f"member {self._membership.id} is re-forming the group (membership change)")
         formation = self._membership.reform(suspected, int(state["step"]), self._reform_timeout.total_seconds())
         formation, self._inner = self._establish(formation, state, old.members, False)
         self._membership.settled()
@@ -334,6 +375,7 @@ class ElasticGossip(nn.Module):
                                                         rank=formation.rank_of(self._membership.id)))
                 if state is not None or joiner:
                     self._transfer(formation, known, inner, joiner)
+                    self._sync_node(formation, inner)
                 set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
                 if set_timeout is not None and self._reform_timeout != self._timeout:
                     set_timeout(self._timeout)
@@ -351,23 +393,44 @@ class ElasticGossip(nn.Module):
 
     def _transfer(self, formation: Formation, old_members: List[str], inner: _EpochDDP, joiner: bool) -> None:
         """Joiners receive their whole training state (parameters, buffers, optimizer and scheduler
-        state, step) point to point from the member ranked just before them (a ring neighbour; for
-        several joiners in turn, so a joiner may pass on what it just received). ``old_members``: the
-        previous epoch's."""
+        state, step) point to point from the member ranked one failure domain before them (the
+        previous rank; in the intra_node modes the same local rank of the previous node, which holds
+        the same shard); several joiners in turn, so a joiner may pass on what it just received.
+        ``old_members``: the previous epoch's."""
         me = formation.rank_of(self._membership.id)
         known = set(old_members)
+        step = self._node_size
         for j, m in enumerate(formation.members):
-            if m in known or j == 0:
+            if m in known or j < step:
                 continue
             if joiner and m == self._membership.id:
                 box: List[Any] = [None]
-                dist.recv_object_list(box, src=j - 1)
+                dist.recv_object_list(box, src=j - step)
                 state = dict(box[0], rank=me, world_size=len(formation.members))
                 inner.load_training_state_dict(state)
                 logger.info("decentpy.elastic: member %s received its state from member %s (rank %d) at step %d",
-                            m, formation.members[j - 1], j - 1, state["step"])
-            elif me == j - 1:
+                            m, formation.members[j - step], j - step, state["step"])
+            elif me == j - step:
                 dist.send_object_list([inner.training_state_dict()], dst=j)
+
+    def _sync_node(self, formation: Formation, inner: _EpochDDP) -> None:
+        """``intra_node='allreduce'``: the node's workers are replicas, but the iteration that failed
+        may have stepped on some of them and not on others (each learns of the failure at its own
+        bucket); every worker of a node takes the training state of the node's first worker, point
+        to point, so the node starts the epoch as one."""
+        size = self._node_size
+        if size <= 1:
+            return
+        me = formation.rank_of(self._membership.id)
+        first = me - me % size
+        if me == first:
+            state = inner.training_state_dict()
+            for k in range(1, size):
+                dist.send_object_list([state], dst=first + k)
+        else:
+            box: List[Any] = [None]
+            dist.recv_object_list(box, src=first)
+            inner.load_training_state_dict(dict(box[0], rank=me, world_size=len(formation.members)))
 
     def leave(self) -> None:
         """Leave the job cleanly at an iteration boundary: the others re-form without this worker at

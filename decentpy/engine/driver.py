@@ -25,6 +25,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import JoinHook
 
 from ..comm import wait_bounded
+from ..comm.failures import PeerWatch
 from .strategy import BucketStrategy, Readiness
 
 __all__ = ["BackwardDriver", "BoundedWait", "DriverJoinHook"]
@@ -39,10 +40,21 @@ class BoundedWait:
     def __init__(self, timeout: datetime.timedelta, device: Optional[torch.device] = None) -> None:
         self.timeout = timeout
         self.stream_ordered = device is not None and device.type == "cuda"
+        self.watch: Optional[PeerWatch] = None
+        self.peers: List[int] = []
+
+    def watched(self, watch: PeerWatch, peers: Sequence[int]) -> None:
+        """Wait through ``watch`` from now on (``peers``: the global ranks the collectives involve):
+        the wait also ends, classified, when any rank of the group reports a failure or a peer stops
+        beating -- at the cost of a thread hand-off per wait (elastic training: a peer that leaves
+        for a re-formation must not hold the others for the whole timeout)."""
+        self.watch, self.peers = watch, list(peers)
 
     def __call__(self, work: Any, what: str) -> None:
         if self.stream_ordered:
             work.wait()
+        elif self.watch is not None:
+            self.watch.wait(work, f"rank {dist.get_rank()}: {what}", self.peers)
         else:
             wait_bounded(work, self.timeout, f"rank {dist.get_rank()}: {what}")
 

@@ -66,6 +66,13 @@ class IntraNode:
             if g == self.node:
                 self.group = sub
 
+    def watch_peers(self, watch: Any, group: CommGroup) -> None:
+        """The node's waits go through ``watch`` (a :class:`~decentpy.comm.failures.PeerWatch`; see
+        :meth:`BoundedWait.watched`), naming the node's other ranks of ``group``."""
+        first = self.node * self.local
+        self.wait.watched(watch, [group.to_global(r) for r in range(first, first + self.local)
+                                  if r != first + self.local_rank])
+
     def close(self) -> None:
         for sub in self._all:
             sub.destroy()
@@ -163,3 +170,7 @@ class NodeGossip(GossipStrategy):
     def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:
         self.node.mean(reduction, b.grad)
         return super().grad_args(b, reduction)
+
+    def drop_node_work(self) -> None:
+        self._deferred = None
+        self.node.end_iteration()
