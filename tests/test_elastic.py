@@ -414,6 +414,71 @@ def test_a_node_is_the_failure_domain(intra_node: str) -> None:
                 f"{intra_node}: {name} on member {m}: off by {(res[m]['final'][name] - w).abs().max():.3g}"
 
 
+def node_join_worker(member: int, port: int) -> Dict[str, Any]:
+    """Nodes n0 (members 0, 1) and n1 (2, 3), intra_node='allreduce'; member 3 is SIGKILLed at step
+    4 (member 2 is evicted with it); once n0 trains alone, a replacement node n2 (members 4, 5,
+    started by the test) joins whole. Everyone records its parameters at every membership change."""
+    from decentpy.elastic import ElasticGossip, EvictedError, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    if member >= 4:  # the replacement node's workers: started after the failure
+        deadline = time.monotonic() + 60
+        while not (store.check(["decentpy/elastic/default/current"])
+                   and int(store.get("decentpy/elastic/default/current")) >= 2):
+            assert time.monotonic() < deadline, "the survivors never re-formed"
+            time.sleep(0.1)
+        if member == 5:
+            time.sleep(1.0)  # the node's second worker asks later: the node is admitted whole, not half
+    model = make_mlp(member + 100)
+    at: Dict[int, Any] = {}
+
+    def on_change(change: Any) -> None:
+        at[change.epoch] = (change.members, _params64(model))
+
+    try:
+        eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology="ring",
+                           store=store, member_id=str(member), node_id=f"n{member // 2}", intra_node="allreduce",
+                           local_world_size=2, initial_workers=4, timeout=datetime.timedelta(seconds=30),
+                           peer_liveness_timeout=datetime.timedelta(seconds=4),
+                           reform_timeout=datetime.timedelta(seconds=10), bucket_size_in_mb=0.0002,
+                           on_membership_change=on_change)
+        while True:
+            eg.update()
+            k = eg.step_count
+            if k >= JOIN_STEPS:
+                break
+            if member == 3 and k == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if k >= 10 and "5" not in eg.members:  # the test's launcher: hold on until the new node is in
+                deadline = time.monotonic() + 60
+                while "5" not in eg.members:
+                    assert time.monotonic() < deadline, "the replacement node was never admitted"
+                    time.sleep(0.05)
+                    eg.update()
+                continue
+            x, y = batch(member, k)
+            loss_fn(eg(x), y).backward()
+    except EvictedError as exc:
+        return {"evicted": str(exc)}
+    _wait_all_done(store, "test/done", 4)
+    return {"evicted": None, "members": eg.members, "step": eg.step_count, "at": at, "final": _params64(model)}
+
+
+def test_a_replacement_node_joins_whole() -> None:
+    res = run_members(node_join_worker, list(range(6)), (), timeout=150, expect_dead=[3])
+    assert res[2]["evicted"] is not None, res[2]
+    for m in (0, 1, 4, 5):
+        assert res[m]["evicted"] is None and res[m]["members"] == ("0", "1", "4", "5") and \
+            res[m]["step"] == JOIN_STEPS, res[m]
+    # n0 alone, then n0 + n2 in one change (the node admitted whole, not a worker at a time)
+    assert [v[0] for _, v in sorted(res[0]["at"].items())] == [("0", "1"), ("0", "1", "4", "5")], res[0]["at"].keys()
+    epoch = max(res[0]["at"])
+    # each joiner starts from the state of the worker with its local rank on the node before it
+    for joiner, donor in ((4, 0), (5, 1)):
+        for name, v in res[donor]["at"][epoch][1].items():
+            assert torch.equal(res[joiner]["at"][epoch][1][name], v), (joiner, name)
+
+
 JOIN_STEPS = 24
 
 
