@@ -535,7 +535,7 @@ def sc_memory(rank: int, world: int) -> Dict[str, Any]:
 def sc_transport(rank: int, world: int) -> Dict[str, Any]:
     """Both wire formats (one buffer: gloo's; header then tensors: NCCL's, run here over gloo) carry
     every dtype, empty and absent tensors, a header longer than HEADER_SLOTS, growing and
-    shrinking messages, in order."""
+    shrinking messages, lazily conjugated and non-contiguous tensors, in order."""
     if world != 2:
         return {}
     from decentpy.pipeline.transport import DTYPES, HEADER_SLOTS, Kind, Link
@@ -554,6 +554,8 @@ def sc_transport(rank: int, world: int) -> Dict[str, Any]:
         (Kind.GRAD, [None, tensor(torch.float64, (500, 7)), torch.empty(0, 5)]),  # grows; absent and empty
         (Kind.DATA, [tensor(torch.int64, (2,) * 7) for _ in range(6)]),           # header > HEADER_SLOTS
         (Kind.NOGRAD, []),
+        # a lazily conjugated complex tensor and a transposed one travel as their values
+        (Kind.DATA, [tensor(torch.complex64, (3, 4)).conj(), tensor(torch.float32, (4, 3)).t()]),
     ]
     out: Dict[str, Any] = {}
     from decentpy.comm import CommGroup
@@ -954,8 +956,8 @@ def test_outputs_kept_across_steps_keep_their_values(world: int) -> None:
 def test_transport_wire_formats() -> None:
     res = scenario(2, "transport")[1]  # the receiving rank
     assert res["long_header"], res
-    assert res["one_buffer"] == [True] * 5 and res["parts"] == [True] * 5, res
-    assert res["directional"] == [True] * 5, res
+    assert res["one_buffer"] == [True] * 6 and res["parts"] == [True] * 6, res
+    assert res["directional"] == [True] * 6, res
     assert res["reuse"] == (True, True, True, True), res
 
 

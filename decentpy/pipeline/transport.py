@@ -151,8 +151,9 @@ def _read_int64(buf: Tensor, count: int) -> List[int]:
 
 
 def _bytes(t: Tensor) -> Tensor:
-    """``t``'s elements as a flat uint8 tensor (a view when contiguous)."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    """``t``'s elements as a flat uint8 tensor (a view when contiguous and not a lazy conjugate or
+    negation, whose values are materialised first)."""
+    return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def _aligned(n: int) -> int:
@@ -266,7 +267,7 @@ class Link:
         for t, at in zip(tensors, offsets):
             if t is not None and t.numel() > 0:
                 nbytes = t.numel() * t.element_size()
-                if t.device.type == "cpu" and t.is_contiguous():
+                if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
                     ctypes.memmove(base + at, t.data_ptr(), nbytes)
                 else:  # straight into the buffer (one copy, also when t is not contiguous)
                     buf[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
