@@ -150,24 +150,32 @@ def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int],
 def _reference(topo: str, members: Sequence[str], start: Dict[str, Dict[str, torch.Tensor]], s0: int,
                steps: int) -> List[Dict[str, torch.Tensor]]:
     """Float64 re-computation over the survivors, from their parameters at re-formation (step
-    ``s0``): at s0 no mix (no exchange in flight in the new group), then the topology over n=3."""
+    ``s0``): plain gossip over them (each its own node, see :func:`_gossip_reference`)."""
     from decentpy.topology import make_topology
 
-    n = len(members)
-    t = make_topology(topo, n, 1)
-    models = [make_mlp(0).double() for _ in range(n)]
+    return _gossip_reference(make_topology(topo, len(members), 1), [[m] for m in members], start, s0, steps)
+
+
+def _gossip_reference(t: Any, nodes: Sequence[Sequence[str]], start: Dict[str, Dict[str, torch.Tensor]], s0: int,
+                      steps: int) -> List[Dict[str, torch.Tensor]]:
+    """Float64 re-computation of gossip between nodes with topology ``t``: each node (its members'
+    ids; a node of one member is a plain worker) starts from its first member's parameters, steps
+    with the mean of its members' gradients (the node's exact reduction) and mixes with ``t``; no
+    mix at ``s0`` (no exchange in flight in the new group)."""
+    models = [make_mlp(0).double() for _ in nodes]
     with torch.no_grad():
-        for m, member in zip(models, members):
+        for m, members in zip(models, nodes):
             for name, p in m.named_parameters():
-                p.copy_(start[member][name])
+                p.copy_(start[members[0]][name])
     for k in range(s0, steps):
         grads = []
-        for m, member in zip(models, members):
+        for m, members in zip(models, nodes):
             m.zero_grad()
-            x, y = batch(int(member), k)
-            loss_fn(m(x.double()), y.double()).backward()
+            for member in members:
+                x, y = batch(int(member), k)
+                (loss_fn(m(x.double()), y.double()) / len(members)).backward()
             grads.append([p.grad.clone() for p in m.parameters()])
-        W = torch.eye(n, dtype=torch.float64) if k == s0 else t.mixing_matrix(k).double()
+        W = torch.eye(len(nodes), dtype=torch.float64) if k == s0 else t.mixing_matrix(k).double()
         with torch.no_grad():
             for tensors in zip(*[list(m.parameters()) for m in models]):
                 mixed = torch.einsum("ij,j...->i...", W, torch.stack([p.clone() for p in tensors]))
@@ -355,38 +363,6 @@ def node_worker(member: int, port: int, intra_node: str, kill: int, at: int) -> 
             "final": _params64(model)}
 
 
-def _node_reference(nodes: Sequence[Sequence[str]], start: Dict[str, Dict[str, torch.Tensor]], s0: int,
-                    steps: int) -> List[Dict[str, torch.Tensor]]:
-    """Float64 re-computation of gossip between node means: each node steps with the mean of its
-    members' gradients (its exact reduction), the ring over the nodes mixes, no mix at ``s0``."""
-    from decentpy.topology import node_topology
-
-    t = node_topology("ring", len(nodes))
-    models = [make_mlp(0).double() for _ in nodes]
-    with torch.no_grad():
-        for m, members in zip(models, nodes):
-            for name, p in m.named_parameters():
-                p.copy_(start[members[0]][name])
-    for k in range(s0, steps):
-        grads = []
-        for m, members in zip(models, nodes):
-            m.zero_grad()
-            for member in members:
-                x, y = batch(int(member), k)
-                (loss_fn(m(x.double()), y.double()) / len(members)).backward()
-            grads.append([p.grad.clone() for p in m.parameters()])
-        W = torch.eye(len(nodes), dtype=torch.float64) if k == s0 else t.mixing_matrix(k).double()
-        with torch.no_grad():
-            for tensors in zip(*[list(m.parameters()) for m in models]):
-                mixed = torch.einsum("ij,j...->i...", W, torch.stack([p.clone() for p in tensors]))
-                for p, z in zip(tensors, mixed):
-                    p.copy_(z)
-            for m, g in zip(models, grads):
-                for p, gp in zip(m.parameters(), g):
-                    p.sub_(LR * gp)
-    return [{name: p.detach().clone() for name, p in m.named_parameters()} for m in models]
-
-
 @pytest.mark.parametrize("intra_node", ["allreduce"])
 def test_a_node_is_the_failure_domain(intra_node: str) -> None:
     """intra_node='allreduce': one worker of node n2 is SIGKILLed; the whole node leaves (its partner
@@ -406,8 +382,10 @@ def test_a_node_is_the_failure_domain(intra_node: str) -> None:
     for a, b in ((0, 1), (2, 3)):  # a node's members hold the same model
         for name, v in res[a]["at_change"]["params"].items():
             assert torch.equal(v, res[b]["at_change"]["params"][name]), name
-    want = _node_reference([["0", "1"], ["2", "3"]], {str(m): res[m]["at_change"]["params"] for m in range(4)},
-                           start, STEPS)
+    from decentpy.topology import node_topology
+
+    want = _gossip_reference(node_topology("ring", 2), [["0", "1"], ["2", "3"]],
+                             {str(m): res[m]["at_change"]["params"] for m in range(4)}, start, STEPS)
     for m in range(4):
         for name, w in want[m // 2].items():
             assert torch.allclose(res[m]["final"][name], w, rtol=1e-5, atol=1e-6), \

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
@@ -179,9 +180,7 @@ class Membership:
         a joining node is admitted once all its workers asked. Every member when nodes are of one."""
         if self.node_size <= 1:
             return list(ids)
-        count: Dict[str, int] = {}
-        for m in ids:
-            count[self.node_of(m)] = count.get(self.node_of(m), 0) + 1
+        count = Counter(self.node_of(m) for m in ids)
         return [m for m in ids if count[self.node_of(m)] == self.node_size]
 
     # -- forming epochs ----------------------------------------------------------------------
@@ -245,6 +244,7 @@ class Membership:
         for i in range(1, self._add("joins", 0) + 1):
             m = self.store.get(f"{self.prefix}join/{i}").decode()
             if m not in old and m not in out and not self._has("leave/" + m) and not self._has("admitted/" + m):
+                self._nodes.pop(m, None)  # a replacement may reuse a former member's id on another node
                 out.append(m)
         if fresh:
             return out

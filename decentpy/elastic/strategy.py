@@ -1,8 +1,9 @@
 """The gossip step of an elastic wrapper: a failed exchange ends the step's communication, not the run.
 
 :class:`ElasticStrategy`, mixed into plain gossip and into the node strategies
-(:data:`ELASTIC_STRATEGIES`), is its parent with one change, taken only when a peer fails: the first :class:`~decentpy.comm.PeerTimeoutError` of an iteration
-(a wait for a bucket's exchange, or the launch of the next one) is kept in :attr:`failure` instead of
+(:data:`ELASTIC_STRATEGIES`), is its parent with one change, taken only when a peer fails: the
+first :class:`~decentpy.comm.PeerTimeoutError` of an iteration (a wait for a bucket's exchange, or
+the launch of the next one) is kept in :attr:`failure` instead of
 raised, and from there to the end of the iteration every bucket that has not stepped yet takes its
 local optimizer step *without mixing* (its exchange failed or may be half done: nothing received is
 used) and launches nothing. Every survivor thus ends the iteration with parameters that are its own

@@ -394,8 +394,8 @@ class ElasticGossip(nn.Module):
     def _transfer(self, formation: Formation, old_members: List[str], inner: _EpochDDP, joiner: bool) -> None:
         """Joiners receive their whole training state (parameters, buffers, optimizer and scheduler
         state, step) point to point from the member ranked one failure domain before them (the
-        previous rank; in the intra_node modes the same local rank of the previous node, which holds
-        the same shard); several joiners in turn, so a joiner may pass on what it just received.
+        previous rank; with nodes, the same local rank of the previous node, a replica); several
+        joiners in turn, so a joiner may pass on what it just received.
         ``old_members``: the previous epoch's."""
         me = formation.rank_of(self._membership.id)
         known = set(old_members)
@@ -404,10 +404,7 @@ class ElasticGossip(nn.Module):
             if m in known or j < step:
                 continue
             if joiner and m == self._membership.id:
-                box: List[Any] = [None]
-                dist.recv_object_list(box, src=j - step)
-                state = dict(box[0], rank=me, world_size=len(formation.members))
-                inner.load_training_state_dict(state)
+                state = self._receive_state(formation, inner, j - step)
                 logger.info("decentpy.elastic: member %s received its state from member %s (rank %d) at step %d",
                             m, formation.members[j - step], j - step, state["step"])
             elif me == j - step:
@@ -428,9 +425,16 @@ class ElasticGossip(nn.Module):
             for k in range(1, size):
                 dist.send_object_list([state], dst=first + k)
         else:
-            box: List[Any] = [None]
-            dist.recv_object_list(box, src=first)
-            inner.load_training_state_dict(dict(box[0], rank=me, world_size=len(formation.members)))
+            self._receive_state(formation, inner, first)
+
+    def _receive_state(self, formation: Formation, inner: _EpochDDP, src: int) -> Dict[str, Any]:
+        """The training state sent by rank ``src``, loaded into ``inner`` as this member's (its own
+        rank and the membership's size); returned."""
+        box: List[Any] = [None]
+        dist.recv_object_list(box, src=src)
+        state = dict(box[0], rank=formation.rank_of(self._membership.id), world_size=len(formation.members))
+        inner.load_training_state_dict(state)
+        return state
 
     def leave(self) -> None:
         """Leave the job cleanly at an iteration boundary: the others re-form without this worker at

@@ -226,8 +226,8 @@ class GossipStrategy(BucketStrategy):
         """Wait for whatever still writes the parameters after a step (before they are used again)."""
 
     def drop_node_work(self) -> None:
-        """Forget the node's own collectives in flight without waiting (a node strategy whose node
-        lost a worker: they will never complete). Plain gossip has none."""
+        """Forget the node's own collectives in flight without waiting (a node strategy after one of
+        them failed: the rest will never complete). Plain gossip has none."""
 
     def wait_all(self) -> None:
         for b in self.buckets:

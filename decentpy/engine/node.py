@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from ..comm import CommGroup, SubGroup
+from ..comm import CommGroup, PeerWatch, SubGroup
 from ..grad_scaling import GradArgs
 from ..topology import Topology, node_topology, shard_topology
 from .bucket import Bucket
@@ -66,7 +66,7 @@ class IntraNode:
             if g == self.node:
                 self.group = sub
 
-    def watch_peers(self, watch: Any, group: CommGroup) -> None:
+    def watch_peers(self, watch: PeerWatch, group: CommGroup) -> None:
         """The node's waits go through ``watch`` (a :class:`~decentpy.comm.failures.PeerWatch`; see
         :meth:`BoundedWait.watched`), naming the node's other ranks of ``group``."""
         first = self.node * self.local

@@ -73,10 +73,6 @@ class NodeShard(NodeGossip):
         else:  # a node of one rank: its shard is the whole block
             b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
 
-    def drop_node_work(self) -> None:
-        super().drop_node_work()
-        self._gathers.clear()
-
     def wait_params(self) -> None:
         for b in self.buckets:
             work = self._gathers.pop(b.index, None)
