@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm import wait_bounded
+from ..comm import or_world, wait_bounded
 
 __all__ = ["Agreement", "NO_FAILURE", "AGREE_TAG"]
 
@@ -49,6 +49,10 @@ class Agreement:
                  timeout: datetime.timedelta) -> None:
         self.group, self.ranks, self.me, self.device = group, list(ranks), me, device
         self.star, self.width, self.timeout = star, width, timeout
+        # the star's messages go straight to the process group (group ranks): ``dist.isend``'s
+        # argument checks cost ~30 us a call, on the step's last hop
+        self._pg = or_world(group)
+        self._table = torch.empty(0)  # this step's table (rank 0: the rows arrive in it)
         self._armed = False
         self._recvs: List[Tuple[Any, Tensor]] = []      # posted receives (rank 0: rows; others: the table)
         self._sends: List[Tuple[Any, Tensor]] = []      # the last step's sends, waited at the next step
@@ -64,13 +68,12 @@ class Agreement:
         for work, _ in self._sends:  # received long ago: the last step's table or rows went through
             wait_bounded(work, self.timeout, self._what(0))
         self._sends = []
-        if self.me == 0:
+        self._table = torch.empty(len(self.ranks), self.width, dtype=torch.int64)
+        if self.me == 0:  # each row straight into its place in the table
             for r in range(1, len(self.ranks)):
-                row = torch.empty(self.width, dtype=torch.int64)
-                self._recvs.append((dist.irecv(row, src=self.ranks[r], group=self.group, tag=AGREE_TAG), row))
+                self._recvs.append((self._pg.recv([self._table[r]], r, AGREE_TAG), self._table[r]))
         elif len(self.ranks) > 1:
-            table = torch.empty(len(self.ranks), self.width, dtype=torch.int64)
-            self._recvs.append((dist.irecv(table, src=self.ranks[0], group=self.group, tag=AGREE_TAG), table))
+            self._recvs.append((self._pg.recv([self._table], 0, AGREE_TAG), self._table))
         self._armed = True
 
     def agree(self, code: int, counts: Sequence[int]) -> Tuple[int, Optional[List[List[int]]]]:
@@ -82,19 +85,18 @@ class Agreement:
         self._armed = False
         mine = torch.tensor([code, *counts], dtype=torch.int64)
         recvs, self._recvs = self._recvs, []
+        table = self._table
         if len(self.ranks) == 1:
             table = mine.unsqueeze(0)
         elif self.me == 0:
-            rows = [mine]
-            for r, (work, row) in enumerate(recvs, start=1):
+            table[0] = mine
+            for r, (work, _) in enumerate(recvs, start=1):
                 wait_bounded(work, self.timeout, self._what(r))
-                rows.append(row)
-            table = torch.stack(rows)
             for r in range(1, len(self.ranks)):
-                self._sends.append((dist.isend(table, dst=self.ranks[r], group=self.group, tag=AGREE_TAG), table))
+                self._sends.append((self._pg.send([table], r, AGREE_TAG), table))
         else:
-            send = dist.isend(mine, dst=self.ranks[0], group=self.group, tag=AGREE_TAG)
-            work, table = recvs[0]
+            send = self._pg.send([mine], 0, AGREE_TAG)
+            work, _ = recvs[0]
             wait_bounded(work, self.timeout, self._what(0))
             wait_bounded(send, self.timeout, self._what(0))  # rank 0 answered: it has our row
         rows = table.tolist()
