@@ -621,6 +621,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 raise ValueError(f"checkpoint was saved with intra_node={saved_intra[0]!r}, local_world_size="
                                  f"{saved_intra[1]}; this run has intra_node={self._intra_node!r}, local_world_size="
                                  f"{self._local_world_size} (each rank's optimizer state is its shard)")
+        if self._intra_node == "shard" and "rank" in state_dict:
+            saved_shard = int(state_dict["rank"]) % self._local_world_size
+            if saved_shard != self._rank % self._local_world_size:
+                raise ValueError(f"checkpoint was saved by rank {state_dict['rank']}, which holds shard {saved_shard} "
+                                 f"of every bucket (intra_node='shard'); this is rank {self._rank}, which holds shard "
+                                 f"{self._rank % self._local_world_size}: load each rank's checkpoint on a rank with "
+                                 "the same local rank")
         r = self._strategy
         r.wait_all()
         saved = state_dict["buckets"]

@@ -363,11 +363,12 @@ def node_worker(member: int, port: int, intra_node: str, kill: int, at: int) -> 
             "final": _params64(model)}
 
 
-@pytest.mark.parametrize("intra_node", ["allreduce"])
+@pytest.mark.parametrize("intra_node", ["allreduce", "shard"])
 def test_a_node_is_the_failure_domain(intra_node: str) -> None:
-    """intra_node='allreduce': one worker of node n2 is SIGKILLed; the whole node leaves (its partner
-    raises EvictedError), nodes n0 and n1 go on as two nodes of two, and their parameters are the
-    float64 re-computation of gossip between the node means from the step they went on from."""
+    """One worker of node n2 is SIGKILLed; the whole node leaves (its partner raises EvictedError),
+    nodes n0 and n1 go on as two nodes of two, and their parameters are the float64 re-computation
+    of gossip between the node means from the step they went on from (with shards too: each shard
+    is gossiped among the ranks holding it, the same arithmetic)."""
     res = run_members(node_worker, list(range(6)), (intra_node, 5, 5), timeout=150, expect_dead=[5])
     assert res[4]["evicted"] is not None and "left out" in res[4]["evicted"], res[4]
     survivors = ["0", "1", "2", "3"]
@@ -392,10 +393,11 @@ def test_a_node_is_the_failure_domain(intra_node: str) -> None:
                 f"{intra_node}: {name} on member {m}: off by {(res[m]['final'][name] - w).abs().max():.3g}"
 
 
-def node_join_worker(member: int, port: int) -> Dict[str, Any]:
-    """Nodes n0 (members 0, 1) and n1 (2, 3), intra_node='allreduce'; member 3 is SIGKILLed at step
-    4 (member 2 is evicted with it); once n0 trains alone, a replacement node n2 (members 4, 5,
-    started by the test) joins whole. Everyone records its parameters at every membership change."""
+def node_join_worker(member: int, port: int, intra_node: str) -> Dict[str, Any]:
+    """Nodes n0 (members 0, 1) and n1 (2, 3); member 3 is SIGKILLed at step 4 (member 2 is evicted
+    with it); once n0 trains alone, a replacement node n2 (members 4, 5, started by the test) joins
+    whole. Everyone records its parameters and optimizer state (SGD with momentum: with shards,
+    each worker's is its shard's) at every membership change."""
     from decentpy.elastic import ElasticGossip, EvictedError, connect
 
     store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
@@ -410,16 +412,26 @@ def node_join_worker(member: int, port: int) -> Dict[str, Any]:
     model = make_mlp(member + 100)
     at: Dict[int, Any] = {}
 
+    held: List[Any] = []  # the wrapper, once built (a joiner's first change comes during its construction)
+
+    def momenta(eg: Any) -> List[List[torch.Tensor]]:
+        return [[t.double().clone() for st in o["state"].values() for t in st.values() if torch.is_tensor(t)]
+                for o in eg.ddp.training_state_dict()["optimizers"]]
+
     def on_change(change: Any) -> None:
-        at[change.epoch] = (change.members, _params64(model))
+        at[change.epoch] = (change.members, _params64(model), momenta(held[0]) if held else None)
 
     try:
-        eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology="ring",
-                           store=store, member_id=str(member), node_id=f"n{member // 2}", intra_node="allreduce",
+        eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR, momentum=0.9),
+                           topology="ring", store=store, member_id=str(member), node_id=f"n{member // 2}",
+                           intra_node=intra_node,
                            local_world_size=2, initial_workers=4, timeout=datetime.timedelta(seconds=30),
                            peer_liveness_timeout=datetime.timedelta(seconds=4),
                            reform_timeout=datetime.timedelta(seconds=10), bucket_size_in_mb=0.0002,
                            on_membership_change=on_change)
+        held.append(eg)
+        if at.get(eg.epoch, (None, None, 1))[2] is None:  # a joiner: its state as received, before its first step
+            at[eg.epoch] = (*at[eg.epoch][:2], momenta(eg))
         while True:
             eg.update()
             k = eg.step_count
@@ -442,8 +454,9 @@ def node_join_worker(member: int, port: int) -> Dict[str, Any]:
     return {"evicted": None, "members": eg.members, "step": eg.step_count, "at": at, "final": _params64(model)}
 
 
-def test_a_replacement_node_joins_whole() -> None:
-    res = run_members(node_join_worker, list(range(6)), (), timeout=150, expect_dead=[3])
+@pytest.mark.parametrize("intra_node", ["allreduce", "shard"])
+def test_a_replacement_node_joins_whole(intra_node: str) -> None:
+    res = run_members(node_join_worker, list(range(6)), (intra_node,), timeout=150, expect_dead=[3])
     assert res[2]["evicted"] is not None, res[2]
     for m in (0, 1, 4, 5):
         assert res[m]["evicted"] is None and res[m]["members"] == ("0", "1", "4", "5") and \
@@ -451,10 +464,18 @@ def test_a_replacement_node_joins_whole() -> None:
     # n0 alone, then n0 + n2 in one change (the node admitted whole, not a worker at a time)
     assert [v[0] for _, v in sorted(res[0]["at"].items())] == [("0", "1"), ("0", "1", "4", "5")], res[0]["at"].keys()
     epoch = max(res[0]["at"])
-    # each joiner starts from the state of the worker with its local rank on the node before it
+    # each joiner starts from the state of the worker with its local rank on the node before it:
+    # parameters, and the optimizer state (with shards, that rank's shard: not its partner's)
     for joiner, donor in ((4, 0), (5, 1)):
         for name, v in res[donor]["at"][epoch][1].items():
             assert torch.equal(res[joiner]["at"][epoch][1][name], v), (joiner, name)
+        mine, theirs = res[joiner]["at"][epoch][2], res[donor]["at"][epoch][2]
+        assert sum(t.numel() for o in theirs for t in o) > 0, "no optimizer state to transfer"
+        assert len(mine) == len(theirs) and all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+                                                for a, b in zip(mine, theirs)), (intra_node, joiner)
+    if intra_node == "shard":  # the two local ranks hold different shards' state
+        assert any(not torch.equal(x, y) for a, b in zip(res[0]["at"][epoch][2], res[1]["at"][epoch][2])
+                   for x, y in zip(a, b)), "the shards' momenta are equal: not sharded?"
 
 
 JOIN_STEPS = 24
@@ -662,7 +683,6 @@ def test_rendezvous_host_gone_is_a_clear_bounded_error(tmp_path: Any) -> None:
     ({"topology": "ring", "intra_node": "nodes"}, ValueError, "intra_node must be one of"),
     ({"topology": "ring", "intra_node": "allreduce", "local_world_size": 3, "node_id": "a"}, ValueError,
      "not a whole number of nodes"),
-    ({"topology": "ring", "intra_node": "shard"}, ValueError, "'shard' is not elastic yet"),
     ({"topology": "ring", "comm": "nccl"}, ValueError, "NCCL communicator"),
     ({"topology": object()}, TypeError, "topology name"),
     ({"topology": "alternating-exp-ring", "local_world_size": 1}, ValueError, "local_world_size"),

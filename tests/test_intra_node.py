@@ -112,6 +112,11 @@ def _checkpoint(rank: int) -> Dict[str, Any]:
     ddp.close()
     model2 = make_mlp(seed=7)
     ddp2 = wrap(model2)
+    try:  # another local rank's checkpoint holds the other shard's optimizer state: refused
+        ddp2.load_training_state_dict(dict(saved, rank=saved["rank"] ^ 1))
+        wrong_shard = None
+    except ValueError as exc:
+        wrong_shard = str(exc)
     ddp2.load_training_state_dict(saved)
     for k in range(3, STEPS):
         x, y = batch(rank, k)
@@ -119,7 +124,7 @@ def _checkpoint(rank: int) -> Dict[str, Any]:
     ddp2.wait()
     resumed = _params(model2)
     ddp2.close()
-    return {"straight": straight, "resumed": resumed}
+    return {"straight": straight, "resumed": resumed, "wrong_shard": wrong_shard}
 
 
 def _torch_ddp(rank: int) -> Dict[str, torch.Tensor]:
@@ -272,6 +277,8 @@ def test_checkpoint_resume(results_4) -> None:
     for r, res in enumerate(results_4):
         a, b = res["checkpoint"]["straight"], res["checkpoint"]["resumed"]
         assert all(torch.equal(a[k], b[k]) for k in a), f"rank {r}: resumed run differs"
+        assert res["checkpoint"]["wrong_shard"] is not None and "holds shard" in res["checkpoint"]["wrong_shard"], \
+            f"rank {r}: a checkpoint of the other local rank was loaded"
 
 
 def test_bad_arguments_are_refused_before_any_collective() -> None:

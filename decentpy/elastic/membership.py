@@ -5,7 +5,7 @@ Every key lives under ``decentpy/elastic/<job>/`` in the rendezvous store (a TCP
 (a string of the user's: host:slot, a pod name, "3"); its rank is its position in the member list
 of the current epoch, which changes when the membership does.
 
-* ``node/<id>``: the member's failure domain (its node with ``intra_node="allreduce"``, else its
+* ``node/<id>``: the member's failure domain (its node with ``intra_node="allreduce"`` or ``"shard"``, else its
   own id); memberships hold whole nodes (:meth:`Membership.whole_nodes`), ranked node by node.
 * ``beat/<id>``: a counter each member adds 1 to every :data:`HEARTBEAT_INTERVAL_S` (a daemon
   thread); a member whose counter stops for the liveness timeout is dead to the others.

@@ -24,16 +24,17 @@ from ..engine.bucket import Bucket
 from ..engine.gossip import GossipStrategy
 from ..engine.node import NodeGossip
 from ..engine.node_allreduce import NodeAllReduce
+from ..engine.node_shard import NodeShard
 from ..grad_scaling import UNSCALED
 
-__all__ = ["ElasticStrategy", "ElasticGossipStrategy", "ElasticNodeAllReduce", "ELASTIC_STRATEGIES"]
+__all__ = ["ElasticStrategy", "ElasticGossipStrategy", "ElasticNodeAllReduce", "ElasticNodeShard", "ELASTIC_STRATEGIES"]
 
 logger = logging.getLogger(__name__)
 
 
 class ElasticStrategy:
     """The elastic behaviour, mixed into a gossip strategy class (plain gossip, or a node strategy:
-    ``intra_node='allreduce'``, whose failure domain is the node); see the module.
+    ``intra_node='allreduce'`` or ``'shard'``, whose failure domain is the node); see the module.
 
     A failure inside the node's own collectives (the reduction of the gradients) means a worker of
     this node died or left for the re-formation: this worker's remaining buckets do nothing more
@@ -60,6 +61,8 @@ class ElasticStrategy:
             except PeerTimeoutError as exc:  # the launch of the next exchange (the bucket has stepped),
                 self._failed(exc)            # or the node's reduction (node_failed: it has not)
                 b.work = None
+                if not self.node_failed:  # stepped: what follows a step still runs (with shards, the
+                    self.stepped(b)       # node's all-gather, which every worker of the node joins)
                 return
         b.work = None
         if self.node_failed:
@@ -72,7 +75,18 @@ class ElasticStrategy:
         b.step(None, 1.0, 0.0, None, grads, local_step)
         b.comm_valid = False
         b.skip_mix = True
-        self.stepped(b)  # type: ignore[attr-defined]
+        self.stepped(b)
+
+    def stepped(self, b: Bucket) -> None:
+        """The parent's (after every step, failed exchange or not); a failure there is the node's
+        own collective (the all-gather of updated shards): a worker of this node died."""
+        try:
+            super().stepped(b)  # type: ignore[misc]
+        except PeerTimeoutError as exc:
+            self.node_failed = True
+            if self.failure is None:
+                self._failed(exc)
+            self.drop_node_work()  # type: ignore[attr-defined]
 
     def attach(self, comm: Any, hook_edges: Any = None) -> None:
         super().attach(comm, hook_edges)  # type: ignore[misc]
@@ -88,6 +102,16 @@ class ElasticStrategy:
         except PeerTimeoutError:
             self.node_failed = True
             raise
+
+    def wait_params(self) -> None:
+        """The parent's; a failure there is the node's own all-gather of updated shards
+        (``intra_node='shard'``): a worker of this node died, the node leaves whole."""
+        try:
+            super().wait_params()  # type: ignore[misc]
+        except PeerTimeoutError as exc:
+            self.node_failed = True
+            self._failed(exc)
+            self.drop_node_work()  # type: ignore[attr-defined]
 
     def _failed(self, exc: PeerTimeoutError) -> None:
         self.failure, self.failed_at = exc, self.step  # type: ignore[attr-defined]
@@ -114,4 +138,11 @@ class ElasticNodeAllReduce(ElasticStrategy, NodeAllReduce):
     """``intra_node='allreduce'``, elastic (the failure domain is the node)."""
 
 
-ELASTIC_STRATEGIES = {"gossip": ElasticGossipStrategy, "allreduce": ElasticNodeAllReduce}
+class ElasticNodeShard(ElasticStrategy, NodeShard):
+    """``intra_node='shard'``, elastic (the failure domain is the node). Each shard of each bucket
+    is gossiped among the ranks holding that shard on the other nodes, so after a peer failure
+    every shard has either completed its mix or stepped locally; the node's all-gather of the
+    updated shards runs either way, so a surviving node's workers still hold one model."""
+
+
+ELASTIC_STRATEGIES = {"gossip": ElasticGossipStrategy, "allreduce": ElasticNodeAllReduce, "shard": ElasticNodeShard}

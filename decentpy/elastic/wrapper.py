@@ -78,8 +78,8 @@ class ElasticGossip(nn.Module):
         on_membership_change: ``callback(change: MembershipChange)``, called on every worker after
             each membership change, before the next forward (rebuild a ``DistributedSampler`` there).
         job: a name that separates jobs sharing one rendezvous store.
-        node_id: with ``intra_node='allreduce'``, this worker's node (default: the host name): the
-            failure domain. A node is in a membership whole or not at all: when one of
+        node_id: with ``intra_node='allreduce'`` or ``'shard'``, this worker's node (default: the host
+            name): the failure domain. A node is in a membership whole or not at all: when one of
             its ``local_world_size`` workers dies, the others of that node are left out too (they
             raise :class:`~decentpy.elastic.EvictedError`), and a replacement node joins once all of
             its workers asked. Not used with ``intra_node='gossip'`` (each worker is its own domain).
@@ -107,10 +107,6 @@ class ElasticGossip(nn.Module):
             raise ValueError("ElasticGossip does not take process_group=: it owns the default process group (one per "
                              "membership epoch, over every member); sub-group gossip is not elastic yet")
         intra_node = ddp_kwargs.get("intra_node", "gossip")
-        if intra_node == "shard":
-            raise ValueError("ElasticGossip supports intra_node='gossip' and 'allreduce'; 'shard' is not elastic yet "
-                             "(each worker of a node owns its shard's optimizer state, which a re-formed node would "
-                             "have to regather)")
         if intra_node not in ELASTIC_STRATEGIES:
             raise ValueError(f"intra_node must be one of {', '.join(map(repr, ELASTIC_STRATEGIES))}, got {intra_node!r}")
         if ddp_kwargs.get("comm", "torch") not in ("torch", "auto"):
@@ -211,10 +207,17 @@ class ElasticGossip(nn.Module):
         # after update() this iteration's membership is settled: a change announced since waits for
         # the next iteration (the caller drew its data for the step and rank update() left)
         settled, self._settled = self._settled, False
-        if self._inner._strategy.failure is not None or (  # type: ignore[attr-defined]
-                not settled and self._membership.changed and self._membership.confirm()):
+        if self._failed() or (not settled and self._membership.changed and self._membership.confirm()):
             self._reform()
         return self._inner(*args, **kwargs)
+
+    def _failed(self) -> bool:
+        """Whether the last iteration met a peer failure. Waits for what the node still gathers of
+        it first (``intra_node='shard'``: a dead partner shows there, and the forward must not run
+        on half-gathered parameters)."""
+        strategy: ElasticStrategy = self._inner._strategy  # type: ignore[assignment]
+        strategy.wait_params()
+        return strategy.failure is not None
 
     def update(self) -> Optional[MembershipChange]:
         """Apply a pending membership change now, e.g. at the top of the training loop, so that
@@ -222,8 +225,7 @@ class ElasticGossip(nn.Module):
         forward runs with: a change announced after this call is applied at the next iteration
         (without update(), the forward applies pending changes itself). Returns the change, or None."""
         self._settled = True
-        if self._inner._strategy.failure is not None or (  # type: ignore[attr-defined]
-                self._membership.changed and self._membership.confirm()):
+        if self._failed() or (self._membership.changed and self._membership.confirm()):
             self._reform()
             return self.history[-1]
         return None
@@ -370,9 +372,8 @@ class ElasticGossip(nn.Module):
             try:
                 self._init_world(formation)
                 inner = self._build(broadcast=state is None and not joiner)
-                if state is not None:
-                    inner.load_training_state_dict(dict(state, step=formation.step, world_size=len(formation.members),
-                                                        rank=formation.rank_of(self._membership.id)))
+                if state is not None:  # (its saved rank stays: with shards, its local rank must not change)
+                    inner.load_training_state_dict(dict(state, step=formation.step, world_size=len(formation.members)))
                 if state is not None or joiner:
                     self._transfer(formation, known, inner, joiner)
                     self._sync_node(formation, inner)
@@ -414,9 +415,11 @@ class ElasticGossip(nn.Module):
         """``intra_node='allreduce'``: the node's workers are replicas, but the iteration that failed
         may have stepped on some of them and not on others (each learns of the failure at its own
         bucket); every worker of a node takes the training state of the node's first worker, point
-        to point, so the node starts the epoch as one."""
+        to point, so the node starts the epoch as one. Not with ``'shard'``: there each worker's
+        optimizer state is its own shard's, and every shard of the failed iteration was gathered
+        by the whole node (stepped, mixed or not), so the node holds one model already."""
         size = self._node_size
-        if size <= 1:
+        if size <= 1 or self._intra_node != "allreduce":
             return
         me = formation.rank_of(self._membership.id)
         first = me - me % size
@@ -432,7 +435,8 @@ class ElasticGossip(nn.Module):
         rank and the membership's size); returned."""
         box: List[Any] = [None]
         dist.recv_object_list(box, src=src)
-        state = dict(box[0], rank=formation.rank_of(self._membership.id), world_size=len(formation.members))
+        # the sender's rank stays in the state: with shards it has this member's local rank (checked at load)
+        state = dict(box[0], world_size=len(formation.members))
         inner.load_training_state_dict(state)
         return state
 

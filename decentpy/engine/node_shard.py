@@ -73,6 +73,12 @@ class NodeShard(NodeGossip):
         else:  # a node of one rank: its shard is the whole block
             b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
 
+    def drop_node_work(self) -> None:
+        """Forget the node's work in flight, the all-gathers of updated shards included (a worker of
+        the node died: the node leaves the membership whole)."""
+        super().drop_node_work()
+        self._gathers = {}
+
     def wait_params(self) -> None:
         for b in self.buckets:
             work = self._gathers.pop(b.index, None)
