@@ -10,7 +10,7 @@ of the current epoch, which changes when the membership does.
 * ``beat/<id>``: a counter each member adds 1 to every :data:`HEARTBEAT_INTERVAL_S` (a daemon
   thread); a member whose counter stops for the liveness timeout is dead to the others.
 * ``changes``: a counter bumped by whoever starts a membership change (a survivor that saw a peer
-  fail); a poller thread per member reads it twice a second and raises :attr:`Membership.changed`,
+  fail); a poller thread per member reads it ten times a second and raises :attr:`Membership.changed`,
   so the per-step cost is one attribute read.
 * ``epoch<e>/here/<id>``: member ``id`` takes part in forming epoch ``e`` (value: its step count).
 * ``epoch<e>/members``: the decision, ``"<step>|<id>,<id>,..."`` (members in rank order, the step
@@ -37,7 +37,7 @@ __all__ = ["Formation", "Membership", "RendezvousError", "EvictedError", "HEARTB
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL_S = 1.0
-POLL_INTERVAL_S = 0.5
+POLL_INTERVAL_S = 0.1  # how soon a member sees a change: the admission of a joiner waits for the last to see it
 _SLEEP_S = 0.05
 
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -49,6 +50,13 @@ class MembershipChange:
     reform_s: float = 0.0     #: from the start of this worker's re-formation to the new group in use
     detect_s: Optional[float] = None  #: how long the failed wait lasted before the failure was classified
     cause: str = ""
+
+
+def _warm_up() -> None:
+    """torch's one-time work at a process's first optimizer (its lazy import of ``torch._dynamo``,
+    ~1 s here), done before this worker asks to join: the members would otherwise wait for it in
+    the new epoch's first collective (measured: it was most of a joiner's ~1.2 s admission pause)."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
 
 class _EpochDDP(DecentralizedDataParallel):
@@ -152,6 +160,7 @@ class ElasticGossip(nn.Module):
                              f"{self._node_size} workers (intra_node={intra_node!r}: the node is the failure domain)")
         # the topology must be defined for the first membership (later sizes fall back to 'ring' where it is not)
         self._check_topology(topology, int(initial_workers))
+        _warm_up()
         self._membership = Membership(store, member_id, peer_liveness_timeout.total_seconds(), job, node=node_id,
                                       node_size=self._node_size)
         t0 = time.monotonic()
