@@ -15,7 +15,6 @@ so ``state_dict()`` still has the usual per-parameter entries.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch

@@ -6,7 +6,6 @@ quantities recomputed from gathered parameters, never against decentpy itself.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Dict, List
 

@@ -23,7 +23,6 @@ import io
 import os
 import re
 import runpy
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 

@@ -12,7 +12,7 @@ Every test here skips without CUDA.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Dict, List
 
 import pytest
 import torch

@@ -20,7 +20,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from dist_harness import single_process_group
 

@@ -4,7 +4,6 @@ schedulers, weight-decay grouping of the optim_fn helpers, and the torch -> fuse
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch

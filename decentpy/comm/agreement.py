@@ -4,7 +4,7 @@ that would hang on it (each helper is one collective over the group, the same an
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
