@@ -71,7 +71,7 @@ $(DEPS_STAMP): | $(PY)
 	  echo "installing torch==$(TORCH_VERSION) into $(VENV)"; \
 	  $(PIP) install $(PIP_Q) "torch==$(TORCH_VERSION)"; \
 	fi
-	$(PIP) install $(PIP_Q) numpy pytest scikit-learn ninja pybind11 setuptools wheel
+	$(PIP) install $(PIP_Q) numpy pytest pytest-timeout scikit-learn ninja pybind11 setuptools wheel
 	$(PIP) install $(PIP_Q) --no-deps "decent-dp==$(DECENT_DP_VERSION)" loguru
 	@touch $@
 
