@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 import time
+from collections import Counter
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 __all__ = ["Formation", "Membership", "RendezvousError", "EvictedError", "HEARTBEAT_INTERVAL_S", "POLL_INTERVAL_S"]

@@ -36,10 +36,10 @@ class ElasticStrategy:
     """The elastic behaviour, mixed into a gossip strategy class (plain gossip, or a node strategy:
     ``intra_node='allreduce'`` or ``'shard'``, whose failure domain is the node); see the module.
 
-    A failure inside the node's own collectives (the reduction of the gradients) means a worker of
-    this node died or left for the re-formation: this worker's remaining buckets do nothing more
-    in the iteration, and the node's members are made equal again at the re-formation (a node
-    whose worker died is left out whole)."""
+    A failure inside the node's own collectives (the reduction of the gradients, the all-gather of
+    updated shards) means a worker of this node died or left for the re-formation: this worker's
+    remaining buckets do nothing more in the iteration, and a node whose worker died is left out
+    whole at the re-formation."""
 
     #: the iteration's first peer failure (None: none); read by the elastic wrapper before the next forward
     failure: Optional[PeerTimeoutError] = None
@@ -83,10 +83,7 @@ class ElasticStrategy:
         try:
             super().stepped(b)  # type: ignore[misc]
         except PeerTimeoutError as exc:
-            self.node_failed = True
-            if self.failure is None:
-                self._failed(exc)
-            self.drop_node_work()  # type: ignore[attr-defined]
+            self._node_failure(exc)
 
     def attach(self, comm: Any, hook_edges: Any = None) -> None:
         super().attach(comm, hook_edges)  # type: ignore[misc]
@@ -109,9 +106,15 @@ class ElasticStrategy:
         try:
             super().wait_params()  # type: ignore[misc]
         except PeerTimeoutError as exc:
-            self.node_failed = True
+            self._node_failure(exc)
+
+    def _node_failure(self, exc: PeerTimeoutError) -> None:
+        """A node collective in flight failed: kept as the iteration's failure (unless an earlier one
+        is), and the node's other work in flight dropped (it will never complete)."""
+        self.node_failed = True
+        if self.failure is None:
             self._failed(exc)
-            self.drop_node_work()  # type: ignore[attr-defined]
+        self.drop_node_work()  # type: ignore[attr-defined]
 
     def _failed(self, exc: PeerTimeoutError) -> None:
         self.failure, self.failed_at = exc, self.step  # type: ignore[attr-defined]
