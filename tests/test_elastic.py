@@ -88,6 +88,25 @@ def _wait_all_done(store: Any, key: str, n: int, timeout_s: float = 30.0) -> Non
         time.sleep(0.05)
 
 
+def _await_reformed(store: Any, timeout_s: float = 60.0) -> None:
+    """A replacement's launcher: start it once the survivors re-formed after the failure (epoch 2)."""
+    deadline = time.monotonic() + timeout_s
+    while not (store.check(["decentpy/elastic/default/current"])
+               and int(store.get("decentpy/elastic/default/current")) >= 2):
+        assert time.monotonic() < deadline, "the survivors never re-formed"
+        time.sleep(0.1)
+
+
+def _hold_until_admitted(eg: Any, member_id: str, timeout_s: float, what: str) -> None:
+    """A member stops training (the test's launcher holding the job) until ``member_id`` is in its
+    membership, applying changes meanwhile."""
+    deadline = time.monotonic() + timeout_s
+    while member_id not in eg.members:
+        assert time.monotonic() < deadline, f"{what} was never admitted"
+        time.sleep(0.05)
+        eg.update()
+
+
 def _die_when_announced(store: Any, key: str) -> None:
     """A watcher thread: SIGKILL this process as soon as ``key`` appears in the store (this worker
     announced itself to a re-formation: it dies in the middle of the membership change)."""
@@ -402,11 +421,7 @@ def node_join_worker(member: int, port: int, intra_node: str) -> Dict[str, Any]:
 
     store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
     if member >= 4:  # the replacement node's workers: started after the failure
-        deadline = time.monotonic() + 60
-        while not (store.check(["decentpy/elastic/default/current"])
-                   and int(store.get("decentpy/elastic/default/current")) >= 2):
-            assert time.monotonic() < deadline, "the survivors never re-formed"
-            time.sleep(0.1)
+        _await_reformed(store)
         if member == 5:
             time.sleep(1.0)  # the node's second worker asks later: the node is admitted whole, not half
     model = make_mlp(member + 100)
@@ -440,11 +455,7 @@ def node_join_worker(member: int, port: int, intra_node: str) -> Dict[str, Any]:
             if member == 3 and k == 4:
                 os.kill(os.getpid(), signal.SIGKILL)
             if k >= 10 and "5" not in eg.members:  # the test's launcher: hold on until the new node is in
-                deadline = time.monotonic() + 60
-                while "5" not in eg.members:
-                    assert time.monotonic() < deadline, "the replacement node was never admitted"
-                    time.sleep(0.05)
-                    eg.update()
+                _hold_until_admitted(eg, "5", 60, "the replacement node")
                 continue
             x, y = batch(member, k)
             loss_fn(eg(x), y).backward()
@@ -489,11 +500,7 @@ def churn_worker(member: int, port: int) -> Dict[str, Any]:
 
     store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
     if member == 4:  # the replacement: started by the launcher after the failure
-        deadline = time.monotonic() + 60
-        while not (store.check(["decentpy/elastic/default/current"])
-                   and int(store.get("decentpy/elastic/default/current")) >= 2):
-            assert time.monotonic() < deadline, "the survivors never re-formed"
-            time.sleep(0.1)
+        _await_reformed(store)
     model = make_mlp(member + 100)  # a joiner's own values must not matter
     at: Dict[int, Any] = {}
     changes: List[Any] = []
@@ -518,11 +525,7 @@ def churn_worker(member: int, port: int) -> Dict[str, Any]:
         if member == 2 and k == 5:
             os.kill(os.getpid(), signal.SIGKILL)
         if k >= 10 and "4" not in eg.members:  # the test's launcher: hold on until the replacement is in
-            deadline = time.monotonic() + 90
-            while "4" not in eg.members:
-                assert time.monotonic() < deadline, "the replacement was never admitted"
-                time.sleep(0.05)
-                eg.update()
+            _hold_until_admitted(eg, "4", 90, "the replacement")
             continue
         if member == 1 and k >= 16:
             eg.leave()
