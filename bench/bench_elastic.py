@@ -40,7 +40,7 @@ from bench.common.launch import add_run_args, bench_parser, quick_timing, spawn_
 from bench.common.machine import report_machine
 from bench.common.models import MODEL_DESC, adamw_fn, make_batches, make_model
 from bench.common.plots import finish_axes, finish_figure, pyplot
-from bench.common.tables import csv_list, percentile, print_table, print_targets, write_csv
+from bench.common.tables import csv_list, percentile, print_table, print_targets, write_outputs
 from decentpy.elastic.membership import HEARTBEAT_INTERVAL_S, POLL_INTERVAL_S
 
 MODES = ("plain", "elastic")
@@ -222,14 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"direct worst {worst['direct_pct']:.3f} % ({worst['topology']}); paired "
                     + ", ".join(f"{r['topology']} {r['overhead_pct']:+.2f} % ({r['overhead_p25_pct']:+.1f} .. "
                                 f"{r['overhead_p75_pct']:+.1f})" for r in rows))])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "bench_elastic.csv", FIELDS, rows)
-    print(f"wrote {out / 'bench_elastic.csv'}")
-    if not args.no_plot:
-        png = plot(out / "bench_elastic.png", rows, machine)
-        if png is not None:
-            print(f"wrote {png}")
+    write_outputs(Path(args.out), "bench_elastic", FIELDS, rows,
+                  None if args.no_plot else (lambda png: plot(png, rows, machine)))
     print(f"total {time.monotonic() - t0:.0f} s")
     return 0
 

@@ -88,7 +88,7 @@ from bench.common.machine import report_machine
 from bench.common.plots import pyplot, save_figure
 from bench.common.references import fairscale_missing
 from bench.common.tables import check_choices, csv_list, print_table, print_targets
-from bench.common.tables import write_csv as write_rows_csv
+from bench.common.tables import write_outputs
 
 log = logging.getLogger("bench_fairscale_parity")
 
@@ -742,14 +742,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("\nloss = rank 0's loss on the epoch's last batch (what oss.py logs); step ms = median wall time of "
           "optimizer.step(closure) (AMP: closure + scaler.step + update), per step the max over ranks (side note: "
           "a shared 2-core machine)")
-    out_dir = Path(args.out)
-    csv_path = out_dir / "bench_fairscale_parity.csv"
-    write_rows_csv(csv_path, CSV_FIELDS, (dict(r, **extra) for r in csv_rows))
-    print(f"\nwrote {csv_path}")
-    if not args.no_plot:
-        png = plot(out_dir / "bench_fairscale_parity.png", results, modes, requested, machine, plan_base)
-        if png is not None:
-            print(f"wrote {png}")
+    print()
+    write_outputs(Path(args.out), "bench_fairscale_parity", CSV_FIELDS, (dict(r, **extra) for r in csv_rows),
+                  None if args.no_plot else (lambda png: plot(png, results, modes, requested, machine, plan_base)))
     print(f"total {time.perf_counter() - t_start:.0f} s")
     return 0
 

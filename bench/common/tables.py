@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 __all__ = ["cell", "check_choices", "csv_list", "fmt", "mib", "percentile", "print_table", "print_targets",
-           "write_csv"]
+           "write_csv", "write_outputs"]
 
 
 def fmt(x: Optional[float], spec: str, suffix: str = "") -> str:
@@ -63,6 +63,20 @@ def write_csv(path: Path, fields: Sequence[str], rows: Iterable[Dict[str, Any]])
         wr = csv.DictWriter(fh, fieldnames=list(fields))
         wr.writeheader()
         wr.writerows(rows)
+
+
+def write_outputs(out_dir: Path, name: str, fields: Sequence[str], rows: Iterable[Dict[str, Any]],
+                  plot: Optional[Callable[[Path], Optional[Path]]] = None) -> None:
+    """A benchmark's files: ``<name>.csv`` in ``out_dir`` (:func:`write_csv`) and, where ``plot`` is
+    given, ``<name>.png`` drawn by ``plot(path)`` (which returns None without matplotlib); each
+    file written is printed."""
+    csv_path = Path(out_dir) / f"{name}.csv"
+    write_csv(csv_path, fields, rows)
+    print(f"wrote {csv_path}")
+    if plot is not None:
+        png = plot(Path(out_dir) / f"{name}.png")
+        if png is not None:
+            print(f"wrote {png}")
 
 
 def print_targets(targets: Sequence[Sequence[Any]]) -> None:
