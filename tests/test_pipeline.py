@@ -601,7 +601,71 @@ def sc_transport(rank: int, world: int) -> Dict[str, Any]:
                         bool((second == 1.0).all()), bool((third == 2.0).all()))
     link.finish()
     dist.barrier()
+    # receives posted ahead: after a step's first message, several at once at its capacity; a later
+    # message larger than that comes SPLIT into them, a step's first message larger than it GROWs
+    # the one receive posted before it; each step ends with nothing posted
+    steps = [[(64, 64), (64, 64), (130, 64), (3, 5), (64, 64)], [(200, 64), (10, 10), (300, 64)]]
+    link = Link(1 - rank, 1 - rank, rank, dist.group.WORLD, torch.device("cpu"), True,
+                datetime.timedelta(seconds=TIMEOUT_S))
+    got: List[bool] = []
+    for k, shapes in enumerate(steps):
+        sent = [tensor(torch.float32, shape) for shape in shapes]
+        if rank == 0:
+            for j, t in enumerate(sent):
+                link.send(Kind.DATA, j, len(sent), [t], [False])
+        else:
+            link.prepost(len(sent))  # before the step's first message: only one is posted
+            got.append(link.consumed == 1)
+            for j, t in enumerate(sent):
+                msg = link.recv(f"message {j} of step {k}")
+                got.append(msg.mb == j and torch.equal(msg.tensors[0], t))
+                link.prepost(len(sent) - 1 - j)  # every later message's receive, posted now
+                got.append(link.consumed == len(sent))
+        link.finish()
+        dist.barrier()
+    out["posted_ahead"] = got
     return out
+
+
+class Widen(nn.Module):
+    """Repeats its input's columns more the fewer rows it has: a later (smaller) micro-batch sends
+    a larger message than the first one (with receives posted ahead at the first one's size)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.repeat(1, max(1, 18 // x.shape[0] ** 2))
+
+
+class RowMean(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mean(dim=1, keepdim=True)
+
+
+def sc_growing_messages(rank: int, world: int) -> Dict[str, Any]:
+    """GPipe whose later micro-batches' activations outgrow the first one's (rows 3, 3, 2, 2 widened
+    2, 2, 4, 4 times): the loss and every stage's gradients equal the unpipelined model's."""
+    if world != 2:
+        return {}
+
+    def model() -> nn.Sequential:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(6, 4), Widen(), RowMean(), nn.Linear(1, 3)).double()
+
+    x, y = data()
+    ref = model()
+    ref_loss = mse(ref(x), y)
+    ref_loss.backward()
+    pipe = make_pipe(model(), [2, 2], chunks=4, checkpoint="never")
+    errors = []
+    for _ in range(2):  # the second step starts at the grown capacity
+        for p in pipe.partition.parameters():
+            p.grad = None
+        loss = pipe.train_step(x if pipe.stage == 0 else None, y if pipe.final_stage else None, mse)
+        if loss is not None:
+            errors.append(abs(float(loss) - float(ref_loss)))
+        want = list((ref[:2] if pipe.stage == 0 else ref[2:]).parameters())
+        for p, w in zip(pipe.partition.parameters(), want, strict=True):
+            errors.append(float((p.grad - w.grad).abs().max()))
+    return {"errors": errors}
 
 
 def sc_structure(rank: int, world: int) -> Dict[str, Any]:
@@ -837,7 +901,7 @@ SCENARIOS: Dict[str, Callable[[int, int], Any]] = {
     "calls": sc_calls, "batchnorm": sc_batchnorm, "failures": sc_failures, "container": sc_container,
     "idle_rank": sc_idle_rank, "hybrid": sc_hybrid, "bad_input": sc_bad_input,
     "structure": sc_structure, "inplace_output": sc_inplace_output, "grad_of_grad": sc_grad_of_grad,
-    "mixed_modes": sc_mixed_modes, "reused_buffers": sc_reused_buffers,
+    "mixed_modes": sc_mixed_modes, "reused_buffers": sc_reused_buffers, "growing_messages": sc_growing_messages,
 }
 
 
@@ -959,6 +1023,12 @@ def test_transport_wire_formats() -> None:
     assert res["one_buffer"] == [True] * 6 and res["parts"] == [True] * 6, res
     assert res["directional"] == [True] * 6, res
     assert res["reuse"] == (True, True, True, True), res
+    assert res["posted_ahead"] == [True] * (1 + 2 * 5 + 1 + 2 * 3), res
+
+
+def test_messages_larger_than_the_first_of_a_step() -> None:
+    for stage, res in enumerate(scenario(2, "growing_messages")):
+        assert len(res["errors"]) >= 4 and max(res["errors"]) < TOL[torch.float64], (stage, res)
 
 
 def test_close_releases_the_pipe() -> None:

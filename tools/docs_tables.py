@@ -69,7 +69,7 @@ TABLES: Dict[str, str] = {
     "bench_pipe": "`make bench-pipe` (bench/bench_pipe.py): 8 x (Linear(512) + ReLU), batch 256, MSE, gradients "
                   "only, one gloo worker per stage (1 thread each), medians of 40 steps in interleaved rounds, each "
                   "step after a barrier; every row's first step checked against one process (rel. error <= 2e-7). "
-                  "AMD EPYC, 2 cores, quiet machine, 2026-11-25 (after the two-connection links).",
+                  "AMD EPYC, 2 cores, quiet machine, 2026-11-25 (GPipe posting every forward's receive at once).",
     "bench_fairscale_parity": "`make bench-fairscale-parity` (bench/bench_fairscale_parity.py): fairscale's "
                               "benchmarks/oss.py on CPU, ResNet-18 on digits upscaled to 32x32, 2 gloo workers, "
                               "batch 64 per rank, RMSprop(lr=1e-4, momentum=0.9), 4 epochs of 14 steps; rank 0's "

@@ -614,7 +614,7 @@ class AsyncPipe(nn.Module):
             if j > 0:
                 x, _, waits = self._receive_input(j, count)
             if j + 1 < count:
-                self._prev.prepost()  # the next micro-batch's receive, before this one's compute
+                self._prev.prepost(count - 1 - j)  # every later micro-batch's receive, before this one's compute
             self._forward_one(step, j, x, grad, waits)
         return step
 
@@ -711,10 +711,11 @@ class AsyncPipe(nn.Module):
                       grad: bool) -> Optional[Tensor]:
         """One mini-batch with the ``name`` schedule.
 
-        Receives posted ahead: right after an action's receive, before its compute, the receive of
-        the next message on that link is posted (the next forward's activations; the next
-        backward's gradients, once that micro-batch's forward has run here), so it moves while this
-        action computes. With one connection per link, posting ahead while the two directions
+        Receives posted ahead: right after an action's receive, before its compute, the receives of
+        the next messages on that link are posted (the later forwards' activations, up to the
+        schedule's depth; the next backward's gradients, once that micro-batch's forward has run
+        here), so they move while this action computes, and gloo's receiving thread does not spin
+        on a message that arrived before its receive (see :mod:`~decentpy.pipeline.transport`). With one connection per link, posting ahead while the two directions
         alternate (1F1B's steady state) cost more than it gained: gloo guards each connection with
         one lock, which its receiving thread holds while it reads a message, and a message arriving
         while this stage sent the other way on that connection made the send wait for that thread
@@ -734,13 +735,16 @@ class AsyncPipe(nn.Module):
         targets: Optional[List[Any]] = None
         weights: List[float] = []
         actions: List[Action] = SCHEDULES[name](count, self.num_stages, self.stage)
-        # per action: whether a forward comes later, and the micro-batch of the next backward
-        later_forward = [False] * len(actions)
+        # per action: the forwards that come later, and the micro-batch of the next backward
+        later_forwards = [0] * len(actions)
         next_backward: List[Optional[int]] = [None] * len(actions)
         for i in range(len(actions) - 2, -1, -1):
             nb = actions[i + 1]
-            later_forward[i] = nb.forward or later_forward[i + 1]
+            later_forwards[i] = later_forwards[i + 1] + int(nb.forward)
             next_backward[i] = nb.mb if not nb.forward else next_backward[i + 1]
+        # receives of later forwards posted at once: every one in GPipe (its activations all stay
+        # until the backward anyway), as many as 1F1B keeps in flight on this stage otherwise
+        depth = count if name == "gpipe" else max(1, min(count, self.num_stages - self.stage))
         for i, a in enumerate(actions):
             if a.forward:
                 waits = False
@@ -750,8 +754,8 @@ class AsyncPipe(nn.Module):
                     inp, waits = first
                 else:
                     inp, _, waits = self._receive_input(a.mb, count)
-                if self._prev is not None and later_forward[i]:
-                    self._prev.prepost()  # see the docstring
+                if self._prev is not None and later_forwards[i]:
+                    self._prev.prepost(min(later_forwards[i], depth))  # see the docstring
                 out = self._forward_one(step, a.mb, inp, grad, waits)
                 if grad and self._grad_will_come(step, next_backward[i]):
                     self._next.prepost()  # the gradients of the next backward, while this stage moves on

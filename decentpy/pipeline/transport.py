@@ -13,11 +13,17 @@ bounded by the pipe's timeout. Two wire formats, chosen by the backend:
   message shorter than the receive buffer, so the receiver posts a buffer of the link's
   *capacity*: the largest message sent on it so far, which both sides know without talking. A
   message larger than that is announced by a header-only ``GROW`` message first. Since a receive
-  needs no size, the pipe **posts it ahead** (:meth:`Link.prepost`, one per link) as soon as it
-  knows that the message will come in this step, before computing the current micro-batch: gloo
-  moves a message only once its receive is posted, so a receive posted late costs a round trip
-  (and, with more processes than cores, a scheduling delay) on the pipeline's critical path.
-  Send buffers are pooled by size and reused from step to step.
+  needs no size, the pipe **posts it ahead** (:meth:`Link.prepost`) as soon as it knows that the
+  message will come in this step, before computing the current micro-batch: gloo moves a message
+  only once its receive is posted, and until then the receiving process's gloo thread spins on
+  the waiting message (measured: about 1 ms of CPU per message left 5 ms without a receive, taken
+  from the stages' compute when the processes outnumber the cores). So after a step's first
+  message on a link, several receives may be posted at once (a GPipe stage posts every forward's
+  at once); they all have the capacity that the first message settled, and a later message larger
+  than that (a micro-batch whose output grew) travels ``SPLIT``: a header-only message with its
+  size, then parts of at most the capacity, joined on arrival. Before the first message at most
+  one receive is posted, so that ``GROW`` can enlarge it. Send buffers are pooled by size and
+  reused from step to step.
 * **header, then tensors** (NCCL, whose send and receive sizes must match): a fixed-size header
   (:data:`HEADER_SLOTS`, a continuation when longer), read back to the host to size the receive
   buffers, then one message per tensor. Nothing is posted ahead: NCCL runs a pair's sends and
@@ -72,6 +78,7 @@ class Kind(enum.IntEnum):
     ERROR = 4
     GROW = 5  # one-buffer wire only: the next message is larger than the link's capacity (mb field: its size)
     FILL = 6  # after a failed step: completes a receive the peer posted ahead
+    SPLIT = 7  # one-buffer wire only: the next message (mb field: its size) comes in parts of the capacity
 
 
 @dataclass
@@ -203,7 +210,7 @@ class Link:
     # one-buffer wire: the largest message each direction has carried (the same on both sides)
     send_capacity: int = 8 * HEADER_SLOTS
     recv_capacity: int = 8 * HEADER_SLOTS
-    _posted: Optional[Tuple[Any, Tensor]] = None   # a receive posted ahead (one-buffer wire)
+    _posted: List[Tuple[Any, Tensor]] = field(default_factory=list)  # receives posted ahead, in order (one-buffer wire)
     _pool: Dict[int, List[Tensor]] = field(default_factory=dict)  # free send buffers by size
     _lent: List[Tensor] = field(default_factory=list)  # send buffers of this step (back to the pool at finish)
     _received: List[Tensor] = field(default_factory=list)  # receive buffers, reused once nothing views them
@@ -213,8 +220,8 @@ class Link:
 
     @property
     def consumed(self) -> int:
-        """Messages this side's receives take this step: those received and one posted ahead."""
-        return self.received + (1 if self._posted is not None else 0)
+        """Messages this side's receives take this step: those received and those posted ahead."""
+        return self.received + len(self._posted)
 
     # -- sending -----------------------------------------------------------------------------
     def _isend(self, t: Tensor) -> None:
@@ -258,7 +265,8 @@ class Link:
     def _send_one_buffer(self, values: List[int], tensors: Sequence[Optional[Tensor]]) -> None:
         specs = [None if t is None else (t.dtype, t.shape) for t in tensors]
         offsets, total = _layout(len(values), specs)
-        if total > self.send_capacity:
+        split = total > self.send_capacity and self.sent > 0  # the peer's receives may be posted at the capacity
+        if total > self.send_capacity and not split:  # the step's first message: one receive is posted, enlarge it
             self._isend(self._header([int(Kind.GROW), total, 0, 0, _FIXED, 0]).view(torch.uint8))
             self.send_capacity = total
         buf = self._buffer(total)
@@ -271,7 +279,12 @@ class Link:
                     ctypes.memmove(base + at, t.data_ptr(), nbytes)
                 else:  # straight into the buffer (one copy, also when t is not contiguous)
                     buf[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
-        self._isend(buf)
+        if not split:
+            self._isend(buf)
+            return
+        self._isend(self._header([int(Kind.SPLIT), total, 0, 0, _FIXED, 0]).view(torch.uint8))
+        for start in range(0, total, self.send_capacity):
+            self._isend(buf[start:start + self.send_capacity])
 
     def send_error(self, origin_stage: int, text: str) -> None:
         """Tell the neighbour this step failed (on ``origin_stage``); it stops waiting for us."""
@@ -279,17 +292,20 @@ class Link:
         self.send(Kind.ERROR, origin_stage, 0, [payload])
 
     # -- receiving ---------------------------------------------------------------------------
-    def prepost(self) -> None:
-        """Post the receive of the next message now (one-buffer wire; a no-op when one is posted
-        already, or on the NCCL wire). Only for a message that will come in this step (or, if the
-        step fails, one that :meth:`settle` fills)."""
-        if self.one_buffer:
+    def prepost(self, ahead: int = 1) -> None:
+        """Have the receives of the next ``ahead`` messages posted now (one-buffer wire; a no-op on
+        the NCCL wire). Only for messages that will come in this step (or, if the step fails, that
+        :meth:`settle` fills). Before the step's first message only one (see the module's docstring)."""
+        if not self.one_buffer:
+            return
+        if self.received == 0:
+            ahead = min(ahead, 1)
+        while len(self._posted) < ahead:
             self._post()
 
     def _post(self) -> None:
-        if self._posted is None:
-            buf = self._recv_buffer()
-            self._posted = (self._irecv(buf), buf)
+        buf = self._recv_buffer()
+        self._posted.append((self._irecv(buf), buf))
 
     def _recv_buffer(self) -> Tensor:
         """A receive buffer of the link's capacity: one of earlier messages that no tensor views any
@@ -297,7 +313,7 @@ class Link:
         write that took longer than the copy itself (measured: 0.6 ms against 0.07 ms for 512 KiB),
         on every message of every step; torch's pre-shaped stages reuse their buffers the same way."""
         for k, buf in enumerate(self._received):
-            if buf.numel() == self.recv_capacity and _unviewed(buf):
+            if buf.numel() == self.recv_capacity and _unviewed(buf) and not any(buf is b for _, b in self._posted):
                 del self._received[k]
                 break
         else:
@@ -323,14 +339,30 @@ class Link:
         self.received += 1
         return msg
 
+    def _next_buffer(self, what: str) -> Tensor:
+        """The next message's buffer, from the first receive posted (posting one if none is)."""
+        if not self._posted:
+            self._post()
+        work, buf = self._posted.pop(0)
+        self._wait(work, what)
+        return buf
+
+    def _join(self, total: int, what: str) -> Tensor:
+        """A ``SPLIT`` message of ``total`` bytes: its parts (each of the capacity, the last one
+        shorter) copied into one buffer."""
+        whole = torch.empty(total, dtype=torch.uint8, device=self.device)
+        for start in range(0, total, self.recv_capacity):
+            n = min(self.recv_capacity, total - start)
+            whole[start:start + n].copy_(self._next_buffer(what)[:n])
+        return whole
+
     def _recv_one_buffer(self, what: str) -> Message:
         while True:
-            self._post()
-            assert self._posted is not None
-            work, buf = self._posted
-            self._posted = None
-            self._wait(work, what)
+            buf = self._next_buffer(what)
             values = _read_int64(buf, HEADER_SLOTS)
+            if values[0] == Kind.SPLIT:
+                buf = self._join(values[1], what)
+                values = _read_int64(buf, HEADER_SLOTS)
             if values[0] != Kind.GROW:
                 break
             self.recv_capacity = values[1]
@@ -384,7 +416,7 @@ class Link:
         """After a failed step, second half: receive (and drop) what the peer sent (``peer_sent``:
         its count, fills included) that this side did not read, the receive posted ahead first, so
         that the next step starts in step. Returns how many."""
-        left = max(peer_sent - self.received, 1 if self._posted is not None else 0)
+        left = max(peer_sent - self.received, len(self._posted))
         for _ in range(left):
             self.recv("an unread message of the failed step")
         return left
@@ -392,7 +424,7 @@ class Link:
     def finish(self) -> None:
         """The end of a step: every send has been (or, after :meth:`settle`, is being) received;
         wait for them and give their buffers back to the pool."""
-        if self._posted is not None:
+        if self._posted:
             raise RuntimeError(f"stage {self.stage}: a receive from stage {self.peer_stage} was posted ahead for a "
                                "message that never came (an AsyncPipe bug)")
         for work, _ in self._inflight:
