@@ -312,8 +312,9 @@ class Link:
         more, or a new one. A fresh buffer of a few hundred KiB costs page faults on its first
         write that took longer than the copy itself (measured: 0.6 ms against 0.07 ms for 512 KiB),
         on every message of every step; torch's pre-shaped stages reuse their buffers the same way."""
+        posted = {b.data_ptr() for _, b in self._posted}  # waiting for a message: not free, though unviewed
         for k, buf in enumerate(self._received):
-            if buf.numel() == self.recv_capacity and _unviewed(buf) and not any(buf is b for _, b in self._posted):
+            if buf.numel() == self.recv_capacity and buf.data_ptr() not in posted and _unviewed(buf):
                 del self._received[k]
                 break
         else:
