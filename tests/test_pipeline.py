@@ -82,14 +82,18 @@ class Join(nn.Module):
 
 
 class Boom(nn.Module):
-    """Raises in forward (``when="forward"``) or in backward (``"backward"``) while ``armed``."""
+    """Raises in forward (``when="forward"``) or in backward (``"backward"``) while ``armed``
+    (in forward after letting ``skip`` calls through: a later micro-batch fails)."""
 
-    def __init__(self, when: str) -> None:
+    def __init__(self, when: str, skip: int = 0) -> None:
         super().__init__()
-        self.when, self.armed = when, False
+        self.when, self.armed, self.skip = when, False, skip
 
     def forward(self, x: Tensor) -> Tensor:
         if self.armed and self.when == "forward":
+            if self.skip > 0:
+                self.skip -= 1
+                return x
             raise ValueError("boom in forward")
         return _RaiseInBackward.apply(x) if self.armed else x
 
@@ -368,16 +372,19 @@ def sc_failures(rank: int, world: int) -> Dict[str, Any]:
     """An exception in a stage reaches every rank as an exception naming the stage, in time."""
     out: Dict[str, Any] = {}
     last = world - 1
-    cases = [("last_forward_eval", last, "forward", "eval"), ("last_forward_train", last, "forward", "train"),
-             ("first_forward_train", 0, "forward", "train"), ("last_backward_train", last, "backward", "train"),
-             ("first_backward_train", 0, "backward", "train")]
+    cases = [("last_forward_eval", last, "forward", "eval", 0), ("last_forward_train", last, "forward", "train", 0),
+             ("first_forward_train", 0, "forward", "train", 0), ("last_backward_train", last, "backward", "train", 0),
+             ("first_backward_train", 0, "backward", "train", 0),
+             # the second micro-batch fails after the first went through: several receives are
+             # posted ahead on both sides of the stage, and the neighbours fill them
+             ("second_microbatch_forward", 1, "forward", "train", 1)]
     if world > 2:
-        cases.append(("middle_backward_train", 1, "backward", "train"))
-    for name, where, when, mode in cases:
+        cases.append(("middle_backward_train", 1, "backward", "train", 0))
+    for name, where, when, mode, skip in cases:
         for driver in DRIVERS:
             layers: List[nn.Module] = []
             for s in range(world):
-                layers += [nn.Linear(6, 6), Boom(when)]
+                layers += [nn.Linear(6, 6), Boom(when, skip)]
             torch.manual_seed(0)
             pipe = make_pipe(nn.Sequential(*layers).double(), [2] * world, chunks=3)
             if pipe.stage == where:
