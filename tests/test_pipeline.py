@@ -675,6 +675,24 @@ def sc_growing_messages(rank: int, world: int) -> Dict[str, Any]:
     return {"errors": errors}
 
 
+def sc_receive_buffers(rank: int, world: int) -> Dict[str, Any]:
+    """The receive buffers a stage holds: one per micro-batch when training with GPipe (the
+    activations its backward keeps), at most as many as it keeps in flight for a forward-only pass."""
+    if world != 2:
+        return {}
+    torch.manual_seed(0)
+    pipe = make_pipe(nn.Sequential(nn.Linear(6, 32), nn.Linear(32, 3)).double(), [1, 1], chunks=8)
+    x, y = torch.randn(64, 6, dtype=torch.float64), torch.randn(64, 3, dtype=torch.float64)
+    held: Dict[str, int] = {}
+    for mode in ("eval", "train"):
+        pipe.train(mode == "train")
+        for _ in range(3):
+            with torch.set_grad_enabled(mode == "train"):
+                drive(pipe, x, y, "forward" if mode == "eval" else "gpipe")
+        held[mode] = pipe.receive_buffer_bytes
+    return held
+
+
 def sc_structure(rank: int, world: int) -> Dict[str, Any]:
     """1-tuples across stage boundaries and as the model's output: every stage gets what the layer
     before it returned (a tuple stays a tuple), the final stage's output and loss_fn see the
@@ -909,6 +927,7 @@ SCENARIOS: Dict[str, Callable[[int, int], Any]] = {
     "idle_rank": sc_idle_rank, "hybrid": sc_hybrid, "bad_input": sc_bad_input,
     "structure": sc_structure, "inplace_output": sc_inplace_output, "grad_of_grad": sc_grad_of_grad,
     "mixed_modes": sc_mixed_modes, "reused_buffers": sc_reused_buffers, "growing_messages": sc_growing_messages,
+    "receive_buffers": sc_receive_buffers,
 }
 
 
@@ -1031,6 +1050,13 @@ def test_transport_wire_formats() -> None:
     assert res["directional"] == [True] * 6, res
     assert res["reuse"] == (True, True, True, True), res
     assert res["posted_ahead"] == [True] * (1 + 2 * 5 + 1 + 2 * 3), res
+
+
+def test_receive_buffers_held_per_schedule() -> None:
+    res = scenario(2, "receive_buffers")[1]  # the stage that receives activations
+    # 8 micro-batches of 8 x 32 doubles (2 KiB each, plus a header): training holds all 8 buffers,
+    # a forward-only pass at most the 1 it keeps in flight and the one being read
+    assert res["train"] >= 8 * 8 * 32 * 8 and res["eval"] <= res["train"] / 3, res
 
 
 def test_messages_larger_than_the_first_of_a_step() -> None:

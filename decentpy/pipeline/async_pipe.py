@@ -613,8 +613,8 @@ class AsyncPipe(nn.Module):
         for j in range(count):
             if j > 0:
                 x, _, waits = self._receive_input(j, count)
-            if j + 1 < count:
-                self._prev.prepost(count - 1 - j)  # every later micro-batch's receive, before this one's compute
+            if j + 1 < count:  # the later micro-batches' receives, before this one's compute
+                self._prev.prepost(self._forward_depth(count - 1 - j, count, grad, "gpipe"))
             self._forward_one(step, j, x, grad, waits)
         return step
 
@@ -634,6 +634,15 @@ class AsyncPipe(nn.Module):
         """Micro-batch ``mb``'s answer to the previous stage: its input gradients, or NOGRAD."""
         self._send_held_grads(step, mb)
         self._answer_upstream(step, mb)
+
+    def _forward_depth(self, later: int, count: int, grad: bool, schedule: str) -> int:
+        """How many of the ``later`` forwards' receives to have posted now. Training with GPipe:
+        every one (their buffers become the activations the backward keeps anyway); otherwise as
+        many as 1F1B keeps in flight on this stage, so that a forward-only pass or 1F1B does not
+        hold more receive buffers than micro-batches it keeps alive."""
+        if grad and schedule == "gpipe":
+            return later
+        return min(later, max(1, min(count, self.num_stages - self.stage)))
 
     def _expects_grad(self, step: _Step, mb: int) -> bool:
         return any(y.requires_grad for y in as_tuple(step.outputs[mb]))
@@ -742,9 +751,6 @@ class AsyncPipe(nn.Module):
             nb = actions[i + 1]
             later_forwards[i] = later_forwards[i + 1] + int(nb.forward)
             next_backward[i] = nb.mb if not nb.forward else next_backward[i + 1]
-        # receives of later forwards posted at once: every one in GPipe (its activations all stay
-        # until the backward anyway), as many as 1F1B keeps in flight on this stage otherwise
-        depth = count if name == "gpipe" else max(1, min(count, self.num_stages - self.stage))
         for i, a in enumerate(actions):
             if a.forward:
                 waits = False
@@ -755,7 +761,7 @@ class AsyncPipe(nn.Module):
                 else:
                     inp, _, waits = self._receive_input(a.mb, count)
                 if self._prev is not None and later_forwards[i]:
-                    self._prev.prepost(min(later_forwards[i], depth))  # see the docstring
+                    self._prev.prepost(self._forward_depth(later_forwards[i], count, grad, name))  # see the docstring
                 out = self._forward_one(step, a.mb, inp, grad, waits)
                 if grad and self._grad_will_come(step, next_backward[i]):
                     self._next.prepost()  # the gradients of the next backward, while this stage moves on
@@ -811,6 +817,14 @@ class AsyncPipe(nn.Module):
     # -- ending a step ---------------------------------------------------------------------------------
     def _links(self) -> List[Link]:
         return [link for link in (self._prev, self._next) if link is not None]
+
+    @property
+    def receive_buffer_bytes(self) -> int:
+        """Bytes of the message buffers this stage holds for its neighbours' messages (gloo; they
+        are reused from step to step): a training GPipe step holds one per micro-batch (they become
+        the activations its backward keeps), a forward-only pass or 1F1B only as many as it keeps
+        in flight."""
+        return sum(link.receive_buffer_bytes for link in self._links())
 
     def _fail(self, exc: BaseException) -> None:
         """This step failed here (or a neighbour said so): tell the neighbours that may wait for a

@@ -219,6 +219,12 @@ class Link:
     before_wait: Optional[Callable[[], None]] = None
 
     @property
+    def receive_buffer_bytes(self) -> int:
+        """Bytes of the receive buffers this side holds (posted, viewed by received tensors, or free
+        for the next messages): the link's memory beside the tensors it delivered."""
+        return sum(b.numel() * b.element_size() for b in self._received)
+
+    @property
     def consumed(self) -> int:
         """Messages this side's receives take this step: those received and those posted ahead."""
         return self.received + len(self._posted)
