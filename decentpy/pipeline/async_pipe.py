@@ -57,7 +57,7 @@ from .batchnorm import DeferredBatchNorm
 from .checkpoint import checkpointing, recomputing
 from .layers import build_stage, check_balance, check_no_shared_layers, layer_list
 from .microbatch import TensorOrTensors, as_tuple, batch_size, check, gather, scatter
-from .schedule import SCHEDULES, Action
+from .schedule import SCHEDULES, Action, max_alive, one_f_one_b
 from .transport import Kind, Link
 
 __all__ = ["AsyncPipe", "PipelineError", "CHECKPOINT_MODES"]
@@ -610,11 +610,14 @@ class AsyncPipe(nn.Module):
             return step
         x, count, waits = self._receive_input(0, None)
         step = _Step(count)
+        # receives posted at once: training keeps every micro-batch alive here (GPipe), and the
+        # buffers become those activations; a forward-only pass keeps none
+        depth = count if grad else self._forward_only_depth(count)
         for j in range(count):
             if j > 0:
                 x, _, waits = self._receive_input(j, count)
             if j + 1 < count:  # the later micro-batches' receives, before this one's compute
-                self._prev.prepost(self._forward_depth(count - 1 - j, count, grad, "gpipe"))
+                self._prev.prepost(min(count - 1 - j, depth))
             self._forward_one(step, j, x, grad, waits)
         return step
 
@@ -635,14 +638,10 @@ class AsyncPipe(nn.Module):
         self._send_held_grads(step, mb)
         self._answer_upstream(step, mb)
 
-    def _forward_depth(self, later: int, count: int, grad: bool, schedule: str) -> int:
-        """How many of the ``later`` forwards' receives to have posted now. Training with GPipe:
-        every one (their buffers become the activations the backward keeps anyway); otherwise as
-        many as 1F1B keeps in flight on this stage, so that a forward-only pass or 1F1B does not
-        hold more receive buffers than micro-batches it keeps alive."""
-        if grad and schedule == "gpipe":
-            return later
-        return min(later, max(1, min(count, self.num_stages - self.stage)))
+    def _forward_only_depth(self, count: int) -> int:
+        """How many forwards' receives a forward-only pass posts at once (it keeps no activations,
+        so no more receive buffers than 1F1B keeps micro-batches alive on this stage)."""
+        return max_alive(one_f_one_b(count, self.num_stages, self.stage))
 
     def _expects_grad(self, step: _Step, mb: int) -> bool:
         return any(y.requires_grad for y in as_tuple(step.outputs[mb]))
@@ -721,17 +720,17 @@ class AsyncPipe(nn.Module):
         """One mini-batch with the ``name`` schedule.
 
         Receives posted ahead: right after an action's receive, before its compute, the receives of
-        the next messages on that link are posted (the later forwards' activations, up to the
-        schedule's depth; the next backward's gradients, once that micro-batch's forward has run
-        here), so they move while this action computes, and gloo's receiving thread does not spin
-        on a message that arrived before its receive (see :mod:`~decentpy.pipeline.transport`). With one connection per link, posting ahead while the two directions
-        alternate (1F1B's steady state) cost more than it gained: gloo guards each connection with
-        one lock, which its receiving thread holds while it reads a message, and a message arriving
-        while this stage sent the other way on that connection made the send wait for that thread
-        (with more threads than cores, for a core: single sends of several milliseconds, 1F1B
-        20-30% slower). On gloo each direction now has its own connection
-        (:meth:`_direction_groups`), so every phase posts ahead; on NCCL nothing is posted ahead
-        (see :mod:`~decentpy.pipeline.transport`)."""
+        the next messages on that link are posted (the later forwards' activations, as many as the
+        schedule keeps alive; the next backward's gradients, once that micro-batch's forward has
+        run here), so they move while this action computes, and gloo's receiving thread does not
+        spin on a message that arrived before its receive (see :mod:`~decentpy.pipeline.transport`).
+        With one connection per link, posting ahead while the two directions alternate (1F1B's
+        steady state) cost more than it gained: gloo guards each connection with one lock, which
+        its receiving thread holds while it reads a message, and a message arriving while this
+        stage sent the other way on that connection made the send wait for that thread (with more
+        threads than cores, for a core: single sends of several milliseconds, 1F1B 20-30% slower).
+        On gloo each direction now has its own connection (:meth:`_direction_groups`), so every
+        phase posts ahead; on NCCL nothing is posted ahead (see :mod:`~decentpy.pipeline.transport`)."""
         first: Optional[Tuple[TensorOrTensors, bool]] = None
         if self.stage == 0:
             mbs: Optional[List[TensorOrTensors]] = self._first_inputs(x)
@@ -744,6 +743,9 @@ class AsyncPipe(nn.Module):
         targets: Optional[List[Any]] = None
         weights: List[float] = []
         actions: List[Action] = SCHEDULES[name](count, self.num_stages, self.stage)
+        # receives of later forwards posted at once: as many micro-batches as the schedule keeps
+        # alive here in training (the buffers become those activations: every one in GPipe)
+        depth = max_alive(actions) if grad else self._forward_only_depth(count)
         # per action: the forwards that come later, and the micro-batch of the next backward
         later_forwards = [0] * len(actions)
         next_backward: List[Optional[int]] = [None] * len(actions)
@@ -761,7 +763,7 @@ class AsyncPipe(nn.Module):
                 else:
                     inp, _, waits = self._receive_input(a.mb, count)
                 if self._prev is not None and later_forwards[i]:
-                    self._prev.prepost(self._forward_depth(later_forwards[i], count, grad, name))  # see the docstring
+                    self._prev.prepost(min(later_forwards[i], depth))  # see the docstring
                 out = self._forward_one(step, a.mb, inp, grad, waits)
                 if grad and self._grad_will_come(step, next_backward[i]):
                     self._next.prepost()  # the gradients of the next backward, while this stage moves on

@@ -271,8 +271,9 @@ class Link:
     def _send_one_buffer(self, values: List[int], tensors: Sequence[Optional[Tensor]]) -> None:
         specs = [None if t is None else (t.dtype, t.shape) for t in tensors]
         offsets, total = _layout(len(values), specs)
-        split = total > self.send_capacity and self.sent > 0  # the peer's receives may be posted at the capacity
-        if total > self.send_capacity and not split:  # the step's first message: one receive is posted, enlarge it
+        larger = total > self.send_capacity
+        split = larger and self.sent > 0  # the peer's receives may be posted at the capacity: parts of it
+        if larger and not split:  # the step's first message: one receive is posted, enlarge it
             self._isend(self._header([int(Kind.GROW), total, 0, 0, _FIXED, 0]).view(torch.uint8))
             self.send_capacity = total
         buf = self._buffer(total)
