@@ -15,7 +15,9 @@ Targets: >= 85% of the copy bandwidth, >= 2x torch's sequence.
 
 Timing: CUDA events around each run on the current stream, warmup, median of --runs (>= 20).
 
-    python bench/bench_kernels_cuda.py [--sizes-mib 25 256] [--dtypes fp32 bf16] [--runs 30]
+    python -m bench.bench_kernels_cuda [--sizes-mib 25 256] [--dtypes fp32 bf16] [--runs 30] [--out-dir bench/out]
+
+Writes bench_kernels_cuda.csv and .png (fraction of the copy bandwidth, speedup over torch) to --out-dir.
 
 Exits 0 with "no CUDA device, skipping" when there is no GPU.
 """
@@ -23,8 +25,12 @@ Exits 0 with "no CUDA device, skipping" when there is no GPU.
 import argparse
 import statistics
 import sys
+from pathlib import Path
 
 import torch
+
+from bench.common.plots import finish_axes, finish_figure, pyplot
+from bench.common.tables import write_outputs
 
 COPY_TARGET = 0.85
 SPEEDUP_TARGET = 2.0
@@ -184,6 +190,7 @@ def main():
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--kernels", nargs="+", default=list(CASES) + ["scale_copy"])
+    ap.add_argument("--out-dir", type=Path, default=Path("bench/out"))
     args = ap.parse_args()
     args.runs = max(args.runs, 20)
 
@@ -238,7 +245,35 @@ def main():
           f"mix_and_step rows): {'met' if ok_sp else 'NOT met'}")
     print("(scale_copy's 'vs fused' column is torch.mul(src, a, out=dst), a single pass too)")
     print("(AccumAdamW rows compare with AdamW's torch sequence, which has no accumulator)")
+    device = torch.cuda.get_device_name(0)
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    csv_rows = [{"device": device, "torch": torch.__version__, "kernel": r["kernel"], "dtype": names[r["dtype"]],
+                 "MiB": r["MiB"], "ms": r["ms"], "GBs": r["GBs"], "copy_GBs": r["copyGBs"], "frac_copy": r["pct"],
+                 "speedup_vs_fused": r["fused"], "speedup_vs_foreach": r["foreach"]} for r in rows]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    write_outputs(args.out_dir, "bench_kernels_cuda", list(csv_rows[0]), csv_rows,
+                  plot=lambda path: plot(csv_rows, device, path))
     return 0
+
+
+def plot(rows, device, path):
+    """Two panels: fraction of the copy bandwidth, and speedup over torch's fused sequence."""
+    plt = pyplot("pip install matplotlib")
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    labels = [f"{r['kernel'].replace('mix_and_step ', '')}\n{r['dtype']} {r['MiB']}MiB" for r in rows]
+    xs = range(len(rows))
+    axes[0].bar(xs, [100 * r["frac_copy"] for r in rows], label="fused kernel")
+    axes[0].axhline(100 * COPY_TARGET, color="red", linestyle="--", label="target")
+    axes[1].bar(xs, [r["speedup_vs_fused"] or 0 for r in rows], label="vs torch fused")
+    axes[1].axhline(SPEEDUP_TARGET, color="red", linestyle="--", label="target")
+    for ax in axes:
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, rotation=90, fontsize=6)
+    finish_axes(axes[0], "% of device copy bandwidth", "achieved bandwidth", grid_axis="y")
+    finish_axes(axes[1], "speedup (x)", "over torch's mix + step + send", grid_axis="y")
+    return finish_figure(fig, f"decentpy CUDA kernels on {device}, torch {torch.__version__}", path)
 
 
 if __name__ == "__main__":

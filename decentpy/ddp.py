@@ -292,6 +292,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         """Bytes this rank's exchanges have put on the wire so far (payload only)."""
         return int(getattr(self._comm, "bytes_sent", 0))
 
+    @property
+    def communicator(self) -> Any:
+        """The communicator the exchanges go through (:class:`~decentpy.comm.TorchCommunicator` or
+        :class:`~decentpy.comm.NcclCommunicator`); its ``selection_reason`` says why it was chosen."""
+        return self._comm
+
     def _check_dense_gradients(self) -> None:
         for name, mod in self._model.named_modules():
             if getattr(mod, "sparse", False) is True and any(p.requires_grad for p in mod.parameters(False)):

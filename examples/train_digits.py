@@ -123,7 +123,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --checkpoint-dir")
     p.add_argument("--backend", default=None,
-                   help="process-group backend (default: nccl when GPUs are visible, else gloo)")
+                   help="process-group backend (default: nccl with one GPU per worker, else gloo)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the model trains (auto: cuda when a GPU is visible; workers may share one GPU, "
+                        "over gloo)")
     p.add_argument("--save", default=None, metavar="DIR",
                    help="write each rank's training state (DIR/<topology>/train_state_rank<r>.pt, resumable with "
                         "load_training_state_dict) and the averaged model (DIR/<topology>/model.pt), then check that "
@@ -173,9 +176,9 @@ def make_optim_fn(name: str, lr: float, accum_iter: int) -> Callable[[List[Tuple
     return functools.partial(fn, lr=lr)
 
 
-def all_sum(values: List[float]) -> List[float]:
-    """Sum a few floats over all ranks."""
-    t = torch.tensor(values, dtype=torch.float64)
+def all_sum(values: List[float], device: torch.device) -> List[float]:
+    """Sum a few floats over all ranks (on ``device``: NCCL reduces GPU tensors only)."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
 
@@ -184,10 +187,32 @@ def all_sum(values: List[float]) -> List[float]:
 def evaluate(ddp: DDP, x: Tensor, y: Tensor, batch_size: int = 512) -> float:
     """Accuracy of the wrapped model on (x, y); in eval mode, so no step or exchange happens."""
     ddp.eval()
+    device = next(ddp.parameters()).device
     correct = 0
     for i in range(0, len(x), batch_size):
-        correct += int((ddp(x[i : i + batch_size]).argmax(1) == y[i : i + batch_size]).sum())
+        out = ddp(x[i : i + batch_size].to(device)).cpu()
+        correct += int((out.argmax(1) == y[i : i + batch_size]).sum())
     return correct / len(x)
+
+
+def choose_device(args: argparse.Namespace) -> Tuple[torch.device, Optional[str]]:
+    """The device the model trains on, and the backend to ask for (None: initialize_dist's choice).
+
+    With a GPU per worker, NCCL (initialize_dist puts each local rank on its own GPU). With fewer GPUs
+    than workers on the node, the workers share them over gloo (decentpy stages gloo's point-to-point
+    messages through host memory)."""
+    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if not want_cuda:
+        return torch.device("cpu"), args.backend or "gloo"
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count()
+    backend = args.backend or ("nccl" if gpus >= local_world else "gloo")
+    index = local_rank if gpus >= local_world else local_rank % gpus
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index), backend
 
 
 def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult:
@@ -196,7 +221,7 @@ def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
 
     torch.manual_seed(args.seed)  # identical initial model on every rank (and in every run)
-    model = SmallCNN()
+    model = SmallCNN().to(args.device_)
 
     shard = shard_indices(len(data.x_train), rank, world, args.seed)
     steps_per_epoch = (len(shard) + args.batch_size - 1) // args.batch_size
@@ -254,7 +279,7 @@ def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult
             loss_sum = correct = count = 0.0
         for i in range(first_offset, len(order), args.batch_size):
             idx = order[i : i + args.batch_size]
-            x, y = data.x_train[idx], data.y_train[idx]
+            x, y = data.x_train[idx].to(args.device_), data.y_train[idx].to(args.device_)
             out = ddp(x)
             loss = F.cross_entropy(out, y)
             loss.backward()  # the optimizer steps and the exchange is launched inside backward
@@ -272,7 +297,7 @@ def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult
             if rank == 0:
                 log.info("[%s] preempted: checkpoint of step %d written; run again with --resume", topology, step)
             break
-        loss_sum, correct, count = all_sum([loss_sum, correct, count])
+        loss_sum, correct, count = all_sum([loss_sum, correct, count], args.device_)
         cons = ddp.consensus_distance()  # collective: every rank calls it
         if rank == 0:
             log.info(
@@ -328,7 +353,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     """Parse options, set up the process group, train (and optionally compare), shut down."""
     args = parse_args(argv)
     torch.set_num_threads(1)  # several workers share few cores
-    rank, _ = initialize_dist(backend=args.backend)  # torchrun's environment; nccl on GPUs, else gloo
+    args.device_, backend = choose_device(args)
+    rank, _ = initialize_dist(backend=backend)  # torchrun's environment
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,
         format="%(asctime)s %(message)s",
@@ -336,8 +362,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     try:
         if rank == 0:
-            log.info("decentpy %s, torch %s, world size %d, backend %s", decentpy.__version__,
-                     torch.__version__, dist.get_world_size(), dist.get_backend())  # fmt: skip
+            log.info("decentpy %s, torch %s, world size %d, backend %s, device %s", decentpy.__version__,
+                     torch.__version__, dist.get_world_size(), dist.get_backend(), args.device_)  # fmt: skip
         data = load_data(args.seed)
         results = [train_once(args, data, args.topology)]
         if args.compare and args.compare.lower() != "none":

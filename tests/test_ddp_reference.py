@@ -34,21 +34,24 @@ def _combos_4() -> List[Tuple[str, str]]:
 
 
 def train_all(rank: int, world: int, combos: List[Tuple[str, str]],
-              local: int = LOCAL_WORLD_SIZE) -> Dict[str, Dict[str, torch.Tensor]]:
+              local: int = LOCAL_WORLD_SIZE, device: str = "cpu") -> Dict[str, Dict[str, torch.Tensor]]:
+    """Every (topology, optimizer) of ``combos`` for STEPS iterations; the final parameters (float64,
+    on the CPU). ``device='cuda'``: the model and batches on this process's GPU (several processes may
+    share one; the messages cross gloo through host copies)."""
     from decentpy import DecentralizedDataParallel
 
     out = {}
     for ci, (topo, opt) in enumerate(combos):
-        model = make_mlp(seed=0 if rank == 0 else 100 + rank)  # rank 0's values are broadcast
+        model = make_mlp(seed=0 if rank == 0 else 100 + rank).to(device)  # rank 0's values are broadcast
         # Alternate one bucket and one bucket per tensor (several exchanges in flight).
         cap = 25 if ci % 2 == 0 else 0.0002
         ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology=topo,
                                         local_world_size=local, bucket_size_in_mb=cap)
         for k in range(STEPS):
-            x, y = batch(rank, k)
+            x, y = (t.to(device) for t in batch(rank, k))
             loss_fn(ddp(x), y).backward()
         ddp.consensus_distance()  # completes the in-flight exchanges before the next run
-        out[f"{topo}/{opt}"] = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        out[f"{topo}/{opt}"] = {n: p.detach().double().cpu().clone() for n, p in model.named_parameters()}
     return out
 
 
@@ -68,7 +71,8 @@ def results_any_n(request: pytest.FixtureRequest) -> Tuple[int, int, List[Dict[s
     return n, local, run_workers(train_all, n, COMBOS_ANY_N[(n, local)], local, timeout=400)
 
 
-def _reference(n: int, topo: str, opt: str, local: int = LOCAL_WORLD_SIZE) -> List[Dict[str, torch.Tensor]]:
+def reference_params(n: int, topo: str, opt: str, local: int = LOCAL_WORLD_SIZE) -> List[Dict[str, torch.Tensor]]:
+    """Every worker's final float64 parameters by ``reference.simulate`` for the topology's matrices."""
     from decentpy.topology import make_topology
 
     t = make_topology(topo, n, local)
@@ -78,20 +82,20 @@ def _reference(n: int, topo: str, opt: str, local: int = LOCAL_WORLD_SIZE) -> Li
 @pytest.mark.parametrize("topo,opt", _combos_4())
 def test_matches_reference_4_workers(results_4, topo: str, opt: str) -> None:
     got = [r[f"{topo}/{opt}"] for r in results_4]
-    assert_close_params(got, _reference(4, topo, opt), rtol=2e-5, atol=2e-5, what=f"{topo}/{opt} n=4")
+    assert_close_params(got, reference_params(4, topo, opt), rtol=2e-5, atol=2e-5, what=f"{topo}/{opt} n=4")
 
 
 @pytest.mark.parametrize("topo,opt", COMBOS_8)
 def test_matches_reference_8_workers(results_8, topo: str, opt: str) -> None:
     got = [r[f"{topo}/{opt}"] for r in results_8]
-    assert_close_params(got, _reference(8, topo, opt), rtol=2e-5, atol=2e-5, what=f"{topo}/{opt} n=8")
+    assert_close_params(got, reference_params(8, topo, opt), rtol=2e-5, atol=2e-5, what=f"{topo}/{opt} n=8")
 
 
 def test_matches_reference_any_world_size(results_any_n) -> None:
     n, local, results = results_any_n
     for topo, opt in COMBOS_ANY_N[(n, local)]:
         got = [r[f"{topo}/{opt}"] for r in results]
-        assert_close_params(got, _reference(n, topo, opt, local), rtol=2e-5, atol=2e-5,
+        assert_close_params(got, reference_params(n, topo, opt, local), rtol=2e-5, atol=2e-5,
                             what=f"{topo}/{opt} n={n} L={local}")
 
 

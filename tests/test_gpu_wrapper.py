@@ -1,8 +1,9 @@
 """The wrapper on a GPU, in a world of one process: what only a CUDA device can show.
 
-- The in-backward step does not synchronise with the host: with a GradScaler or clipping, the
-  kernels read each bucket's gradient norm on the device; the one read-back is at the end of the
-  iteration (the per-bucket skip decisions). Counted with torch's CUDA sync debug mode.
+- The in-backward step does not synchronise with the host per bucket: with the non-finite check
+  (the default), a GradScaler or clipping, the kernels read each bucket's gradient norm on the
+  device; the one read-back is at the end of the iteration (the per-bucket skip decisions); with
+  ``nonfinite='ignore'`` there is none. Counted with torch's CUDA sync debug mode.
 - A CPU model under the NCCL backend is refused with a message saying what to do.
 
 Every test here skips without CUDA.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cuda_sync import syncs_in
+from tools.cuda_sync import syncs_in
 from dist_harness import single_process_group
 from reference import batch, loss_fn, make_mlp
 
@@ -22,15 +23,18 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @needs_cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["plain", "scaler", "clip"])
+@pytest.mark.parametrize("mode", ["plain", "unchecked", "scaler", "clip"])
 def test_backward_reads_back_at_most_once_per_iteration(mode: str) -> None:
+    """The non-finite check (nonfinite='skip', the default), a GradScaler and clipping share one
+    read-back per iteration (the per-bucket skip verdicts); nonfinite='ignore' alone reads back nothing."""
     from decentpy import DecentralizedDataParallel
     from decentpy.optim import optim_fn_adamw
 
     with single_process_group("gloo"):
         scaler = torch.amp.GradScaler("cuda") if mode == "scaler" else None
         ddp = DecentralizedDataParallel(make_mlp(0).cuda(), optim_fn_adamw, topology="complete", scaler=scaler,
-                                        grad_clip_norm=1.0 if mode == "clip" else 0.0, bucket_size_in_mb=0.0005)
+                                        grad_clip_norm=1.0 if mode == "clip" else 0.0, bucket_size_in_mb=0.0005,
+                                        nonfinite="ignore" if mode == "unchecked" else "skip")
         assert len(ddp.buckets) > 1
         counts = []
         for k in range(3):
@@ -40,7 +44,7 @@ def test_backward_reads_back_at_most_once_per_iteration(mode: str) -> None:
             counts.append(syncs_in(loss.backward))
         ddp.close()
     # iteration 0 also fixes the bucket layout; from then on: no sync, or the one read-back
-    assert counts[1:] == ([0, 0] if mode == "plain" else [1, 1]), counts
+    assert counts[1:] == ([0, 0] if mode == "unchecked" else [1, 1]), counts
 
 
 @needs_cuda
@@ -70,7 +74,7 @@ def test_intra_node_path_on_gpu_matches_cpu_without_host_sync(intra_node: str) -
         for device in ("cpu", "cuda"):
             model = make_mlp(0).to(device)
             ddp = DecentralizedDataParallel(model, optim_fn_adamw, topology="complete", local_world_size=1,
-                                            intra_node=intra_node, bucket_size_in_mb=0.0005)
+                                            intra_node=intra_node, bucket_size_in_mb=0.0005, nonfinite="ignore")
             counts = []
             for k in range(3):
                 x, y = (t.to(device) for t in batch(0, k))

@@ -10,14 +10,15 @@
 // - skip_update launches the None kernel: mix and send only, state untouched, grad unread. With a
 //   gradient norm in device memory (GradScaler / clipping) each thread derives the factor and the
 //   found-inf skip from it (grad_factor) and takes the None path when skipping: no host sync.
-// - zero_grad: grad is zeroed right after it is read (same pass, 16-byte vector store of zeros on
-//   the vector path, scalar store on head/tail). A launch-uniform run-time flag (no divergence, no
+// - zero_grad: grad is zeroed in the same pass, after the update (a vector store of zeros on the
+//   vector path, scalar store on head/tail; storing right after the load stalls the state loads). A launch-uniform run-time flag (no divergence, no
 //   extra specialisations). The None / skip_update kernel stores the zeros without reading grad;
 //   with nothing else to do (no comm, no send) it is a cudaMemsetAsync of grad.
 // - fp32 math; fused multiply-adds, IEEE round-to-nearest sqrt and division (also under fast math).
-// - 16-byte vector loads/stores (4 x fp32, 8 x bf16/fp16) on the aligned middle of the buffers, a
-//   scalar path for the unaligned head, the tail, and everything when the buffers are not
-//   co-aligned; grid-stride loops over a grid that fills the chip once.
+// - Vectors of 4 elements (16-byte accesses for fp32, 8-byte for bf16/fp16, so that the fp32 state
+//   of a 2-byte bucket is read by each warp as one contiguous span) on the aligned middle of the
+//   buffers, a scalar path for the unaligned head, the tail, and everything when the buffers are
+//   not co-aligned; grid-stride loops over a grid that fills the chip once.
 // - Groups: with one group there is no lookup at all. Otherwise each vector binary-searches the
 //   (sorted) device segment table, with a per-thread cache of the last segment; a vector whose
 //   elements lie in different segments is processed element by element.
@@ -40,7 +41,9 @@ namespace cuda {
 namespace {
 
 using detail::kThreads;
-using detail::kVec;
+
+// Elements per vector, every storage type (see detail::load4).
+constexpr int kStepVec = 4;
 
 // Kernel argument (passed by value, __grid_constant__: lives in the constant bank, no copy).
 struct KArgs {
@@ -64,12 +67,6 @@ struct KArgs {
   int32_t num_groups;
   StepConstants hyp[kMaxGroups];  // derive_step of each group
 };
-
-// 16 bytes of zeros (+0 in every storage type) at a 16-byte aligned ptr.
-template <typename T>
-__device__ __forceinline__ void store16_zero(T* ptr) {
-  *reinterpret_cast<uint4*>(ptr) = make_uint4(0u, 0u, 0u, 0u);
-}
 
 // Per-thread cache of the last segment found: [begin, end) -> group.
 struct SegCache {
@@ -117,12 +114,12 @@ __device__ __forceinline__ void process_one(const KArgs& a, float gs, int64_t i,
     const StepConstants& h = a.hyp[grp];
     T* __restrict__ grad = static_cast<T*>(a.grad);
     const float g = detail::to_f32<T>(grad[i]);
-    if (a.zero_grad) grad[i] = detail::from_f32<T>(0.f);
     float m = 0.f, v = 0.f, acc = 0.f;
     if constexpr (kUsesS0<K, VAR>) m = a.s0[i];
     if constexpr (kUsesS1<K>) v = a.s1[i];
     if constexpr (kUsesS2<K>) acc = a.s2[i];
     update<K, ScalarMath>(h, h.flags, gs, p, g, m, v, acc);
+    if (a.zero_grad) grad[i] = detail::from_f32<T>(0.f);  // after the update: see the vector path
     if constexpr (K == OptKind::SGD && VAR) a.s0[i] = m;
     if constexpr (kWritesS01<K, VAR>) { a.s0[i] = m; a.s1[i] = v; }
     if constexpr (kUsesS2<K>) a.s2[i] = acc;
@@ -139,7 +136,7 @@ __device__ __forceinline__ void process_one(const KArgs& a, float gs, int64_t i,
 
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
 __device__ __forceinline__ void mix_step_body(const KArgs& a, float gs) {
-  constexpr int VEC = kVec<T>;
+  constexpr int VEC = kStepVec;
   T* __restrict__ param = static_cast<T*>(a.param);
   T* __restrict__ grad = static_cast<T*>(a.grad);
   const T* comm = static_cast<const T*>(a.comm);  // not __restrict__: may alias send
@@ -169,18 +166,17 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, float gs) {
     }
 
     float p[VEC];
-    detail::load16(param + base, p);
+    detail::load4(param + base, p);
     if constexpr (HC) {
       float c[VEC];
-      detail::load16(comm + base, c);
+      detail::load4(comm + base, c);
 #pragma unroll
       for (int e = 0; e < VEC; ++e) p[e] = mix<ScalarMath>(a.mix_a, a.mix_b, p[e], c[e]);
     }
     if constexpr (K != OptKind::None) {
       const StepConstants& h = a.hyp[grp];
       float g[VEC];
-      detail::load16(grad + base, g);
-      if (a.zero_grad) store16_zero(grad + base);
+      detail::load4(grad + base, g);
       float m[VEC], v[VEC], acc[VEC];
       if constexpr (kUsesS0<K, VAR>) detail::load_f32<VEC>(s0 + base, m);
       if constexpr (kUsesS1<K>) detail::load_f32<VEC>(s1 + base, v);
@@ -198,16 +194,20 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, float gs) {
         detail::store_f32<VEC>(s1 + base, v);
       }
       if constexpr (kUsesS2<K>) detail::store_f32<VEC>(s2 + base, acc);
+      // Zeroed only now: a store to the address of a load still in flight holds the thread's later
+      // loads (state) behind that load's latency; right after the load it cost 3.8x the pass on an
+      // H200 (0.47 vs 0.12 ms for a 16.8M-element AdamW bucket).
+      if (a.zero_grad) detail::store4_zero(grad + base);
     } else {
-      if (a.zero_grad) store16_zero(grad + base);  // grad not read: store only
+      if (a.zero_grad) detail::store4_zero(grad + base);  // grad not read: store only
     }
 #pragma unroll
     for (int e = 0; e < VEC; ++e) p[e] = detail::round_to<T>(p[e]);  // p as stored
-    detail::store16(param + base, p);
+    detail::store4(param + base, p);
     if constexpr (HS) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) p[e] = a.send_scale * p[e];
-      detail::store16(send + base, p);
+      detail::store4(send + base, p);
     }
   }
 
@@ -242,7 +242,7 @@ template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
 void launch_typed(const KArgs& a, cudaStream_t stream) {
   auto kernel = mix_step_kernel<T, K, HC, HS, MULTI, VAR>;
   static std::atomic<int> occupancy{0};  // one per instantiation
-  const int64_t nscalar = a.numel - a.nvec * kVec<T>;
+  const int64_t nscalar = a.numel - a.nvec * kStepVec;
   const int64_t work = a.nvec > nscalar ? a.nvec : nscalar;
   kernel<<<detail::occupancy_grid(kernel, occupancy, work), kThreads, 0, stream>>>(a);
   DECENTPY_CUDA_CHECK_LAUNCH();
@@ -368,8 +368,7 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   // Vector split, anchored on param; every buffer the kernel touches must be co-aligned.
   const void* ptrs[6] = {a.grad, a.comm, a.send, a.s0, a.s1, a.s2};
   const int sizes[6] = {esize, esize, esize, 4, 4, 4};
-  const int vec = detail::kVecBytes / esize;
-  const detail::VecSplit split = detail::vec_split(a.numel, vec, a.param, esize, ptrs, sizes, 6);
+  const detail::VecSplit split = detail::vec_split(a.numel, kStepVec, a.param, esize, ptrs, sizes, 6);
   a.head = split.head;
   a.nvec = split.nvec;
 

@@ -18,7 +18,6 @@
 #include <cstring>
 #include <list>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 #include <thread>
 
@@ -45,12 +44,13 @@ int64_t deadline_after_ms(int64_t ms) {
   return now_ns() + ns;
 }
 
+// The message helpers build strings with std::to_string / snprintf, not std::ostringstream: on the
+// H200 machine (torch 2.11, gcc 13) an ostream insertion of an integer inside this extension
+// crashed (SIGSEGV in the num_put path, the first non-blocking exchange's label).
 std::string seconds(int64_t ms) {
-  std::ostringstream os;
-  os.setf(std::ios::fixed);
-  os.precision(ms < 10000 ? 1 : 0);
-  os << (static_cast<double>(ms) / 1000.0) << " s";
-  return os.str();
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), ms < 10000 ? "%.1f s" : "%.0f s", static_cast<double>(ms) / 1000.0);
+  return buf;
 }
 
 ncclDataType_t to_nccl(DataType t) {
@@ -160,18 +160,14 @@ struct CommState {
   }
 
   std::string who() const {
-    std::ostringstream os;
-    os << "rank " << global(rank) << " (NCCL communicator '" << name << "', rank " << rank
-       << " of " << nranks << ", cuda:" << device << ")";
-    return os.str();
+    return "rank " + std::to_string(global(rank)) + " (NCCL communicator '" + name + "', rank " +
+           std::to_string(rank) + " of " + std::to_string(nranks) + ", cuda:" + std::to_string(device) + ")";
   }
 
   std::string peers_str(const std::vector<int>& peers) const {
-    std::ostringstream os;
-    os << "[";
-    for (size_t i = 0; i < peers.size(); ++i) os << (i ? ", " : "") << global(peers[i]);
-    os << "]";
-    return os.str();
+    std::string out = "[";
+    for (size_t i = 0; i < peers.size(); ++i) out += (i ? ", " : "") + std::to_string(global(peers[i]));
+    return out + "]";
   }
 
   std::string error_copy() const {

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ from ..topology import Topology
 from .failures import DEFAULT_LIVENESS_TIMEOUT, PeerWatch
 from .groups import CommGroup, SubGroup
 
-__all__ = ["Exchange", "TorchCommunicator"]
+__all__ = ["Exchange", "HostStaging", "TorchCommunicator"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,13 @@ class Exchange:
     """An in-flight exchange of one bucket: wait on it before reading or writing its buffers."""
 
     def __init__(self, works: List[dist.Work], bucket: int, ranks: Tuple[int, ...], rank: int,
-                 watch: PeerWatch) -> None:
+                 watch: PeerWatch, finish: Optional[Callable[[], None]] = None) -> None:
         self._works = works
         self.bucket = bucket
         self.ranks = ranks
         self.rank = rank
         self.watch = watch
+        self._finish = finish  # runs once the works completed (a host-staged receive's copy to the GPU)
         self.step: Optional[int] = None  # the iteration that launched it (set by the strategy, for messages)
 
     def wait(self, timeout: datetime.timedelta) -> None:
@@ -47,6 +49,57 @@ class Exchange:
             self.watch.wait(work, f"rank {self.rank}: exchange of bucket {self.bucket}{at} with peer(s) {peers}",
                             peers, self.bucket, self.step)
         self._works = []
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+class HostStaging:
+    """Pinned host copies of CUDA buffers for gloo's point-to-point messages.
+
+    gloo's send and recv hand the tensor's data pointer to its TCP transport, which reads and
+    writes it from a host thread: a CUDA tensor there is a device pointer (a crash, or garbage).
+    Its collectives stage CUDA tensors themselves; send/recv do not. So a CUDA buffer travels
+    through a pinned host copy: the send side copies device to host before the launch (a host
+    synchronisation the transport needs: gloo reads the bytes as soon as the send is posted), the
+    receive side copies host to device, ordered on the current stream, once the receive completed.
+    NCCL never comes here. One pinned copy per device buffer, reused every step.
+    """
+
+    def __init__(self) -> None:
+        self._host: Dict[Tuple[int, int, torch.dtype], Tensor] = {}
+        self._pending: Dict[int, Any] = {}  # host buffer's data pointer -> event of its last copy to the GPU
+
+    @staticmethod
+    def needed(backend: str, *tensors: Tensor) -> bool:
+        """Whether these tensors must travel through host copies on ``backend``."""
+        return backend == dist.Backend.GLOO and any(t.is_cuda for t in tensors)
+
+    def host_of(self, t: Tensor) -> Tensor:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        host = self._host.get(key)
+        if host is None:
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._host[key] = host
+        ev = self._pending.pop(host.data_ptr(), None)
+        if ev is not None:  # the previous step's copy out of this buffer must be done before it is refilled
+            ev.synchronize()
+        return host
+
+    def to_host(self, t: Tensor) -> Tensor:
+        host = self.host_of(t)
+        host.copy_(t)  # synchronous: gloo reads the host bytes from its own thread as soon as the send is posted
+        return host
+
+    def to_device(self, host: Tensor, t: Tensor) -> None:
+        t.copy_(host, non_blocking=True)  # ordered on the current stream, before the mix reads it
+        ev = torch.cuda.Event()
+        ev.record()
+        self._pending[host.data_ptr()] = ev
+
+    def clear(self) -> None:
+        self._host.clear()
+        self._pending.clear()
 
 
 class TorchCommunicator:
@@ -81,6 +134,7 @@ class TorchCommunicator:
         # after the other (measured on a throttled link: half the link's duplex bandwidth, the
         # cross-node ring exchange 1.3 s instead of 0.7 s); on two they overlap.
         self._p2p_reverse: Optional[SubGroup] = None
+        self._staging = HostStaging()
         if p2p:
             self._p2p_group = self.group.new_subgroup(list(range(self.world_size)), pg_timeout)
             if self.group.backend == dist.Backend.GLOO:
@@ -94,6 +148,7 @@ class TorchCommunicator:
         groups = [g for g in self._subgroups.values() if g is not None]
         groups += [g for g in (self._p2p_group, self._p2p_reverse) if g is not None]
         self._subgroups, self._p2p_group, self._p2p_reverse = {}, None, None
+        self._staging.clear()
         for g in groups:
             g.destroy()
 
@@ -103,11 +158,16 @@ class TorchCommunicator:
         to = self.group.to_global(peer)
         me = dist.get_rank()
         self.bytes_sent += send.numel() * send.element_size()
+        finish: Optional[Callable[[], None]] = None
+        if HostStaging.needed(self.group.backend, send, recv):
+            host_send, host_recv = self._staging.to_host(send), self._staging.host_of(recv)
+            finish = functools.partial(self._staging.to_device, host_recv, recv)
+            send, recv = host_send, host_recv
         with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
             works = self.watch.guard_launch(lambda: self._launch_pair(send, recv, me, to, bucket),
                                             f"rank {me}: starting the exchange of bucket {bucket} with peer {to}",
                                             [to], bucket)
-        return Exchange(works, bucket, tuple(sorted((me, to))), me, self.watch)
+        return Exchange(works, bucket, tuple(sorted((me, to))), me, self.watch, finish)
 
     def _launch_pair(self, send: Tensor, recv: Tensor, me: int, to: int, bucket: int) -> List[Any]:
         assert self._p2p_group is not None

@@ -1,4 +1,4 @@
-"""Counting host synchronisations of a CUDA call (torch's sync debug mode), for the GPU tests."""
+"""Counting host synchronisations of a CUDA call (torch's sync debug mode), for the GPU tests and benchmarks."""
 
 from __future__ import annotations
 
