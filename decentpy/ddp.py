@@ -348,6 +348,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     def buckets(self) -> Tuple[Bucket, ...]:
         """The buckets, in exchange order (read-only view for inspection: each has its parameters,
         flat blocks, optimizer and scheduler; the layout is final after the first iteration)."""
+        self._strategy.settle()  # the last iteration's step counters and schedulers
         return tuple(self._strategy.buckets)
 
     def skip_next_mix(self) -> None:
@@ -366,6 +367,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         list is final after the first training iteration (which may regroup the buckets; state
         loaded or edited before then is carried over).
         """
+        self._strategy.settle()  # the last iteration's step counters and schedulers
         return [b.optimizer for b in self._strategy.buckets]
 
     @property
@@ -373,11 +375,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         """The optimizers that hold this rank's optimizer state, in bucket order: :attr:`_optims`, or
         with ``intra_node='shard'`` each bucket's shard optimizer (over 1-D pieces of the parameters;
         its hyper-parameters follow :attr:`_optims`, which holds no state then)."""
+        self._strategy.settle()  # the last iteration's step counters and schedulers
         return [b.state_optimizer for b in self._strategy.buckets]
 
     @property
     def _lr_schedulers(self) -> List[Optional[LRScheduler]]:
         """The per-bucket LR schedulers (``None`` entries without ``lr_scheduler_fn``), bucket order."""
+        self._strategy.settle()  # the last iteration's step counters and schedulers
         return [b.scheduler for b in self._strategy.buckets]
 
     def wait(self) -> None:
@@ -440,6 +444,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     def get_lr(self) -> float:
         """Learning rate of the first bucket's first parameter group."""
+        self._strategy.settle()  # the last iteration's step counters and schedulers
         b = self._strategy.buckets[0]
         if b.scheduler is not None:
             return float(b.scheduler.get_last_lr()[0])
@@ -615,6 +620,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     @torch.no_grad()
     def load_training_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:
         """Resume from :meth:`training_state_dict` (this rank's own checkpoint). A collective."""
+        self._strategy.settle()  # the outgoing trajectory's last iteration, before it is replaced
         if not _is_training_state(state_dict):
             raise KeyError("not a decentpy training state (needs 'model', 'step' and 'buckets'; got keys "
                            f"{sorted(state_dict)[:8]}); model weights alone load with load_state_dict()")

@@ -5,8 +5,11 @@ bucket inside backward. Without a host synchronisation per bucket: each bucket's
 stays on the device, and the fused kernel reads it together with the scaler's scale to derive the
 gradient factor and whether to skip the update (``grad_factor`` in csrc/kernels/update.h, the one
 definition of that rule). At the end of the iteration the scaler advances with torch's own update
-rule on the device, and the per-bucket skip decisions are read back once, for the optimizers' step
-counters and the LR schedulers: the only synchronisation of the iteration.
+rule on the device, and the per-bucket skip decisions (:class:`SkipVerdict`) are copied to the
+host without waiting; they are read when first needed -- before the next iteration's first bucket
+step, or when the optimizers' step counters or the LR schedulers are looked at -- by which time
+the copy has normally landed. So the end of the backward does not wait for the GPU: a wait there
+would leave the GPU idle while the host launches the next forward.
 """
 
 from __future__ import annotations
@@ -32,6 +35,32 @@ class GradArgs:
 
 
 UNSCALED = GradArgs()
+
+
+class SkipVerdict:
+    """Whether each bucket that took a norm skipped its update in one iteration (its norm was not
+    finite), read when first needed. On a GPU the flags travel to pinned host memory
+    asynchronously; :meth:`result` waits for that copy only (an event, not the stream)."""
+
+    def __init__(self, buckets: List[int], found: Tensor) -> None:
+        self.buckets = buckets
+        self._event: Optional[torch.cuda.Event] = None
+        if found.is_cuda:
+            self._flags = torch.empty(found.shape, dtype=found.dtype, pin_memory=True)
+            self._flags.copy_(found, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._flags = found
+        self._result: Optional[Dict[int, bool]] = None
+
+    def result(self) -> Dict[int, bool]:
+        """``{bucket: skipped}``."""
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = dict(zip(self.buckets, self._flags.tolist()))
+        return self._result
 
 #: what a bucket whose gradient is not finite does: skip its update (and tell every rank), raise on
 #: every rank, or nothing is checked (the values are stepped and sent as they are)
@@ -94,11 +123,12 @@ class BucketGradScaling:
         scale = float(args.scale) if args.scale is not None else 1.0
         return _C.grad_factor(float(args.norm), scale, args.clip)
 
-    def end_iteration(self) -> Dict[int, bool]:
+    def end_iteration(self) -> Optional[SkipVerdict]:
         """Advance the scaler (back off if any bucket overflowed, grow after enough clean steps) and
-        return, per bucket that computed a norm, whether its update was skipped (one read-back)."""
+        return, for the buckets that computed a norm, whether each skipped its update (None: no
+        bucket did); nothing here waits for the device."""
         if not self._norms:
-            return {}
+            return None
         buckets: List[int] = sorted(self._norms)
         found = ~torch.isfinite(torch.cat([self._norms[b] for b in buckets]))
         if self.scaler is not None and self.scaler._scale is not None:
@@ -109,6 +139,5 @@ class BucketGradScaling:
             found_inf = found.any().to(torch.float32).reshape(())
             torch._amp_update_scale_(scale, s._growth_tracker, found_inf, s.get_growth_factor(),
                                      s.get_backoff_factor(), s.get_growth_interval())
-        skipped = found.tolist()  # the iteration's one read-back: step counters and LR schedulers
         self._norms = {}
-        return dict(zip(buckets, skipped))
+        return SkipVerdict(buckets, found)

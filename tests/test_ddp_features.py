@@ -363,3 +363,30 @@ def test_world_size_one_is_plain_local_training(topo: str) -> None:
     want = simulate(1, lambda k: torch.ones(1, 1), "adam", 3)
     assert_close_params([res[0]["params"]], want, rtol=2e-5, atol=2e-5, what=f"world size 1 ({topo})")
     assert res[0]["dist"] == 0.0
+
+
+# --- the skip verdict is applied before anything reads the optimizers ---------------------------
+
+def test_step_counters_and_schedulers_are_current_right_after_backward() -> None:
+    """The end of a backward does not wait for the device's skip verdicts (they are applied before
+    the next step); every accessor sees the iteration's outcome at once: a skipped (NaN) iteration
+    counts no step and does not move the scheduler, a clean one does, in the optimizers, the
+    schedulers and a checkpoint taken right after the backward."""
+    from dist_harness import single_process_group
+
+    from decentpy import DecentralizedDataParallel
+
+    with single_process_group("gloo"):
+        ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adam"), topology="complete",
+                                        lr_scheduler_fn=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, 0.5))
+        seen = []
+        for k in range(4):
+            x, y = batch(0, k)
+            loss = loss_fn(ddp(x), y)
+            (loss * float("nan") if k == 1 else loss).backward()
+            steps = {float(s["step"]) for s in ddp.state_optimizers[0].state_dict()["state"].values()}
+            saved = ddp.training_state_dict()
+            saved_steps = {float(s["step"]) for s in saved["optimizers"][0]["state"].values()}
+            seen.append((steps, ddp._lr_schedulers[0].last_epoch, saved_steps, saved["schedulers"][0]["last_epoch"]))
+        ddp.close()
+    assert seen == [({1.0}, 1, {1.0}, 1), ({1.0}, 1, {1.0}, 1), ({2.0}, 2, {2.0}, 2), ({3.0}, 3, {3.0}, 3)], seen

@@ -1,9 +1,10 @@
 """The wrapper on a GPU, in a world of one process: what only a CUDA device can show.
 
-- The in-backward step does not synchronise with the host per bucket: with the non-finite check
-  (the default), a GradScaler or clipping, the kernels read each bucket's gradient norm on the
-  device; the one read-back is at the end of the iteration (the per-bucket skip decisions); with
-  ``nonfinite='ignore'`` there is none. Counted with torch's CUDA sync debug mode.
+- The in-backward step does not synchronise with the host: with the non-finite check (the
+  default), a GradScaler or clipping, the kernels read each bucket's gradient norm on the device,
+  and the per-bucket skip verdicts travel to pinned host memory without a wait; they are read at
+  the next backward (an event wait on a copy long done, not a stream synchronisation). Counted with
+  torch's CUDA sync debug mode.
 - A CPU model under the NCCL backend is refused with a message saying what to do.
 
 Every test here skips without CUDA.
@@ -24,9 +25,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @needs_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["plain", "unchecked", "scaler", "clip"])
-def test_backward_reads_back_at_most_once_per_iteration(mode: str) -> None:
-    """The non-finite check (nonfinite='skip', the default), a GradScaler and clipping share one
-    read-back per iteration (the per-bucket skip verdicts); nonfinite='ignore' alone reads back nothing."""
+def test_backward_does_not_synchronise(mode: str) -> None:
+    """Neither the non-finite check (nonfinite='skip', the default), a GradScaler nor clipping makes
+    a backward wait for the GPU (measured on an H200 before the verdicts were deferred: one read-back
+    per iteration cost 0.6 ms of a 3.2 ms iteration, the GPU idle while the host launched the next
+    forward)."""
     from decentpy import DecentralizedDataParallel
     from decentpy.optim import optim_fn_adamw
 
@@ -43,8 +46,8 @@ def test_backward_reads_back_at_most_once_per_iteration(mode: str) -> None:
             loss = scaler.scale(loss) if scaler is not None else loss
             counts.append(syncs_in(loss.backward))
         ddp.close()
-    # iteration 0 also fixes the bucket layout; from then on: no sync, or the one read-back
-    assert counts[1:] == ([0, 0] if mode == "unchecked" else [1, 1]), counts
+    # iteration 0 also fixes the bucket layout; from then on: no sync
+    assert counts[1:] == [0, 0], counts
 
 
 @needs_cuda
@@ -74,7 +77,7 @@ def test_intra_node_path_on_gpu_matches_cpu_without_host_sync(intra_node: str) -
         for device in ("cpu", "cuda"):
             model = make_mlp(0).to(device)
             ddp = DecentralizedDataParallel(model, optim_fn_adamw, topology="complete", local_world_size=1,
-                                            intra_node=intra_node, bucket_size_in_mb=0.0005, nonfinite="ignore")
+                                            intra_node=intra_node, bucket_size_in_mb=0.0005)
             counts = []
             for k in range(3):
                 x, y = (t.to(device) for t in batch(0, k))

@@ -171,19 +171,25 @@ class Bucket:
                 torch.mul(param, send_scale, out=send)
         grad.zero_()
 
-    def finish_iteration(self, skipped: Optional[bool]) -> None:
-        """After the iteration: count the step and advance the scheduler if the update happened.
-        ``skipped``: the device's verdict (gradient norm not finite), when the kernel decided."""
-        if self.stepped is None:
+    def take_stepped(self) -> Optional[bool]:
+        """At the end of the iteration: what :meth:`step` left for :meth:`finish_iteration` (None: no
+        update was attempted; else whether the host already knows it was skipped), cleared."""
+        stepped, self.stepped = self.stepped, None
+        return stepped
+
+    def finish_iteration(self, stepped: Optional[bool], skipped: Optional[bool]) -> None:
+        """Count the step and advance the scheduler if the update happened. ``stepped``: from
+        :meth:`take_stepped`; ``skipped``: the device's verdict (gradient norm not finite), when
+        the kernel decided."""
+        if stepped is None:
             return
-        updated = not (self.stepped if skipped is None else skipped)
+        updated = not (stepped if skipped is None else skipped)
         if self.fused:
             self.state_optimizer.finish_bucket_step(updated)  # type: ignore[attr-defined]
         if self.state_optimizer is not self.optimizer:
             mark_stepped(self.optimizer)  # the optimizer its scheduler drives stepped through the shard's
         if updated and self.scheduler is not None:
             self.scheduler.step()
-        self.stepped = None
 
     @torch.no_grad()
     def gather_params(self) -> None:

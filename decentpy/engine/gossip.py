@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ..comm import CommGroup, Communicator, NonFiniteGradientError, peer_monitor
 from ..exchange import ExchangeSchedule
-from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs
+from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs, SkipVerdict
 from ..topology import Group, Topology, make_topology
 from .bucket import Bucket
 from .layout import BucketLayout, OptimFn, SchedulerFn
@@ -75,6 +75,8 @@ class GossipStrategy(BucketStrategy):
         self.comm: Optional[Communicator] = None
         self.hook_edges: Optional[Dict[Tuple[Tuple[int, ...], float], "Edge"]] = None  # for pre_average_hook
         self.step = 0                       # iterations completed (schedule index of the next mix)
+        # the last iteration's skip verdict, the buckets' step flags and its step, until settle()
+        self._unsettled: Optional[Tuple[Optional[SkipVerdict], List[Tuple[Bucket, Optional[bool]]], int]] = None
         self.adaptive_factor = 1.0          # p <- (1-f) p + f mix(p)
         self.layout = BucketLayout(params, names, optim_fn, scheduler_fn, bucket_cap_bytes, param_as_bucket_view,
                                    group, self.pad_multiple, self.shard_of)
@@ -114,6 +116,7 @@ class GossipStrategy(BucketStrategy):
         return self.layout.readiness()
 
     def settle_layout(self, order: Sequence[int]) -> None:
+        self.settle()  # nothing pending may point at buckets a rebuild replaces
         self.layout.settle(order)
 
     def begin_iteration(self, in_join: bool, active: bool) -> None:
@@ -138,6 +141,7 @@ class GossipStrategy(BucketStrategy):
         return True
 
     def begin_backward(self) -> None:
+        self.settle()  # the last iteration's verdicts, before this one steps anything
         self.grad_scaling.begin_iteration()
 
     def bucket_ready(self, bucket: int, joined: bool) -> None:
@@ -147,14 +151,27 @@ class GossipStrategy(BucketStrategy):
         self.mix_and_step(b, not joined)
 
     def end_backward(self, joined: bool) -> None:
-        skipped = self.grad_scaling.end_iteration()  # the iteration's one read-back, if any
-        for b in self.buckets:
-            b.finish_iteration(skipped.get(b.index))
-        bad = sorted(i for i, s in skipped.items() if s)
-        step = self.step
+        self.settle()
+        verdict = self.grad_scaling.end_iteration()  # copied to the host without waiting
+        self._unsettled = (verdict, [(b, b.take_stepped()) for b in self.buckets], self.step)
         self.step += 1
+        if self.grad_scaling.nonfinite == "raise" and self.grad_scaling.scaler is None:
+            self.settle()  # raise in this iteration, on every rank (waits for the verdict)
+
+    def settle(self) -> None:
+        """Apply the last iteration's outcome: each bucket's step counter and LR scheduler move if
+        its update happened (the device's verdict, read now), and a skipped bucket is reported.
+        Deferred from the end of the backward so that the host does not wait for the GPU there;
+        run before anything steps again or reads the optimizers (the wrapper's accessors)."""
+        if self._unsettled is None:
+            return
+        verdict, stepped, step = self._unsettled
+        self._unsettled = None
+        skipped = verdict.result() if verdict is not None else {}
+        for b, st in stepped:
+            b.finish_iteration(st, skipped.get(b.index))
         if self.grad_scaling.check_finite and self.group.size > 1:
-            self._nonfinite(bad, step)
+            self._nonfinite(sorted(i for i, s in skipped.items() if s), step)
 
     def _nonfinite(self, bad: List[int], step: int) -> None:
         """Tell every rank about this rank's skipped buckets (a warning here, a notice for the
@@ -230,6 +247,7 @@ class GossipStrategy(BucketStrategy):
         them failed: the rest will never complete). Plain gossip has none."""
 
     def wait_all(self) -> None:
+        self.settle()  # first: it needs no exchange, and a failed wait below must not lose it
         for b in self.buckets:
             self.wait_exchange(b)
         self.wait_params()

@@ -74,6 +74,10 @@ class BucketStrategy(abc.ABC):
     def begin_backward(self) -> None:
         """The first gradient of an iteration's backward was taken."""
 
+    def settle(self) -> None:
+        """Apply what the last iteration left pending on the host (its optimizers' step counters,
+        LR schedulers, reports), if anything; before the optimizers are read or stepped again."""
+
     @abc.abstractmethod
     def bucket_ready(self, bucket: int, joined: bool) -> None:
         """Bucket ``bucket`` has its gradients (or backward ended): act on it. ``joined``: a rank out of
