@@ -348,8 +348,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     def buckets(self) -> Tuple[Bucket, ...]:
         """The buckets, in exchange order (read-only view for inspection: each has its parameters,
         flat blocks, optimizer and scheduler; the layout is final after the first iteration)."""
-        self._strategy.settle()  # the last iteration's step counters and schedulers
-        return tuple(self._strategy.buckets)
+        return tuple(self._settled_buckets())
+
+    def _settled_buckets(self) -> List[Bucket]:
+        """The buckets, with the last iteration's outcome applied to their optimizers and schedulers
+        (the strategy defers it from the end of the backward; see GossipStrategy.settle)."""
+        self._strategy.settle()
+        return self._strategy.buckets
 
     def skip_next_mix(self) -> None:
         """Complete the exchanges in flight and do not average with them: the next iteration's mix
@@ -367,22 +372,19 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         list is final after the first training iteration (which may regroup the buckets; state
         loaded or edited before then is carried over).
         """
-        self._strategy.settle()  # the last iteration's step counters and schedulers
-        return [b.optimizer for b in self._strategy.buckets]
+        return [b.optimizer for b in self._settled_buckets()]
 
     @property
     def state_optimizers(self) -> List[torch.optim.Optimizer]:
         """The optimizers that hold this rank's optimizer state, in bucket order: :attr:`_optims`, or
         with ``intra_node='shard'`` each bucket's shard optimizer (over 1-D pieces of the parameters;
         its hyper-parameters follow :attr:`_optims`, which holds no state then)."""
-        self._strategy.settle()  # the last iteration's step counters and schedulers
-        return [b.state_optimizer for b in self._strategy.buckets]
+        return [b.state_optimizer for b in self._settled_buckets()]
 
     @property
     def _lr_schedulers(self) -> List[Optional[LRScheduler]]:
         """The per-bucket LR schedulers (``None`` entries without ``lr_scheduler_fn``), bucket order."""
-        self._strategy.settle()  # the last iteration's step counters and schedulers
-        return [b.scheduler for b in self._strategy.buckets]
+        return [b.scheduler for b in self._settled_buckets()]
 
     def wait(self) -> None:
         """Finish every exchange in flight (e.g. before timing, or before reading the buffers)."""
@@ -444,8 +446,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     def get_lr(self) -> float:
         """Learning rate of the first bucket's first parameter group."""
-        self._strategy.settle()  # the last iteration's step counters and schedulers
-        b = self._strategy.buckets[0]
+        b = self._settled_buckets()[0]
         if b.scheduler is not None:
             return float(b.scheduler.get_last_lr()[0])
         return float(b.optimizer.param_groups[0]["lr"])

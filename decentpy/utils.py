@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["initialize_dist"]
+__all__ = ["choose_backend", "initialize_dist"]
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ import decentpy
 import decentpy.optim as dopt
 from decentpy import DecentralizedDataParallel as DDP
 from decentpy import PreemptionCheckpointer
-from decentpy.utils import initialize_dist
+from decentpy.utils import choose_backend, initialize_dist
 
 log = logging.getLogger("train_digits")
 
@@ -198,9 +198,9 @@ def evaluate(ddp: DDP, x: Tensor, y: Tensor, batch_size: int = 512) -> float:
 def choose_device(args: argparse.Namespace) -> Tuple[torch.device, Optional[str]]:
     """The device the model trains on, and the backend to ask for (None: initialize_dist's choice).
 
-    With a GPU per worker, NCCL (initialize_dist puts each local rank on its own GPU). With fewer GPUs
-    than workers on the node, the workers share them over gloo (decentpy stages gloo's point-to-point
-    messages through host memory)."""
+    With a GPU per worker, initialize_dist's own choice: NCCL, each local rank on its own GPU. With
+    fewer GPUs than workers on the node (decentpy.utils.choose_backend refuses NCCL then), the workers
+    share them over gloo (decentpy stages gloo's point-to-point messages through host memory)."""
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if not want_cuda:
         return torch.device("cpu"), args.backend or "gloo"
@@ -209,10 +209,13 @@ def choose_device(args: argparse.Namespace) -> Tuple[torch.device, Optional[str]
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     gpus = torch.cuda.device_count()
-    backend = args.backend or ("nccl" if gpus >= local_world else "gloo")
-    index = local_rank if gpus >= local_world else local_rank % gpus
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index), backend
+    try:
+        _, index = choose_backend(local_rank, local_world, gpus)
+        return torch.device("cuda", index), args.backend
+    except RuntimeError:  # fewer GPUs than workers: share them
+        index = local_rank % gpus
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index), args.backend or "gloo"
 
 
 def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult:

@@ -29,7 +29,7 @@ COMBOS_ANY_N = {(3, 1): [("ring", "adam"), ("one-peer-exp", "sgd"), ("complete",
                 (5, 2): [("alternating-exp-ring", "adamw")]}
 
 
-def _combos_4() -> List[Tuple[str, str]]:
+def combos_4() -> List[Tuple[str, str]]:
     return [(t, o) for t in TOPOLOGIES for o in FUSED] + [("ring", "rmsprop"), ("alternating-exp-ring", "rmsprop")]
 
 
@@ -57,7 +57,7 @@ def train_all(rank: int, world: int, combos: List[Tuple[str, str]],
 
 @pytest.fixture(scope="module")
 def results_4() -> List[Dict[str, Dict[str, torch.Tensor]]]:
-    return run_workers(train_all, 4, _combos_4(), timeout=300)
+    return run_workers(train_all, 4, combos_4(), timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def reference_params(n: int, topo: str, opt: str, local: int = LOCAL_WORLD_SIZE)
     return simulate(n, t.mixing_matrix, opt, STEPS)
 
 
-@pytest.mark.parametrize("topo,opt", _combos_4())
+@pytest.mark.parametrize("topo,opt", combos_4())
 def test_matches_reference_4_workers(results_4, topo: str, opt: str) -> None:
     got = [r[f"{topo}/{opt}"] for r in results_4]
     assert_close_params(got, reference_params(4, topo, opt), rtol=2e-5, atol=2e-5, what=f"{topo}/{opt} n=4")

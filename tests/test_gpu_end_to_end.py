@@ -25,7 +25,7 @@ import torch
 from dist_harness import run_workers, single_process_group
 from reference import assert_close_params, batch, decentpy_optim_fn, loss_fn, make_mlp, simulate
 from test_ddp_features import amp_worker, check_grad_scaler_run
-from test_ddp_reference import _combos_4, reference_params, train_all
+from test_ddp_reference import combos_4, reference_params, train_all
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -35,10 +35,10 @@ FUSED = ["sgd", "adam", "adamw", "accum_adam", "accum_adamw"]
 
 @pytest.fixture(scope="module")
 def shared_gpu_results() -> List[Dict[str, Dict[str, torch.Tensor]]]:
-    return run_workers(train_all, 4, _combos_4(), 2, "cuda", timeout=400)
+    return run_workers(train_all, 4, combos_4(), 2, "cuda", timeout=400)
 
 
-@pytest.mark.parametrize("topo,opt", _combos_4())
+@pytest.mark.parametrize("topo,opt", combos_4())
 def test_every_topology_and_optimizer_on_a_shared_gpu(shared_gpu_results, topo: str, opt: str) -> None:
     got = [r[f"{topo}/{opt}"] for r in shared_gpu_results]
     assert_close_params(got, reference_params(4, topo, opt), rtol=2e-5, atol=2e-5, what=f"cuda {topo}/{opt} n=4")

@@ -11,8 +11,8 @@
 //   gradient norm in device memory (GradScaler / clipping) each thread derives the factor and the
 //   found-inf skip from it (grad_factor) and takes the None path when skipping: no host sync.
 // - zero_grad: grad is zeroed in the same pass, after the update (a vector store of zeros on the
-//   vector path, scalar store on head/tail; storing right after the load stalls the state loads). A launch-uniform run-time flag (no divergence, no
-//   extra specialisations). The None / skip_update kernel stores the zeros without reading grad;
+//   vector path, scalar store on head/tail; storing right after the load stalls the state loads).
+//   A launch-uniform run-time flag (no divergence, no extra specialisations). The None / skip_update kernel stores the zeros without reading grad;
 //   with nothing else to do (no comm, no send) it is a cudaMemsetAsync of grad.
 // - fp32 math; fused multiply-adds, IEEE round-to-nearest sqrt and division (also under fast math).
 // - Vectors of 4 elements (16-byte accesses for fp32, 8-byte for bf16/fp16, so that the fp32 state

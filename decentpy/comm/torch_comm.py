@@ -70,11 +70,6 @@ class HostStaging:
         self._host: Dict[Tuple[int, int, torch.dtype], Tensor] = {}
         self._pending: Dict[int, Any] = {}  # host buffer's data pointer -> event of its last copy to the GPU
 
-    @staticmethod
-    def needed(backend: str, *tensors: Tensor) -> bool:
-        """Whether these tensors must travel through host copies on ``backend``."""
-        return backend == dist.Backend.GLOO and any(t.is_cuda for t in tensors)
-
     def host_of(self, t: Tensor) -> Tensor:
         key = (t.data_ptr(), t.numel(), t.dtype)
         host = self._host.get(key)
@@ -134,10 +129,11 @@ class TorchCommunicator:
         # after the other (measured on a throttled link: half the link's duplex bandwidth, the
         # cross-node ring exchange 1.3 s instead of 0.7 s); on two they overlap.
         self._p2p_reverse: Optional[SubGroup] = None
-        self._staging = HostStaging()
+        self._gloo = self.group.backend == dist.Backend.GLOO
+        self._staging = HostStaging()  # gloo with CUDA buffers
         if p2p:
             self._p2p_group = self.group.new_subgroup(list(range(self.world_size)), pg_timeout)
-            if self.group.backend == dist.Backend.GLOO:
+            if self._gloo:
                 self._p2p_reverse = self.group.new_subgroup(list(range(self.world_size)), pg_timeout)
         for ranks in collective:
             self._subgroups[ranks] = self.group.new_subgroup(ranks, pg_timeout)
@@ -159,7 +155,7 @@ class TorchCommunicator:
         me = dist.get_rank()
         self.bytes_sent += send.numel() * send.element_size()
         finish: Optional[Callable[[], None]] = None
-        if HostStaging.needed(self.group.backend, send, recv):
+        if self._gloo and (send.is_cuda or recv.is_cuda):
             host_send, host_recv = self._staging.to_host(send), self._staging.host_of(recv)
             finish = functools.partial(self._staging.to_device, host_recv, recv)
             send, recv = host_send, host_recv
