@@ -73,17 +73,24 @@ POWERSGD_RANK = 4  # matrix_approximation_rank of PowerSGD (error feedback on, 2
 FLOORS = ("local", "local-fused")
 TOPOLOGIES = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
 SHORT_TOPO = {"complete": "complete", "ring": "ring", "one-peer-exp": "1-peer-exp",
-              "alternating-exp-ring": "AER(L=2)", "allreduce": "allreduce", "none": "none",
+              "alternating-exp-ring": "AER", "allreduce": "allreduce", "none": "none",
               "none-fused": "none(fused)"}
+
+
+def short_topo(c: Config) -> str:
+    """The table's topology label; alternating-exp-ring with its node size (``AER(L=4)``)."""
+    label = SHORT_TOPO.get(c.topology, c.topology)
+    return f"{label}(L={c.local_world_size})" if c.topology == "alternating-exp-ring" else label
 
 BYTES = """\
 bytes/step = bytes SENT per worker per step, averaged over one period of the schedule, max over
 ranks (P = parameter bytes, m = size of the worker's group at that step):
   decentpy   m == 1: 0;  m == 2: P (peer exchange: send own bucket, receive the peer's);
              m > 2: 2(m-1)/m * P (in-place all-reduce of the group, ring algorithm)
-  decentpy-int8 / -int4 / -bf16   (m-1) * C: every other member of the group gets its own
-             compressed difference, C = P/4 + 4 ceil(P/1024) bytes (int8: a code per element and
-             an fp32 scale per 256), P/8 + 4 ceil(P/1024) (int4: two codes per byte) or P/2 (bf16)
+  decentpy-int8 / -int4 / -bf16   m == 2: C, the compressed difference, C = P/4 + 4 ceil(P/1024)
+             bytes (int8: a code per element and an fp32 scale per 256), P/8 + 4 ceil(P/1024)
+             (int4: two codes per byte) or P/2 (bf16); m > 2: ~2(m-1)/m * C (a reduce-scatter and an
+             all-gather of compressed chunks of whole scale blocks: decentpy.compression.group_wire_bytes)
   decent-dp  m == 1: 0;  m >= 2: 2(m-1)/m * P (all-reduce on a per-edge group, pairs too: 1.0 P)
   torch-ddp  2(n-1)/n * P (ring all-reduce of the gradients); fp16/bf16 hooks: half of it;
              powersgd: 2(n-1)/n * (sum over matrices (rows + cols) * rank * 4 + vector bytes)
@@ -183,7 +190,7 @@ def bytes_per_step(cfg: Config, param_bytes: int) -> float:
     if cfg.framework == "torch-ddp-powersgd":
         return 2.0 * (n - 1) / n * powersgd_bytes(cfg.model)
     from decentpy import make_topology
-    from decentpy.compression import wire_bytes
+    from decentpy.compression import group_wire_bytes, wire_bytes
 
     topo = make_topology(cfg.topology, n, cfg.local_world_size)
     kind = COMPRESSED.get(cfg.framework)
@@ -196,7 +203,8 @@ def bytes_per_step(cfg: Config, param_bytes: int) -> float:
             if m == 1:
                 continue
             if kind:
-                tot += (m - 1) * wire
+                g = topo.group_of(r, k).ranks
+                tot += wire if m == 2 else group_wire_bytes(kind, int(p) // 4, m, list(g).index(r))
             elif m == 2 and cfg.framework == "decentpy":
                 tot += p
             else:
@@ -376,7 +384,7 @@ def print_table(rows: List[Dict[str, Any]], link: bool = False) -> None:
     for r in rows:
         c = r["cfg"]
         extra = [fmt(None if r["comm"] is None else r["comm"] * 1e3, ".0f"), fmt(r["comp_comm"], ".2f")] if link else []
-        table.append([c.model, str(c.workers), c.framework, SHORT_TOPO.get(c.topology, c.topology),
+        table.append([c.model, str(c.workers), c.framework, short_topo(c),
                       f"{r['step'] * 1e3:.2f}", f"{r['p25'] * 1e3:.1f}-{r['p75'] * 1e3:.1f}",
                       str(r["steps"]),
                       fmt(r["vs_ref"], ".2f", "x") if c.framework in DECENTPY else "",
@@ -408,7 +416,7 @@ def _target(title: str, rows: List[Dict[str, Any]], met: Any, score: Any, fmt: A
               f"({worst['cfg'].model}, n={worst['cfg'].workers}, {worst['cfg'].topology})")
     if bad:
         detail += "; missed: " + ", ".join(
-            f"{r['cfg'].model}/n={r['cfg'].workers}/{SHORT_TOPO[r['cfg'].topology]} {fmt(r)}" for r in bad)
+            f"{r['cfg'].model}/n={r['cfg'].workers}/{short_topo(r['cfg'])} {fmt(r)}" for r in bad)
     return title, not bad, detail
 
 

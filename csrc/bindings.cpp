@@ -151,6 +151,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Fused compressed-gossip pass over one flat fp32 bucket (in place): received q into the peer's "
         "copy, mix, optimizer step, next q into the send bytes. See csrc/kernels/mix_and_step.h.");
 
+  m.def("compressed_group_reduce", &decentpy::compressed_group_reduce, py::kw_only(), py::arg("compressor"),
+        py::arg("inputs"), py::arg("out"), py::arg("self_copy"), py::arg("lo"), py::arg("hi"),
+        py::call_guard<py::gil_scoped_release>(),
+        "The owner's reduction of a compressed group exchange over the chunk [lo, hi): the members' q (wire "
+        "bytes) averaged and re-quantised into out, the rounding kept in self_copy. See csrc/kernels/mix_and_step.h.");
+  m.def("compressed_wire_regions", &decentpy::compressed_wire_regions, py::kw_only(), py::arg("compressor"),
+        py::arg("numel"), py::arg("lo"), py::arg("hi"),
+        "The byte ranges [start, stop) of elements [lo, hi) (lo a multiple of INT8_BLOCK) in the wire of numel "
+        "elements: the block scales, then the codes (bf16: one range).");
+
   m.def("grad_factor",
         [](float norm, float scale, float clip) {
           const decentpy::GradFactor f = decentpy::grad_factor(norm, scale, clip);

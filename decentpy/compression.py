@@ -14,19 +14,31 @@ of copies **per edge**: for every distinct peer ``j`` of the topology's period a
 values of memory beside the model (ring: 2 peers, 4 extra fp32 copies of the model; one-peer-exp
 over n = 2^r workers: r peers, 2r copies).
 
+A group of ``m > 2`` ranks (complete, alternating-exp-ring's groups) shares one public mean instead:
+each member keeps ``xhat_i`` (its own public copy in that group) and ``M`` (the group's mean of the
+members' copies, identical on every member). A member sends ``q_i = Q(x_i - xhat_i)`` in ``m``
+chunks of whole scale blocks, chunk ``c`` to the member ``c`` that owns it; the owner averages the
+``m`` chunks it holds, re-quantises the mean once, ``r = Q(mean)``, keeps what that rounding dropped
+in its own ``xhat`` (so that the copies keep summing to ``m M``), and sends ``r`` to every member;
+all add ``D(r)`` to ``M`` and mix ``x_i += gamma w m (M - xhat_i)``. Bytes per rank and step:
+``2 (m - 1) / m`` wire sizes (a reduce-scatter and an all-gather of compressed chunks) instead of
+``m - 1`` with one copy per edge; memory: two fp32 copies per distinct group.
+
 The quantise / dequantise, the public-copy updates and the mix run inside the fused mix-and-step
-kernel pass (csrc/kernels/compress.h), on CPU and CUDA. See docs/compression.md.
+kernel pass (csrc/kernels/compress.h), on CPU and CUDA; the owner's reduction is one more kernel of
+the same header. See docs/compression.md.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 from . import kernels
 
-__all__ = ["Compression", "resolve_compression", "wire_bytes", "INT8_BLOCK", "DEFAULT_GAMMA"]
+__all__ = ["Compression", "resolve_compression", "wire_bytes", "chunk_bounds", "group_wire_bytes", "INT8_BLOCK",
+           "DEFAULT_GAMMA"]
 
 #: elements per int8 / int4 scale block (one fp32 scale each)
 INT8_BLOCK: int = kernels.INT8_BLOCK
@@ -87,6 +99,32 @@ def wire_bytes(kind: Optional[str], numel: int) -> int:
     if kind is not None and kind not in _KINDS:
         raise ValueError(f"compression kind must be None or one of {_kind_names()}, got {kind!r}")
     return kernels.compressed_bytes(_KINDS[kind] if kind is not None else kernels.Compressor.NONE, numel)
+
+
+def chunk_bounds(numel: int, members: int, position: int) -> Tuple[int, int]:
+    """The elements ``[lo, hi)`` of a bucket of ``numel`` that the member at ``position`` (its index in
+    the group's rank order) reduces in a compressed group exchange: the ``ceil(numel / 256)`` scale
+    blocks split as evenly as whole blocks allow, ``position * blocks // members`` on (a member may own
+    none when the bucket has fewer blocks than the group has members)."""
+    if not 0 <= position < members:
+        raise ValueError(f"position must be in [0, {members}), got {position}")
+    blocks = -(-numel // INT8_BLOCK)
+    lo = position * blocks // members * INT8_BLOCK
+    hi = (position + 1) * blocks // members * INT8_BLOCK
+    return min(lo, numel), min(hi, numel)
+
+
+def group_wire_bytes(kind: str, numel: int, members: int, position: int) -> int:
+    """Bytes the member at ``position`` sends in one compressed group exchange of a bucket of
+    ``numel``: every other member's chunk of its ``q``, then its reduced chunk to each other member
+    (``2 (m - 1) / m`` wire sizes when the chunks are equal)."""
+    own = chunk_bounds(numel, members, position)
+    out = (members - 1) * wire_bytes(kind, own[1] - own[0])
+    for p in range(members):
+        if p != position:
+            lo, hi = chunk_bounds(numel, members, p)
+            out += wire_bytes(kind, hi - lo)
+    return out
 
 
 def resolve_compression(arg: Union[None, str, Compression]) -> Optional[Compression]:

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from . import _C
 
-__all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes", "mix", "scale_copy",
+__all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes",
+           "group_reduce", "wire_regions", "mix", "scale_copy",
            "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
            "make_flat_block", "build_info"]
 
@@ -75,6 +76,22 @@ def compressed_step(kind: "_C.OptKind", compressor: "_C.Compressor", param: Tens
 def compressed_bytes(compressor: "_C.Compressor", numel: int) -> int:
     """Bytes on the wire of ``numel`` fp32 elements compressed with ``compressor`` (NONE: 4 per element)."""
     return int(_C.compressed_bytes(compressor, int(numel)))
+
+
+def group_reduce(compressor: "_C.Compressor", inputs: Sequence[Tensor], out: Tensor, self_copy: Tensor, lo: int,
+                 hi: int) -> None:
+    """The owner's step of a compressed group exchange over elements ``[lo, hi)`` (csrc/kernels/mix_and_step.h,
+    GroupReduceArgs): ``mu`` = the mean of the members' ``D(q)`` (``inputs``, wire bytes of the whole
+    bucket), ``r = Q(mu)`` into ``out`` and ``self_copy += m (D(r) - mu)``."""
+    _C.compressed_group_reduce(compressor=compressor, inputs=list(inputs), out=out, self_copy=self_copy, lo=int(lo),
+                               hi=int(hi))
+
+
+def wire_regions(compressor: "_C.Compressor", numel: int, lo: int, hi: int) -> List[Tuple[int, int]]:
+    """The byte ranges ``[start, stop)`` that hold elements ``[lo, hi)`` (``lo`` a multiple of
+    :data:`INT8_BLOCK`) in the wire bytes of ``numel`` elements: the block scales, then the codes."""
+    return [(int(a), int(b)) for a, b in _C.compressed_wire_regions(compressor=compressor, numel=int(numel),
+                                                                   lo=int(lo), hi=int(hi))]
 
 
 def mix(param: Tensor, comm: Optional[Tensor], mix_a: float, mix_b: float, *, grad: Optional[Tensor] = None,

@@ -8,8 +8,12 @@ q_i = Q(x_i - xhat_{i|j'}), xhat_{i|j'} += D(q_i). The quantisers act on each wo
 (the parameters in reverse registration order, each at a 128-byte aligned offset), int8 in blocks
 of 256 elements with scale max|d| / 127 and round-half-to-even codes in [-127, 127], int4 the same
 with max|d| / 7 and codes in [-7, 7], bf16 by round-to-nearest-even.
-A group of more than two workers: every member j of i's group plays the partner's part, each edge
-with its own copies and its own q, and the mix sums the members' terms with the group's weight.
+A group G of m > 2 workers shares one public mean: worker i keeps xhat_i^G and M^G (both from x_i at
+the start). At the end of step k-1, for the group G of step k: q_i = Q(x_i - xhat_i^G),
+xhat_i^G += D(q_i); the bucket's ceil(n/256) scale blocks are split into m chunks (member at position
+p of the sorted group owns blocks [p B // m, (p + 1) B // m)); for each chunk, mu = the mean of the
+members' D(q) there, r = Q(mu) (quantised from the chunk's start), the owner's xhat += m (D(r) - mu).
+At step k: M^G += D(r), x_i += gamma * w * m * (M^G - xhat_i^G).
 """
 
 from __future__ import annotations
@@ -108,8 +112,8 @@ def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optim
                    schedule: Callable[[int, int], Tuple[List[int], float]], kind: str,
                    gamma: float, steps: int, shards: int = 1) -> Tuple[List[Tensor], Dict[str, float]]:
     """Run ``steps`` iterations; ``grads(i, k, model)`` fills the gradients of worker i at step k;
-    ``schedule(k, i)`` is worker i's peers at step k and their (uniform) weight. Every edge has its
-    own copies: worker i sends each peer j its own ``Q(x_i - xhat_{i|j})``. ``shards``: the flat
+    ``schedule(k, i)`` is worker i's peers at step k and their (uniform) weight. A pair has its own
+    copies per edge, a larger group one public mean (see the module doc). ``shards``: the flat
     bucket is quantised in that many equal shards, each from its own start (``intra_node='shard'``:
     each rank of a node compresses its shard). Returns every worker's final flat parameters and the
     rounding statistics."""
@@ -118,8 +122,11 @@ def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optim
     x0 = [flat.get(i) for i in range(n)]
     self_copy: List[Dict[int, Tensor]] = [dict() for _ in range(n)]
     peer_copy: List[Dict[int, Tensor]] = [dict() for _ in range(n)]
+    group_self: List[Dict[Tuple[int, ...], Tensor]] = [dict() for _ in range(n)]
+    group_mean: List[Dict[Tuple[int, ...], Tensor]] = [dict() for _ in range(n)]
     stats: Dict[str, float] = {}
     sent: List[Dict[int, Tensor]] = [dict() for _ in range(n)]  # sent[i][j]: D(q) that i sent to j last step
+    reduced: Dict[Tuple[int, ...], Tensor] = {}  # D(r) of each group's last exchange
     for k in range(steps):
         for i, m in enumerate(models):
             for p in m.parameters():
@@ -129,6 +136,12 @@ def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optim
             xs = [flat.get(i) for i in range(n)]
             for i in range(n):
                 peers, w = schedule(k, i)
+                if len(peers) > 1:
+                    g = tuple(sorted(peers + [i]))
+                    gm = group_mean[i].setdefault(g, x0[i].clone())
+                    gm += reduced[g]
+                    xs[i] = xs[i] + gamma * w * len(g) * (gm - group_self[i].setdefault(g, x0[i].clone()))
+                    continue
                 for j in peers:
                     pc = peer_copy[i].setdefault(j, x0[j].clone())
                     pc += sent[j][i]
@@ -138,14 +151,39 @@ def simulate_choco(models: Sequence[nn.Module], opts: Sequence[torch.optim.Optim
                 flat.set(i, xs[i])
         for o in opts:
             o.step()
+        group_q: Dict[Tuple[int, ...], Dict[int, Tensor]] = {}
         for i in range(n):
             x = flat.get(i)
             sent[i] = {}
-            for j in schedule(k + 1, i)[0]:
+            peers = schedule(k + 1, i)[0]
+            if len(peers) > 1:
+                assert shards == 1, "the reference has no sharded groups"
+                g = tuple(sorted(peers + [i]))
+                sc = group_self[i].setdefault(g, x0[i].clone())
+                dq = quantize64(kind, x - sc, stats)
+                sc += dq
+                group_q.setdefault(g, {})[i] = dq
+                continue
+            for j in peers:
                 sc = self_copy[i].setdefault(j, x0[i].clone())
                 d = x - sc
                 size = d.numel() // shards
                 dq = torch.cat([quantize64(kind, d[r * size:(r + 1) * size], stats) for r in range(shards)])
                 sc += dq
                 sent[i][j] = dq
+        for g, qs in group_q.items():
+            m = len(g)
+            total = flat.total
+            blocks = -(-total // INT8_BLOCK)
+            r = torch.zeros(total, dtype=torch.float64)
+            for pos, owner in enumerate(g):
+                lo = min(pos * blocks // m * INT8_BLOCK, total)
+                hi = min((pos + 1) * blocks // m * INT8_BLOCK, total)
+                if lo == hi:
+                    continue
+                mu = sum(qs[j][lo:hi] for j in g) / m
+                dr = quantize64(kind, mu, stats)
+                r[lo:hi] = dr
+                group_self[owner][g][lo:hi] += m * (dr - mu)
+            reduced[g] = r
     return [flat.get(i) for i in range(n)], stats

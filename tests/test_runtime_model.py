@@ -553,23 +553,50 @@ def test_compressed_pairs_send_one_wire_size():
                                   hw.inter_lat + 2 * (m / 2) / hw.inter_bw])
 
 
-def test_compressed_groups_send_to_every_member():
-    m, hw = 100e6, HW
-    w = _int8_wire(m)
-    # complete over one node of 4: each rank sends 3 messages over its intra link, against the
-    # ring all-reduce's 2 (m-1)/m = 1.5 models: 0.51x the bytes (docs/compression.md)
+# a model of 4_096_000 fp32 elements = 16_000 int8 blocks: equal chunks of whole blocks for groups
+# of 4, 8, 16 and 32 (each chunk's int8 wire then exactly W / m)
+M_EVEN = 16_384_000.0
+W_EVEN = 4 * 16_000 + 4_096_000  # int8: the block scales, then a byte per element
+
+
+def test_compressed_groups_reduce_scatter_and_all_gather_chunks():
+    m, hw, w = M_EVEN, HW, W_EVEN
+    assert _int8_wire(m) == w
+    # complete over one node of 4: two rounds of 3 messages of W/4 over the intra link, 1.5 W in
+    # all, against the ring all-reduce's 2 (m-1)/m = 1.5 models: 0.254x the bytes
     c4 = rm.step_comm_times("complete", 4, 4, m, hw, "int8")
-    assert c4 == pytest.approx([3 * hw.intra_lat + 3 * w / hw.intra_bw])
-    assert (3 * w) / (2 * 3 / 4 * m) == pytest.approx(0.508, abs=1e-3)
-    # complete over 2 nodes of 8: 7 intra messages per rank, 8 remote ones; each NIC carries the
-    # 8 x 8 messages of its node; intra and inter in flight together (max)
+    assert c4 == pytest.approx([6 * hw.intra_lat + 6 * (w / 4) / hw.intra_bw], rel=1e-12)
+    assert (6 * w / 4) / (2 * 3 / 4 * m) == pytest.approx(0.254, abs=1e-3)
+    # complete over 2 nodes of 8: per round 7 intra and 8 remote messages of W/16 per rank, the
+    # NIC carrying 8 x 8 of them; intra and inter in flight together (max); two rounds
     c16 = rm.step_comm_times("complete", 16, 8, m, hw, "int8")
-    assert c16 == pytest.approx([max(7 * hw.intra_lat + 7 * w / hw.intra_bw,
-                                     8 * hw.inter_lat + 64 * w / hw.inter_bw)])
-    # AER over 8 nodes of 4: every step has a node pair (a group of 8 ranks, 16 messages per NIC)
+    one_round = max(7 * hw.intra_lat + 7 * (w / 16) / hw.intra_bw,
+                    8 * hw.inter_lat + 64 * (w / 16) / hw.inter_bw)
+    assert c16 == pytest.approx([2 * one_round], rel=1e-12)
+    # AER over 8 nodes of 4: every step has a node pair (a group of 8 ranks; per round 3 intra
+    # and 4 remote messages of W/8 per rank, 16 through each NIC)
     aer = rm.step_comm_times("alternating-exp-ring", 32, 4, m, hw, "int8")
-    cross = max(3 * hw.intra_lat + 3 * w / hw.intra_bw, 4 * hw.inter_lat + 16 * w / hw.inter_bw)
-    assert aer == pytest.approx([cross] * 6)
+    cross = 2 * max(3 * hw.intra_lat + 3 * (w / 8) / hw.intra_bw,
+                    4 * hw.inter_lat + 16 * (w / 8) / hw.inter_bw)
+    assert aer == pytest.approx([cross] * 6, rel=1e-12)
+
+
+def test_compressed_group_bytes_with_uneven_chunks_by_hand():
+    # 2660 elements = 11 int8 blocks (the last one of 100) over 4 members: chunk p starts at block
+    # 11 p // 4, so the chunks are 2, 3, 3, 3 blocks: 512, 768, 768, 612 elements, int8 wires
+    # 520, 780, 780, 624 bytes. The busiest member owns a 780-byte chunk: round 1 sends the others'
+    # chunks (520 + 780 + 624), round 2 its own to the 3 others (3 x 780): 4264 bytes
+    numel, busiest = 2660, 3 * 780 + (520 + 780 + 624)
+    assert [4 * b + e for b, e in ((2, 512), (3, 768), (3, 768), (3, 612))] == [520, 780, 780, 624]
+    assert rm.compressed_send_bytes("int8", numel, 4) == busiest
+    assert rm.largest_chunk(numel, 4) == (1, 768)
+    # one node: 6 messages over the intra link, 4264 bytes in all
+    hw = replace(HW, intra_lat=1e-6)
+    assert rm.step_comm_times("complete", 4, 4, 4.0 * numel, hw, "int8") == pytest.approx(
+        [6 * 1e-6 + busiest / hw.intra_bw], rel=1e-12)
+    # pairs: one wire of the whole bucket (11 scales + 2660 codes)
+    assert rm.compressed_send_bytes("int8", numel, 2) == 4 * 11 + 2660
+    assert rm.compressed_send_bytes("int8", numel, 1) == 0
 
 
 def test_int8_pairs_never_slower_than_fp32_when_link_bound():
@@ -585,69 +612,84 @@ def test_int8_pairs_never_slower_than_fp32_when_link_bound():
                 assert t8 <= t16 <= t32 and c8 <= c16 <= c32, (name, n, local, gbps)
 
 
-@pytest.mark.parametrize("local", [2, 3])
+@pytest.mark.parametrize("local", [2, 4, 8])
 def test_int8_aer_never_slower_than_fp32_when_the_gpu_link_is_the_bottleneck(local):
-    # per-GPU link the bottleneck (NIC free): groups of 2L <= 6 ranks send (m-1) W <= 2 (m-1)/m M
+    # per-GPU link the bottleneck (NIC free): a group of 2L sends 2 (L-1) chunks of W / 2L over the
+    # GPU link, against the hierarchical all-reduce's intra part 2 (L-1)/L M
     hw = replace(HW, inter_bw=math.inf, inter_lat=0.0, mem_bw=math.inf)
-    wl = replace(WL, compute_s=0.0)
+    wl = replace(WL, model_bytes=M_EVEN, compute_s=0.0)
+    w = W_EVEN
     for nodes in (2, 4, 16):
         n = nodes * local
         t32 = rm.decentralized_iteration_time("alternating-exp-ring", n, local, wl, hw)[0]
         t8 = rm.decentralized_iteration_time("alternating-exp-ring", n, local, wl, hw, "int8")[0]
         assert t8 <= t32
-        # the cross step by hand: (L-1) messages over the GPU link, against the hierarchical
-        # all-reduce's intra part 2 (L-1) intra_lat + 2 (L-1)/L M
-        w = _int8_wire(wl.model_bytes)
-        assert rm.step_comm_times("alternating-exp-ring", n, local, wl.model_bytes, hw, "int8")[0] \
-            == pytest.approx((local - 1) * (hw.intra_lat + w / hw.intra_bw))
+    # 2 nodes by hand: the node pair (two rounds of L-1 messages of W / 2L over the GPU link),
+    # then each node alone (a pair for L = 2: one message of W; else two rounds of L-1 of W / L)
+    cross = 2 * (local - 1) * (hw.intra_lat + w / (2 * local) / hw.intra_bw)
+    inside = (hw.intra_lat + w / hw.intra_bw if local == 2
+              else 2 * (local - 1) * (hw.intra_lat + w / local / hw.intra_bw))
+    assert rm.step_comm_times("alternating-exp-ring", 2 * local, local, M_EVEN, hw, "int8") \
+        == pytest.approx([cross, inside], rel=1e-12)
 
 
 @pytest.mark.parametrize("local", [2, 4, 8])
-def test_int8_aer_moves_l_squared_messages_through_the_nic(local):
-    # NIC the bottleneck (GPU link free): fp32 AER's node pair all-reduces M through each NIC,
-    # int8 AER sends every rank's difference to each of the L ranks of the other node: L^2 W,
-    # more than M for every L >= 2 (L^2 * 0.254 > 1)
-    nodes, m = 4, 100e6
+def test_int8_aer_moves_l_wire_sizes_through_the_nic(local):
+    # NIC the bottleneck (GPU link free): fp32 AER's node pair all-reduces M through each NIC;
+    # int8 AER's group of 2L sends, per round, L x L chunks of W / 2L out of each node: L W in the
+    # two rounds, more than M for L >= 4 (L * 0.254 > 1), less for L = 2
+    nodes, m, w = 4, M_EVEN, W_EVEN
     n = nodes * local
     hw = replace(BYTES_ONLY, intra_bw=math.inf)
-    w = _int8_wire(m)
     fp32 = rm.step_comm_times("alternating-exp-ring", n, local, m, hw)
     int8 = rm.step_comm_times("alternating-exp-ring", n, local, m, hw, "int8")
     assert fp32 == pytest.approx([m / hw.inter_bw] * 4)
-    assert int8 == pytest.approx([local ** 2 * w / hw.inter_bw] * 4)
-    assert local ** 2 * w > m
+    assert int8 == pytest.approx([2 * local * local * (w / (2 * local)) / hw.inter_bw] * 4,
+                                 rel=1e-12)
+    assert (local * w > m) == (local >= 4)
 
 
-def test_choco_kernel_passes_by_hand_and_growing_with_the_group():
-    wl, hw = WL, HW
-    m = wl.model_bytes
-    w = _int8_wire(m)
+def test_choco_kernel_passes_by_hand():
+    wl, hw = replace(WL, model_bytes=M_EVEN), HW
+    m, w = M_EVEN, W_EVEN
     # pair: the fused compressing pass (p, g, m, v and three copies: 12 fp32 streams) + q in/out
     pair = (12 * m + 2 * w) / hw.mem_bw
     assert rm.choco_kernel_time(2, "int8", wl, hw) == pytest.approx(pair)
     assert pair / (wl.kernel_traffic_dec * m / hw.mem_bw) == pytest.approx(1.563, abs=1e-3)
-    # each member beyond the second: a mix-only (5 streams) and a compress-only (3) pass + 2 q
-    for size in (3, 4, 8, 16):
-        assert rm.choco_kernel_time(size, "int8", wl, hw) == pytest.approx(
-            pair + (size - 2) * (8 * m + 2 * w) / hw.mem_bw)
-    times = [rm.choco_kernel_time(size, "bf16", wl, hw) for size in range(2, 18)]
-    assert all(a < b for a, b in zip(times, times[1:]))
+    # a group of k: the same fused pass + the owner's reduction of its chunk (k chunk wires read,
+    # one written, its fp32 copy's chunk read and written): (k+1) W/k + 2 M/k
+    for k in (4, 8, 16, 32):
+        assert rm.choco_kernel_time(k, "int8", wl, hw) == pytest.approx(
+            pair + ((k + 1) * w / k + 2 * m / k) / hw.mem_bw, rel=1e-12)
+    # 3 members: 16_000 blocks split 5333, 5333, 5334; the largest chunk 5334 x 256 elements
+    c = 5334 * 256
+    assert rm.choco_kernel_time(3, "int8", wl, hw) == pytest.approx(
+        pair + (4 * (4 * 5334 + c) + 8 * c) / hw.mem_bw, rel=1e-12)
+    # no extra passes any more: a group costs a pair's pass plus less than one wire and one model
+    times = [rm.choco_kernel_time(k, "bf16", wl, hw) for k in range(3, 18)]
+    bf16_pair = (12 * m + m) / hw.mem_bw
+    assert all(bf16_pair < t < bf16_pair + (m / 2 + m) / hw.mem_bw for t in times)
     # free links: the iteration is compute + the largest group's passes (AER over 4 nodes of 8:
     # a node pair of 16 in every step; complete over one node of 4)
     assert rm.decentralized_iteration_time("alternating-exp-ring", 32, 8, wl, INF_HW, "int8")[0] \
-        == pytest.approx(wl.compute_s + (12 * m + 2 * w + 14 * (8 * m + 2 * w)) / INF_HW.mem_bw)
+        == pytest.approx(wl.compute_s + (12 * m + 2 * w + 17 * w / 16 + 2 * m / 16) / INF_HW.mem_bw)
     assert rm.decentralized_iteration_time("complete", 4, 4, wl, INF_HW, "bf16")[0] \
-        == pytest.approx(wl.compute_s + (12 * m + m + 2 * (8 * m + m)) / INF_HW.mem_bw)
+        == pytest.approx(wl.compute_s + (12 * m + m + 5 * (m / 8) + 2 * m / 4) / INF_HW.mem_bw)
     # AER over 2 nodes: the node pair, then both nodes inside (groups of 16, then of 8)
     assert rm.step_group_sizes("alternating-exp-ring", 16, 8) == (16, 8)
 
 
 def test_compressed_copies_by_hand():
+    # pairs: two copies per distinct partner
     assert rm.compressed_copies("ring", 64, 8) == 4
     assert rm.compressed_copies("one-peer-exp", 64, 8) == 2 * 6
-    assert rm.compressed_copies("complete", 16, 8) == 2 * 15
-    # AER over 8 nodes of 8: the 7 ranks of its node, the 8 of each of the 3 partner nodes
-    assert rm.compressed_copies("alternating-exp-ring", 64, 8) == 2 * (7 + 3 * 8)
+    # groups of more than two: two copies per distinct group (own public copy, group mean)
+    assert rm.compressed_copies("complete", 16, 8) == 2
+    assert rm.compressed_copies("complete", 2, 2) == 2  # a pair
+    # AER over 8 nodes of 8: its node and the 3 node pairs
+    assert rm.compressed_copies("alternating-exp-ring", 64, 8) == 2 * (1 + 3)
+    # AER over 4 nodes of 2: the node is a pair (1 partner), then 2 node pairs of 4 ranks
+    assert rm.compressed_copies("alternating-exp-ring", 8, 2) == 2 * (1 + 2)
 
 
 def test_compression_kinds_checked_by_decentpy_and_none_is_uncompressed():
@@ -704,18 +746,23 @@ def test_sharded_compressed_aer_on_two_nodes_by_hand(kind, local):
 
 
 def test_sharded_compressed_groups_of_nodes_by_hand():
-    # complete over 3 nodes of 4: each rank sends its compressed shard to the same shard of the
-    # 2 other nodes (2 messages, 2 latencies), 2 x 4 shards through each NIC; kernels: the fused
-    # pass + one mix-only and one compress-only pass, on the shard
-    local, m = 4, 100e6
+    # complete over 3 nodes of 4: each rank's group is the same shard on the 3 nodes. A shard of
+    # 768_000 elements = 3000 int8 blocks, so 3 chunks of 1000 blocks, 260_000 bytes each (W_s /
+    # 3). Two rounds of 2 messages per rank (4 latencies), 4 chunks per rank through the NIC, 4
+    # ranks per node; kernels: the fused pass + the reduction of a chunk (4 chunk wires, its fp32
+    # copy's chunk read and written), on the shard
+    local, m = 4, 4 * 4 * 768_000.0
+    s, ws, chunk_wire = m / local, _int8_wire(m / local), 4 * 1000 + 256_000
+    assert ws == 3 * chunk_wire
     wl = rm.Workload(model_bytes=m, compute_s=0.0)  # communication-bound: the exchange shows
-    ws = _int8_wire(m / local)
-    c = 2 * HW.inter_lat + 2 * local * ws / HW.inter_bw
-    k = (12 * m / local + 2 * ws + 8 * m / local + 2 * ws) / HW.mem_bw
+    c = 4 * HW.inter_lat + local * 4 * chunk_wire / HW.inter_bw
+    k = (12 * s + 2 * ws + 4 * chunk_wire + 8 * 256_000) / HW.mem_bw
     t, comm = rm.sharded_gossip_iteration_time("complete", 3 * local, local, wl, HW, "int8")
     assert comm == pytest.approx(c, rel=1e-12)
     assert t == pytest.approx(max(_window(wl, local), c) + k, rel=1e-12)
     # AER over 4 nodes: a node pair at every step
+    m = 100e6
+    wl = rm.Workload(model_bytes=m, compute_s=0.0)
     t, comm = rm.sharded_gossip_iteration_time("alternating-exp-ring", 4 * local, local, wl, HW,
                                                "bf16")
     assert comm == pytest.approx(HW.inter_lat + local * (m / local / 2) / HW.inter_bw, rel=1e-12)
@@ -750,13 +797,15 @@ def test_sharded_compressed_never_slower_than_sharded_when_the_nic_is_the_bottle
 
 
 def test_sharded_compressed_copies_by_hand_and_as_decentpy_counts_them():
-    # 2 copies of the shard per distinct peer node: AER over N = 2^r nodes has r partner nodes
+    # 2 copies of the shard per distinct partner node (2 per distinct group of > 2 nodes): AER
+    # over N = 2^r nodes has r partner nodes
     assert rm.sharded_compressed_copies("alternating-exp-ring", 2) == 2
     assert rm.sharded_compressed_copies("alternating-exp-ring", 8) == 2 * 3
     assert rm.sharded_compressed_copies("alternating-exp-ring", 512) == 2 * 9
     assert rm.sharded_compressed_copies("ring", 8) == 4
     assert rm.sharded_compressed_copies("one-peer-exp", 8) == 2 * 3
-    assert rm.sharded_compressed_copies("complete", 3) == 2 * 2
+    assert rm.sharded_compressed_copies("complete", 2) == 2  # a pair of nodes
+    assert rm.sharded_compressed_copies("complete", 3) == 2  # one group of 3 nodes
     # decentpy's own lifting to ranks: rank 0's distinct peers are rank 0 of those nodes
     for nodes, local in ((8, 8), (4, 2)):
         ranks = topology.shard_topology(topology.node_topology("alternating-exp-ring", nodes), local)
@@ -773,13 +822,16 @@ def test_compression_table():
             assert r["alternating-exp-ring_s"] is None and r["alternating-exp-ring+int8_s"] is None
             continue
         # the model's findings: compression helps one-peer-exp (pairs, every GPU's model through
-        # the NIC) and hurts AER on 8-GPU nodes (64 compressed models per NIC against one); int8
+        # the NIC) and still hurts AER on 8-GPU nodes (its node pair's chunks put 8 int8 models,
+        # 2.03 M, through each NIC against the all-reduce's M: at most that ratio slower); int8
         # is never slower than bf16
         assert r["one-peer-exp+int8_s"] < r["one-peer-exp_s"]
-        assert r["alternating-exp-ring+int8_s"] > r["alternating-exp-ring_s"]
+        assert r["alternating-exp-ring_s"] < r["alternating-exp-ring+int8_s"] \
+            < 8 * 0.254 * r["alternating-exp-ring_s"]
         for topo in ("alternating-exp-ring", "one-peer-exp"):
             assert r[f"{topo}+int8_s"] <= r[f"{topo}+bf16_s"]
-        assert r["alternating-exp-ring_copies"] == 2 * (7 + 8 * int(math.log2(r["nodes"])))
+        # two copies for its node's group and two per node pair (log2 N partner nodes)
+        assert r["alternating-exp-ring_copies"] == 2 * (1 + int(math.log2(r["nodes"])))
         # sharded AER: one compressed model through each NIC per node pair (8 shards of 1/8),
         # never slower than plain compressed AER, faster than sharded fp32 where the NIC is slow
         assert r["shard-alternating-exp-ring+int8_s"] < r["alternating-exp-ring+int8_s"]
@@ -800,6 +852,7 @@ def test_cli_compression_only(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "Compressed gossip at scale" in text and "AER+int8" in text and "1peer-exp+bf16" in text
     assert "shard-AER 18 shard copies" not in text and "shard-AER 6 shard copies" in text  # 64 GPUs
+    assert "AER 8 copies" in text  # its node and 3 node pairs, 2 each
     lines = table.read_text().splitlines()
     assert lines[0].startswith("model,NIC Gb/s per node,GPUs (nodes),DDP-AR,AER,AER+int8")
     assert lines[0].endswith(",shard-AER,shard-AER+int8,shard-AER+bf16")

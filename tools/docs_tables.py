@@ -50,14 +50,16 @@ TABLES: Dict[str, str] = {
                                  "ring,one-peer-exp,alternating-exp-ring --rounds 3 --link-mbit 400 --link-layout "
                                  "two-nodes\"`: 8 workers as 2 nodes of 4 joined by one 400 Mbit/s link, MLP 3 x "
                                  "Linear(1024,1024), AdamW; median over 12 period means (DDP and one-peer-exp: 24 "
-                                 "steps), max over ranks per step; one run. AMD EPYC, 2 cores shared by the 8 workers "
-                                 "(quiet otherwise), torch 2.13.0+cpu, decent-dp 0.2.3, 2026-11-25.",
+                                 "steps), max over ranks per step; one run. Intel Xeon, 2 cores shared by the 8 workers "
+                                 "(load 0.7 before the run, after other runs), torch 2.13.0+cpu, decent-dp 0.2.3, "
+                                 "2026-11-26.",
     "bench_train_link_compressed": "`make bench-train BENCH_ARGS=\"--workers 4 --models mlp --frameworks decentpy,"
                                    "decentpy-int8,torch-ddp,torch-ddp-powersgd,local --topologies ring,"
                                    "alternating-exp-ring --link-mbit B --link-layout L\"` with B, L = 1000, per-worker "
                                    "and 2000, two-nodes: MLP 3 x Linear(1024,1024), AdamW, 4 workers; median over 16 "
                                    "period means (DDP: 32 steps), max over ranks per step; DDP + PowerSGD in one "
-                                   "bucket (see the text). AMD EPYC, 2 cores (quiet), torch 2.13.0+cpu, 2026-11-25.",
+                                   "bucket (see the text). Intel Xeon, 2 cores (load 6-10 before the runs), torch 2.13.0+cpu, "
+                                   "2026-11-26.",
     "bench_convergence": "`make bench-convergence` (bench/bench_convergence.py): digits, 4 workers, 10 epochs, seed 0, "
                          "test accuracy of the averaged model (360 test samples: one sample is 0.28 points). "
                          "Intel Xeon, 2 cores, torch 2.13.0+cpu.",

@@ -11,6 +11,9 @@ namespace decentpy {
 // choice (at::native::get_cpu_capability(), i.e. the ATEN_CPU_CAPABILITY environment variable).
 void mix_and_step_cpu(const MixStepArgs& args);
 
+// The group reduction of compressed gossip over [args.lo, args.hi) (csrc/cpu/choco_group_cpu.cpp).
+void choco_group_reduce_cpu(const GroupReduceArgs& args);
+
 // dst = alpha * src (dst may equal src).
 void scale_copy_cpu(const ScaleCopyArgs& args);
 

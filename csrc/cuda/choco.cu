@@ -8,7 +8,8 @@
 // next difference; for int8 and int4 (one code path, Bits = code_bits(C)) the block's max |d| comes
 // from a warp-shuffle + shared-memory reduction, thread 0 writes the block's scale, and for int4 the
 // even thread of each pair packs its neighbour's nibble (a shuffle) into the byte it writes. fp32
-// parameters only. The launcher checks its CUDA calls.
+// parameters only. The launcher checks its CUDA calls. The group reduction of a compressed group
+// exchange (GroupReduceArgs) is a second, smaller kernel below, on the same block layout.
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -166,6 +167,49 @@ void launch_c(const CArgs& a, OptKind kind, cudaStream_t stream) {
   }
 }
 
+// The group reduction (GroupReduceArgs): one thread block per scale block of the chunk, one element
+// per thread, the block's max |mu| from block_max and int4 bytes packed as in choco_kernel.
+template <Compressor C>
+__global__ void __launch_bounds__(kThreads) group_reduce_kernel(const __grid_constant__ GroupReduceArgs a) {
+  constexpr int Bits = code_bits(C);
+  __shared__ float red[kThreads / 32];
+  const float mf = static_cast<float>(a.num_inputs);
+  const float inv_m = ScalarMath::div(1.f, mf);
+  const int64_t b0 = a.lo / kInt8Block, nb = num_scale_blocks(a.hi) - b0;
+  for (int64_t bi = blockIdx.x; bi < nb; bi += gridDim.x) {
+    const int64_t b = b0 + bi;
+    const int64_t i = b * kInt8Block + threadIdx.x;
+    const bool valid = i < a.hi;
+    const float mu = valid ? group_mean<C>(a.inputs, a.num_inputs, a.numel, i, inv_m) : 0.f;
+    if constexpr (Bits != 0) {
+      using BC = BlockCode<Bits>;
+      const float s = block_scale<Bits>(block_max(fabsf(mu), red));
+      if (threadIdx.x == 0) block_scales(a.out)[b] = s;
+      const float c = valid ? block_code<Bits>(mu, s) : 0.f;
+      uint32_t byte = block_code_field<Bits>(c, 0);
+#pragma unroll
+      for (int j = 1; j < BC::kPerByte; ++j) byte |= __shfl_down_sync(0xffffffffu, block_code_field<Bits>(c, j), j);
+      if (valid) {
+        if (threadIdx.x % BC::kPerByte == 0) block_codes(a.out, a.numel)[i / BC::kPerByte] = static_cast<uint8_t>(byte);
+        a.self_copy[i] = group_copy_adjust(a.self_copy[i], c * s, mu, mf);
+      }
+    } else if (valid) {
+      const uint16_t r = bf16_bits(mu);
+      static_cast<uint16_t*>(a.out)[i] = r;
+      a.self_copy[i] = group_copy_adjust(a.self_copy[i], bf16_value(r), mu, mf);
+    }
+  }
+}
+
+template <Compressor C>
+void launch_group(const GroupReduceArgs& a, cudaStream_t stream) {
+  auto kernel = group_reduce_kernel<C>;
+  static std::atomic<int> occupancy{0};
+  const int64_t blocks = num_scale_blocks(a.hi) - a.lo / kInt8Block;
+  kernel<<<detail::occupancy_grid(kernel, occupancy, blocks * kThreads), kThreads, 0, stream>>>(a);
+  DECENTPY_CUDA_CHECK_LAUNCH();
+}
+
 void require(bool ok, const char* what) {
   if (!ok) throw std::invalid_argument(std::string("decentpy compressed mix_and_step (CUDA): ") + what);
 }
@@ -217,6 +261,21 @@ void launch_choco_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
     case Compressor::Int8: return launch_c<Compressor::Int8>(a, kind, stream);
     case Compressor::Int4: return launch_c<Compressor::Int4>(a, kind, stream);
     default: return launch_c<Compressor::BF16>(a, kind, stream);
+  }
+}
+
+void launch_choco_group_reduce(const GroupReduceArgs& args, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  require(args.lo >= 0 && args.lo % kInt8Block == 0 && args.lo <= args.hi && args.hi <= args.numel,
+          "group reduce: the chunk [lo, hi) must start on a scale block and lie in [0, numel)");
+  require(args.num_inputs >= 1 && args.num_inputs <= kMaxGroupInputs, "group reduce: 1 to kMaxGroupInputs inputs");
+  require(args.out != nullptr && args.self_copy != nullptr, "group reduce: out and self_copy are required");
+  if (args.hi == args.lo) return;
+  switch (args.compressor) {
+    case Compressor::Int8: return launch_group<Compressor::Int8>(args, stream);
+    case Compressor::Int4: return launch_group<Compressor::Int4>(args, stream);
+    case Compressor::BF16: return launch_group<Compressor::BF16>(args, stream);
+    default: require(false, "group reduce: unknown compressor (valid: BF16 = 1, Int8 = 2, Int4 = 3)");
   }
 }
 

@@ -13,6 +13,8 @@ namespace decentpy { namespace cuda {
 void launch_mix_and_step(const MixStepArgs& args, void* stream);   // stream is a cudaStream_t
 // Compressed gossip (args.compressor != None; csrc/cuda/choco.cu).
 void launch_choco_mix_and_step(const MixStepArgs& args, void* stream);
+// The group reduction of compressed gossip (csrc/cuda/choco.cu).
+void launch_choco_group_reduce(const GroupReduceArgs& args, void* stream);
 void launch_scale_copy(const ScaleCopyArgs& args, void* stream);
 const char* compiled_archs();   // e.g. "sm_80,sm_90,compute_90", from __CUDA_ARCH_LIST__ or a macro set at compile time
 } }

@@ -110,6 +110,47 @@ DECENTPY_HD float block_code_at(const uint8_t* codes, int64_t i) {
 // xhat += D(q) = code * s, one rounding (fused multiply-add).
 DECENTPY_HD float block_copy_update(float xhat, float code, float s) { return ScalarMath::fma(code, s, xhat); }
 
+// The byte ranges [start, stop) that hold elements [lo, hi) of a wire of n elements (lo a multiple
+// of kInt8Block, so a range never splits a block's scale or an int4 byte): int8 / int4 their block
+// scales, then their codes; bf16 one range. Writes the pairs into out, returns how many (<= 2).
+inline int wire_regions(Compressor c, int64_t n, int64_t lo, int64_t hi, int64_t out[4]) {
+  if (c == Compressor::BF16) {
+    out[0] = 2 * lo;
+    out[1] = 2 * hi;
+    return 1;
+  }
+  const int64_t per = c == Compressor::Int4 ? 2 : 1;  // elements per code byte
+  const int64_t codes = 4 * num_scale_blocks(n);
+  out[0] = 4 * (lo / kInt8Block);
+  out[1] = 4 * num_scale_blocks(hi);
+  out[2] = codes + lo / per;
+  out[3] = codes + (hi + per - 1) / per;
+  return 2;
+}
+
+// ---- group reduction (kernels/mix_and_step.h, GroupReduceArgs) ------------------------------
+// D(q)[i] of a wire of n elements.
+template <Compressor C>
+DECENTPY_HD float wire_value(const void* wire, int64_t n, int64_t i) {
+  constexpr int Bits = code_bits(C);
+  if constexpr (Bits != 0) {
+    return block_code_at<Bits>(block_codes(wire, n), i) * block_scales(wire)[i / kInt8Block];
+  } else {
+    return bf16_value(static_cast<const uint16_t*>(wire)[i]);
+  }
+}
+// mu = (sum_t D(q_t)[i]) * inv_m, the members in their order (one rounding order on every device).
+template <Compressor C>
+DECENTPY_HD float group_mean(const void* const* inputs, int m, int64_t n, int64_t i, float inv_m) {
+  float s = 0.f;
+  for (int t = 0; t < m; ++t) s += wire_value<C>(inputs[t], n, i);
+  return s * inv_m;
+}
+// The owner's copy keeps what the re-quantisation of the mean dropped: xhat += m (D(r) - mu).
+DECENTPY_HD float group_copy_adjust(float xhat, float dr, float mu, float m) {
+  return ScalarMath::fma(m, dr - mu, xhat);
+}
+
 // ---- the consensus step ---------------------------------------------------------------------
 // p += gamma * w_ij * (xhat_peer - xhat_self)   (gw = gamma * w_ij)
 DECENTPY_HD float choco_mix(float p, float xpeer, float xself, float gw) {

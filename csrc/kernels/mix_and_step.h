@@ -144,6 +144,28 @@ struct MixStepArgs {
   int32_t num_groups = 0;
 };
 
+// Compressed gossip in a group of m > 2 ranks (kernels/compress.h, "group reduction"): each member
+// owns a chunk [lo, hi) of the bucket (whole scale blocks), receives every member's q on its chunk
+// and reduces them into one message r = Q(mean_t D(q_t)), which all members then apply to their
+// copy of the group's public mean. Per element i of the chunk:
+//   mu = (sum_t D(inputs[t])[i]) / m;   r = Q(mu) (its own block scales for int8 / int4), into out;
+//   self_copy[i] += m * (D(r)[i] - mu)  (what the re-quantisation dropped stays with the owner's
+//                                        copy: the members' copies keep summing to m x the mean)
+// Every wire (inputs, out) has the layout of `numel` elements; only the chunk's bytes are read or
+// written. fp32 copies; host memory for CPU, device memory for CUDA.
+constexpr int kMaxGroupInputs = 128;
+
+struct GroupReduceArgs {
+  Compressor compressor = Compressor::None;
+  int64_t numel = 0;                           // elements of the whole bucket (the wire layout)
+  int64_t lo = 0;                              // the chunk: a multiple of kInt8Block
+  int64_t hi = 0;
+  int32_t num_inputs = 0;                      // m: the members' q, this rank's own included
+  const void* inputs[kMaxGroupInputs] = {};
+  void* out = nullptr;                         // r's wire
+  float* self_copy = nullptr;                  // this rank's public copy in the group
+};
+
 // Elementwise helpers on flat buffers of `dtype`, used around the exchanges.
 // dst = alpha * src  (dst may equal src)
 struct ScaleCopyArgs {

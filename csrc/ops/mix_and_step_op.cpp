@@ -6,8 +6,11 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "cpu/mix_and_step_cpu.h"
+#include "kernels/compress.h"
 #include "kernels/mix_and_step.h"
 #ifdef DECENTPY_WITH_CUDA
 #include "cuda/mix_and_step_cuda.h"
@@ -419,6 +422,65 @@ void compressed_mix_and_step(OptKind kind, Compressor compressor, const at::Tens
   mix_and_step_impl(kind, param, grad, states, c10::nullopt, c10::nullopt, segments, groups, 1.0, 0.0,
                     1.0, grad_scale, grad_norm, scaler_scale, clip_norm, decoupled_weight_decay,
                     momentum_init, accum_boundary, skip_update, zero_grad, &ch);
+}
+
+void compressed_group_reduce(Compressor compressor, const std::vector<at::Tensor>& inputs, const at::Tensor& out,
+                             const at::Tensor& self_copy, int64_t lo, int64_t hi) {
+  const int ci = static_cast<int>(compressor);
+  TORCH_CHECK(ci == 1 || ci == 2 || ci == 3, "compressed_group_reduce: unknown compressor ", ci,
+              "; valid compressors are BF16 = 1, INT8 = 2 and INT4 = 3");
+  TORCH_CHECK(self_copy.defined() && self_copy.scalar_type() == at::kFloat && self_copy.is_contiguous(),
+              "compressed_group_reduce: self_copy must be a contiguous float32 tensor");
+  check_device_supported(self_copy, "compressed_group_reduce: self_copy");
+  const int64_t n = self_copy.numel();
+  TORCH_CHECK(lo >= 0 && lo <= hi && hi <= n && lo % kInt8Block == 0, "compressed_group_reduce: the chunk [", lo,
+              ", ", hi, ") must start at a multiple of ", kInt8Block, " and lie within [0, ", n, ")");
+  const int64_t m = static_cast<int64_t>(inputs.size());
+  TORCH_CHECK(m >= 1 && m <= kMaxGroupInputs, "compressed_group_reduce: ", m, " inputs; a group reduces 1 to ",
+              kMaxGroupInputs, " members' q");
+  check_wire(out, self_copy, compressor, "compressed_group_reduce: out");
+  check_no_overlap(out, "compressed_group_reduce: out", self_copy, "self_copy");
+  GroupReduceArgs a;
+  a.compressor = compressor;
+  a.numel = n;
+  a.lo = lo;
+  a.hi = hi;
+  a.num_inputs = static_cast<int32_t>(m);
+  for (int64_t t = 0; t < m; ++t) {
+    check_wire(inputs[t], self_copy, compressor, "compressed_group_reduce: an input");
+    check_no_overlap(inputs[t], "compressed_group_reduce: an input", out, "out");
+    a.inputs[t] = inputs[t].data_ptr();
+  }
+  a.out = out.data_ptr();
+  a.self_copy = self_copy.data_ptr<float>();
+  if (hi == lo) return;
+  if (self_copy.device().is_cpu()) {
+    choco_group_reduce_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(self_copy.device());
+    decentpy::cuda::launch_choco_group_reduce(a, cuda_stream_of(self_copy));
+#else
+    TORCH_CHECK(false, "decentpy was built without CUDA kernels (no nvcc at build time, or "
+                "DECENTPY_NO_CUDA=1); cannot run compressed_group_reduce on ", self_copy.device(),
+                ". Rebuild with nvcc available.");
+#endif
+  }
+  bump(out);
+  bump(self_copy);
+}
+
+std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor compressor, int64_t n, int64_t lo,
+                                                                 int64_t hi) {
+  const int ci = static_cast<int>(compressor);
+  TORCH_CHECK(ci == 1 || ci == 2 || ci == 3, "compressed_wire_regions: unknown compressor ", ci);
+  TORCH_CHECK(lo >= 0 && lo <= hi && hi <= n && lo % kInt8Block == 0, "compressed_wire_regions: the range [", lo,
+              ", ", hi, ") must start at a multiple of ", kInt8Block, " and lie within [0, ", n, ")");
+  int64_t r[4];
+  const int k = wire_regions(compressor, n, lo, hi, r);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (int i = 0; i < k; ++i) out.emplace_back(r[2 * i], r[2 * i + 1]);
+  return out;
 }
 
 void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha) {

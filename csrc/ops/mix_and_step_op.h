@@ -52,6 +52,16 @@ void compressed_mix_and_step(OptKind kind, Compressor compressor, const at::Tens
                              bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
                              bool skip_update, bool zero_grad);
 
+// The group reduction of compressed gossip (kernels/mix_and_step.h, GroupReduceArgs) over the
+// chunk [lo, hi) of a bucket of self_copy.numel() elements: inputs are the m members' q (wire bytes
+// of the whole bucket), r goes into out (the same layout), self_copy (fp32) keeps the rounding.
+void compressed_group_reduce(Compressor compressor, const std::vector<at::Tensor>& inputs, const at::Tensor& out,
+                             const at::Tensor& self_copy, int64_t lo, int64_t hi);
+
+// The byte ranges [start, stop) of elements [lo, hi) in the wire of n elements (kernels/compress.h).
+std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor compressor, int64_t n, int64_t lo,
+                                                                 int64_t hi);
+
 // dst = alpha * src, flat contiguous tensors of the same dtype (fp32/bf16/fp16), numel and device.
 void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha);
 

@@ -259,12 +259,57 @@ static void test_scale_copy() {
   for (size_t i = 0; i < src.size(); ++i) CHECK(dst[i] == 0.25f * src[i]);
 }
 
+// The group reduction (int8): two members' q on the chunk [256, 300) of a 300-element bucket; the
+// result's codes against round(mu / s), the owner's copy against m (D(r) - mu), nothing outside the chunk.
+static void test_group_reduce() {
+  const int64_t n = 300, lo = 256, hi = 300, nb = 2;
+  const int64_t wire = compressed_bytes(Compressor::Int8, n);
+  CHECK(wire == 4 * nb + n);
+  std::vector<uint8_t> q0(wire, 0), q1(wire, 0), out(wire, 0xAB);
+  const float s0 = 0.5f, s1 = 0.25f;
+  std::memcpy(q0.data() + 4, &s0, 4);
+  std::memcpy(q1.data() + 4, &s1, 4);
+  for (int64_t i = lo; i < hi; ++i) {
+    q0[4 * nb + i] = static_cast<uint8_t>(static_cast<int8_t>((i * 7) % 255 - 127));
+    q1[4 * nb + i] = static_cast<uint8_t>(static_cast<int8_t>(100 - (i * 3) % 201));
+  }
+  std::vector<float> copy(n, 1.f);
+  GroupReduceArgs a;
+  a.compressor = Compressor::Int8;
+  a.numel = n;
+  a.lo = lo;
+  a.hi = hi;
+  a.num_inputs = 2;
+  a.inputs[0] = q0.data();
+  a.inputs[1] = q1.data();
+  a.out = out.data();
+  a.self_copy = copy.data();
+  choco_group_reduce_cpu(a);
+  double amax = 0;
+  std::vector<double> mu(n, 0.0);
+  for (int64_t i = lo; i < hi; ++i) {
+    mu[i] = (static_cast<int8_t>(q0[4 * nb + i]) * 0.5 + static_cast<int8_t>(q1[4 * nb + i]) * 0.25) / 2;
+    amax = std::max(amax, std::fabs(mu[i]));
+  }
+  float s;
+  std::memcpy(&s, out.data() + 4, 4);
+  CHECK_NEAR(s, amax / 127, 1e-6, 0);
+  for (int64_t i = lo; i < hi; ++i) {
+    const double dr = static_cast<int8_t>(out[4 * nb + i]) * static_cast<double>(s);
+    CHECK(std::fabs(dr - mu[i]) <= 0.5 * s + 1e-6);
+    CHECK_NEAR(copy[i], 1.0 + 2 * (dr - mu[i]), 0, 2e-5);  // fp32 rounding of mu (|mu| < 64)
+  }
+  for (int64_t i = 0; i < lo; ++i) CHECK(copy[i] == 1.f && out[4 * nb + i] == 0xAB);
+  for (int k = 0; k < 4; ++k) CHECK(out[k] == 0xAB);  // block 0's scale is not this chunk's
+}
+
 int main() {
   test_assign_buckets();
   test_aligned_offsets();
   test_mix_and_step();
   test_zero_grad();
   test_scale_copy();
+  test_group_reduce();
   std::printf("decentpy_cpp_tests: %d checks, %d failures (cpu kernels: %s)\n", g_checks,
               g_failures, cpu_kernel_isa());
   return g_failures == 0 ? 0 : 1;

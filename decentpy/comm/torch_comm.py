@@ -10,6 +10,7 @@ import contextlib
 import datetime
 import functools
 import logging
+import threading
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -118,6 +119,7 @@ class TorchCommunicator:
         self._subgroups: Dict[Tuple[int, ...], Optional[SubGroup]] = {}
         #: payload bytes this rank has sent (point to point) or contributed (all-reduce) so far
         self.bytes_sent = 0
+        self._count_lock = threading.Lock()
         # Sub-group creation is collective over the group: every rank creates every group, in the
         # same (schedule) order. decentpy's traffic never uses the group itself, so it cannot
         # interleave with the user's collectives (torch DDP beside it, Join's all-reduces).
@@ -149,15 +151,21 @@ class TorchCommunicator:
             g.destroy()
 
     def send_recv(self, bucket: int, peer: int, send: Tensor, recv: Tensor) -> Exchange:
-        """``send`` goes to ``peer``; the peer's counterpart lands in ``recv``."""
+        """``send`` goes to ``peer``; the peer's counterpart lands in ``recv``. An empty ``send`` or
+        ``recv`` is not sent / not awaited (the peer passes the matching empty tensor: a compressed
+        group exchange's chunk may hold no element). Safe to call from a second thread (the
+        compressed group exchange's helper)."""
         assert self._p2p_group is not None, "internal error: the topology has no pair exchange"
         to = self.group.to_global(peer)
         me = dist.get_rank()
-        self.bytes_sent += send.numel() * send.element_size()
+        with self._count_lock:
+            self.bytes_sent += send.numel() * send.element_size()
         finish: Optional[Callable[[], None]] = None
         if self._gloo and (send.is_cuda or recv.is_cuda):
-            host_send, host_recv = self._staging.to_host(send), self._staging.host_of(recv)
-            finish = functools.partial(self._staging.to_device, host_recv, recv)
+            host_send = self._staging.to_host(send) if send.numel() else send.cpu()
+            host_recv = self._staging.host_of(recv) if recv.numel() else recv.cpu()
+            if recv.numel():
+                finish = functools.partial(self._staging.to_device, host_recv, recv)
             send, recv = host_send, host_recv
         with _untraced_work(f"decentpy.exchange[bucket {bucket}]"):
             works = self.watch.guard_launch(lambda: self._launch_pair(send, recv, me, to, bucket),
@@ -168,11 +176,15 @@ class TorchCommunicator:
     def _launch_pair(self, send: Tensor, recv: Tensor, me: int, to: int, bucket: int) -> List[Any]:
         assert self._p2p_group is not None
         if self._p2p_reverse is None:
-            return self._p2p_group.send_recv(send, recv, to, bucket)
-        # the lower rank sends on the first group, the higher on the second: each direction has its own
-        # connection (gloo serialises the two directions of one), so the exchange runs full duplex
-        out, back = (self._p2p_group, self._p2p_reverse) if me < to else (self._p2p_reverse, self._p2p_group)
-        return [back.recv(recv, to, bucket), out.send(send, to, bucket)]
+            if send.numel() and recv.numel():
+                return self._p2p_group.send_recv(send, recv, to, bucket)
+            out = back = self._p2p_group
+        else:
+            # the lower rank sends on the first group, the higher on the second: each direction has its own
+            # connection (gloo serialises the two directions of one), so the exchange runs full duplex
+            out, back = (self._p2p_group, self._p2p_reverse) if me < to else (self._p2p_reverse, self._p2p_group)
+        return (([back.recv(recv, to, bucket)] if recv.numel() else []) +
+                ([out.send(send, to, bucket)] if send.numel() else []))
 
     def all_reduce(self, bucket: int, ranks: Tuple[int, ...], buffer: Tensor) -> Exchange:
         """``buffer`` summed in place over ``ranks``."""

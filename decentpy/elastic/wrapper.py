@@ -122,8 +122,8 @@ class ElasticGossip(nn.Module):
                              f"{ddp_kwargs['comm']!r} (decentpy's NCCL communicator) is not elastic yet")
         if ddp_kwargs.get("compression") is not None:
             raise ValueError(f"ElasticGossip does not support compression={ddp_kwargs['compression']!r} yet: the "
-                             "per-edge public copies would have to be rebuilt for the new members at each membership "
-                             "change")
+                             "public copies (per edge and per group) would have to be rebuilt for the new members at "
+                             "each membership change")
         if peer_liveness_timeout is None:
             raise ValueError("ElasticGossip needs heartbeats: peer_liveness_timeout cannot be None")
         if int(initial_workers) < 1:

@@ -1,52 +1,50 @@
 """Compressed gossip (``DecentralizedDataParallel(compression=...)``): CHOCO-style exchanges of
-compressed differences against tracked public copies, one pair of copies per edge.
+compressed differences against tracked public copies -- one pair of copies per edge for the pairs
+of the topology, one copy and the group's public mean per group of more than two ranks.
 
-Rank ``i`` keeps, for every bucket and every distinct peer ``j`` of the topology's period, two fp32
-copies: ``xhat_{i|j}`` (its own public copy as ``j`` knows it) and ``xhat_{j|i}`` (``j``'s as ``i``
-knows it), both starting from the broadcast initial parameters. Per bucket and step, with ``G`` the
-rank's group and ``s = (1 - w) / (|G| - 1)`` the weight of each other member (any self weight
-``w``: the mixing matrix stays symmetric and doubly stochastic): every received ``q_j`` (``j`` in ``G``) into
-``xhat_{j|i}``; the mix ``x_i += gamma s sum_j (xhat_{j|i} - xhat_{i|j})``; the optimizer update;
-for every member ``j'`` of the next step's group ``q = Q(x_i - xhat_{i|j'})`` into its send bytes,
-``xhat_{i|j'} += D(q)``. Then each ``q`` goes to its ``j'`` (point to point) and the members' ``q``
-land in the bucket's receive bytes, one slot per member.
+Pairs. Rank ``i`` keeps, for every bucket and every distinct pair partner ``j`` of the topology's
+period, two fp32 copies: ``xhat_{i|j}`` (its own public copy as ``j`` knows it) and ``xhat_{j|i}``
+(``j``'s as ``i`` knows it), both starting from the broadcast initial parameters. Per bucket and
+step: the received ``q_j`` into ``xhat_{j|i}``; the mix ``x_i += gamma w (xhat_{j|i} - xhat_{i|j})``;
+the optimizer update; ``q = Q(x_i - xhat_{i|j'})`` for the next step's partner ``j'`` into the send
+bytes, ``xhat_{i|j'} += D(q)``; then ``q`` goes to ``j'`` and ``j'``'s lands in the receive bytes.
+One fused kernel pass (:func:`decentpy.kernels.compressed_step`).
 
-A pair is one fused kernel pass (:func:`decentpy.kernels.compressed_step`). A group of ``m > 2``
-ranks adds ``m - 2`` mix-only passes before it and ``m - 2`` compress-only passes after it (the
-same kernel with no optimizer update): each peer's ``q`` differs, because each edge has its own
-copies (time-varying groups never share one public copy). Bytes sent per step: ``(m - 1)`` wire
-sizes, against ``2 (m - 1) / m`` fp32 bucket sizes for the uncompressed group all-reduce.
+Groups of ``m > 2`` ranks (:mod:`decentpy.engine.choco_group`). Rank ``i`` keeps, per bucket and
+distinct group ``G``, ``xhat_i^G`` and the group's public mean ``M^G``; the fused pass adds the
+received reduced ``r`` to ``M^G`` and mixes ``x_i += gamma s m (M^G - xhat_i^G)`` (``s`` the weight
+of each other member), and sends ``q = Q(x_i - xhat_i^G')`` to the next group as chunks; the owner
+of each chunk reduces it between the exchange's two rounds. Bytes sent per step: ``2 (m - 1) / m``
+wire sizes, against ``2 (m - 1) / m`` fp32 bucket sizes for the uncompressed group all-reduce.
 
 With ``intra_node='shard'`` / ``'allreduce'`` (:class:`CompressedNodeShard`,
 :class:`CompressedNodeAllReduce`) the node reduces the gradients as without compression and the
 compressed exchange runs between the ranks holding the same shard (or local rank) on the peer
-nodes: the inter-node traffic is what gets compressed, in pairs wherever the node topology pairs
-nodes, while the node collectives stay exact. The composition is the class's base order: this
-module's ``mix_and_step`` calls the node strategy's ``grad_args`` (the node's mean gradient) and
-``stepped`` (the all-gather of the updated shards).
+nodes: the inter-node traffic is what gets compressed, while the node collectives stay exact. The
+composition is the class's base order: this module's ``mix_and_step`` calls the node strategy's
+``grad_args`` (the node's mean gradient) and ``stepped`` (the all-gather of the updated shards).
 """
 
 from __future__ import annotations
 
-import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 from torch import Tensor
 
-from .. import kernels
 from ..compression import Compression
 from ..exchange import ExchangePlan, NoExchange
 from ..grad_scaling import UNSCALED
 from ..optim import CompressedPass
 from .bucket import Bucket
+from .choco_group import GroupExchange, GroupExchanger
 from .gossip import GossipStrategy
 from .node_allreduce import NodeAllReduce
 from .node_shard import NodeShard
 
 __all__ = ["CompressedGossip", "CompressedNodeShard", "CompressedNodeAllReduce", "COMPRESSED_STRATEGIES",
-           "EdgeCopies", "PeerExchanges", "wire_buffer_bytes"]
+           "EdgeCopies", "wire_buffer_bytes"]
 
 
 def slot_stride(wire: int) -> int:
@@ -64,15 +62,18 @@ def wire_buffer_bytes(slots: int, wire: int) -> int:
 
 @dataclass
 class EdgeCopies:
-    """A bucket's compressed-gossip state: per peer ``(self_copy, peer_copy)``, the send bytes (one
-    slot of the wire size per member of the largest group; the receive bytes are ``bucket.comm``,
-    laid out alike) and the segment table of the extra passes."""
+    """A bucket's compressed-gossip state: per pair partner ``(self_copy, peer_copy)``, per group
+    ``(own copy, the group's public mean)``, the send bytes (one wire), the result bytes of the group
+    exchanges (the reduced ``r``; empty without groups) and the wire size; the receive bytes are
+    ``bucket.comm`` (one slot per other member of the largest group)."""
 
     self_copy: Dict[int, Tensor]   # xhat_{i|j}
     peer_copy: Dict[int, Tensor]   # xhat_{j|i}
-    send: Tensor                   # the compressed bytes of the last q sent, slot t for the t-th peer
+    send: Tensor                   # the compressed bytes of the last q sent (slot 0)
     wire: int                      # bytes of one slot
-    segments: Tensor               # [0, numel) in one group (the mix-only / compress-only passes)
+    group_self: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)  # xhat_i^G
+    group_mean: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)  # M^G
+    result: Optional[Tensor] = None  # r of the last group exchange
 
     def slot(self, buf: Tensor, t: int) -> Tensor:
         """Slot t: ``wire`` bytes at a 4-byte aligned offset (see :func:`slot_stride`)."""
@@ -80,30 +81,9 @@ class EdgeCopies:
         return buf[start:start + self.wire]
 
 
-class PeerExchanges:
-    """The point-to-point exchanges of one bucket with every member of its group (one wait)."""
-
-    def __init__(self, works: List[Any]) -> None:
-        self.works = works
-
-    @property
-    def step(self) -> Optional[int]:
-        return getattr(self.works[0], "step", None) if self.works else None
-
-    @step.setter
-    def step(self, value: Optional[int]) -> None:
-        for w in self.works:
-            if hasattr(w, "step"):
-                w.step = value
-
-    def wait(self, timeout: datetime.timedelta) -> None:
-        for w in self.works:
-            w.wait(timeout)
-        self.works = []
-
-
 class CompressedGossip(GossipStrategy):
-    """Gossip whose exchanges carry compressed differences, point to point within every group."""
+    """Gossip whose exchanges carry compressed differences: point to point for a pair, a
+    reduce-scatter and an all-gather of compressed chunks for a larger group."""
 
     name = "gossip"
 
@@ -111,23 +91,35 @@ class CompressedGossip(GossipStrategy):
         super().__init__(*args, **kwargs)
         self.compression = compression
         peers: List[int] = []
+        groups: List[Tuple[int, ...]] = []
         slots = 0
         for step in range(self.topology.period):
-            members = self.peers_at(self.plans.at(step))
+            plan = self.plans.at(step)
+            members = self.peers_at(plan)
             slots = max(slots, len(members))
-            peers += [j for j in members if j not in peers]
-        #: the distinct peers of this rank over the topology's period (one pair of copies each)
+            if len(members) == 1 and members[0] not in peers:
+                peers.append(members[0])
+            elif len(members) > 1 and tuple(plan.group.ranks) not in groups:
+                groups.append(tuple(plan.group.ranks))
+        #: the distinct pair partners of this rank over the topology's period (one pair of copies each)
         self.peers: List[int] = sorted(peers)
-        #: receive / send slots per bucket: the most peers of any step
+        #: the distinct groups of more than two ranks this rank is in (two copies each)
+        self.groups: List[Tuple[int, ...]] = sorted(groups)
+        #: receive slots per bucket: the most other members of any step
         self.slots = max(slots, 1)
+        self._exchanger = GroupExchanger()
 
     def peers_at(self, plan: ExchangePlan) -> List[int]:
-        """The other members of the plan's group, in rank order (the order of the wire slots)."""
+        """The other members of the plan's group, in rank order (the order of the receive slots)."""
         return [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != self.rank]
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
-        """Point to point only: every edge carries its own compressed difference (no all-reduce)."""
+        """Point to point only: pairs and the chunks of the group exchanges (no all-reduce)."""
         return (any(len(g.ranks) > 1 for g in self.topology.unique_groups()), [])
+
+    def close(self) -> None:
+        self._exchanger.close()
+        super().close()
 
     # -- per-bucket state ----------------------------------------------------------------------
     def state_of(self, b: Bucket, create: bool = True) -> Optional[EdgeCopies]:
@@ -140,10 +132,14 @@ class CompressedGossip(GossipStrategy):
             b.gather_params()  # param_as_bucket_view=False: the block follows the (broadcast) parameters
             p = b.param.detach()
             wire = self.compression.wire_bytes(p.numel())
-            st = EdgeCopies({j: p.clone() for j in self.peers}, {j: p.clone() for j in self.peers},
-                            torch.zeros(wire_buffer_bytes(self.slots, wire), dtype=torch.uint8, device=p.device), wire,
-                            kernels.segments_for_numel(p.numel(), p.device))
-            b.comm = torch.zeros_like(st.send)  # the receive bytes, slot t from the t-th peer
+
+            def wire_buffer(slots: int) -> Tensor:
+                return torch.zeros(wire_buffer_bytes(slots, wire), dtype=torch.uint8, device=p.device)
+
+            st = EdgeCopies({j: p.clone() for j in self.peers}, {j: p.clone() for j in self.peers}, wire_buffer(1),
+                            wire, {g: p.clone() for g in self.groups}, {g: p.clone() for g in self.groups},
+                            wire_buffer(1) if self.groups else None)
+            b.comm = wire_buffer(self.slots)  # the receive bytes, slot t from the t-th other member
             b.choco = st  # type: ignore[attr-defined]
         return st
 
@@ -151,73 +147,73 @@ class CompressedGossip(GossipStrategy):
         """Bytes of the tracked copies and the compressed buffers of every bucket (what compression adds)."""
         total = 0
         for b in self.buckets:
-            total += (2 * len(self.peers) * b.param.numel() * 4 +
-                      2 * wire_buffer_bytes(self.slots, self.compression.wire_bytes(b.param.numel())))
+            n, wire = b.param.numel(), self.compression.wire_bytes(b.param.numel())
+            total += (2 * (len(self.peers) + len(self.groups)) * n * 4 + wire_buffer_bytes(self.slots, wire) +
+                      wire * (2 if self.groups else 1))
         return total
 
     # -- the per-bucket work -------------------------------------------------------------------
-    def _pass(self, b: Bucket, st: EdgeCopies, **buffers: Any) -> None:
-        """A mix-only or compress-only pass of the kernel over the bucket (no optimizer update)."""
-        kernels.compressed_step(kernels.OptKind.NONE, self.compression.compressor, b.param, None, [], st.segments, [],
-                                **buffers)
-
     def mix_and_step(self, b: Bucket, local_step: bool, reduction: Optional[Any] = None) -> None:
         self.wait_exchange(b)
         st = self.state_of(b)
         assert st is not None
         received, nxt = self.plans.at(self.step), self.plans.at(self.step + 1)
-        mixes: List[Tuple[Tensor, Tensor, Tensor, float]] = []  # (q_recv, peer copy, self copy, gamma * w)
+        q_recv = peer_copy = self_mix = None
+        gw = 0.0
         if b.comm_valid:
             members = self.peers_at(received)
             if not members:
                 raise RuntimeError(f"internal error: bucket {b.index} received an exchange at step {self.step} "
                                    f"whose plan is {received!r}")
-            gw = 0.0
-            if not b.skip_mix:  # the received q are applied either way: the copies must stay in step
+            if not b.skip_mix:  # the received q (or r) are applied either way: the copies must stay in step
                 gamma = float(self.compression.gamma)  # type: ignore[arg-type]
                 gw = self.adaptive_factor * gamma * received.group.neighbour_weight()
-            mixes = [(st.slot(b.comm, t), st.peer_copy[j], st.self_copy[j], gw) for t, j in enumerate(members)]
+            if len(members) == 1:
+                q_recv, peer_copy, self_mix = st.slot(b.comm, 0), st.peer_copy[members[0]], st.self_copy[members[0]]
+            else:  # x_i += gamma s (sum_j xhat_j - m xhat_i) = gamma s m (M - xhat_i)
+                g = tuple(received.group.ranks)
+                q_recv, peer_copy, self_mix = st.result, st.group_mean[g], st.group_self[g]
+                gw *= len(g)
         elif received.mixes and not b.skip_mix:
             raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
         targets = self.peers_at(nxt)
-        sends = [(st.slot(st.send, t), st.self_copy[j]) for t, j in enumerate(targets)]
-        if len(mixes) > 1:  # the other members' terms first (they do not depend on the parameters)
-            if not b.params_are_views:
-                b.gather_params()
-            for q, pc, sc, gw in mixes[:-1]:
-                self._pass(b, st, q_recv=q, peer_copy=pc, self_copy_mix=sc, choco_mix=gw)
-            if not b.params_are_views:
-                b.scatter_params()  # the fused pass gathers the parameters again
-        q_recv, peer_copy, self_mix, gw = mixes[-1] if mixes else (None, None, None, 0.0)
-        q_send, self_next = sends[0] if sends else (None, None)
+        q_send = st.slot(st.send, 0) if targets else None
+        self_next = (None if not targets else st.self_copy[targets[0]] if len(targets) == 1 else
+                     st.group_self[tuple(nxt.group.ranks)])
         grads = self.grad_args(b, reduction) if local_step else UNSCALED
         b.step(None, 1.0, 0.0, None, grads, local_step,
                compressed=CompressedPass(self.compression.compressor, q_recv, peer_copy, self_mix, gw, q_send,
                                          self_next))
-        for q, sc in sends[1:]:
-            self._pass(b, st, q_send=q, self_copy_next=sc)
         b.comm_valid = False
         b.skip_mix = False
         assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
-        if targets:
-            work = PeerExchanges([self.comm.send_recv(b.index, j, st.slot(st.send, t), st.slot(b.comm, t))
-                                  for t, j in enumerate(targets)])
-            work.step = self.step
-            b.work = work
+        if len(targets) == 1:
+            b.work = self.comm.send_recv(b.index, targets[0], q_send, st.slot(b.comm, 0))
+            if hasattr(b.work, "step"):
+                b.work.step = self.step
+        elif targets:
+            assert q_send is not None and self_next is not None and st.result is not None
+            b.work = GroupExchange(self.comm, self._exchanger, b.index, nxt.group.ranks, self.rank, self.compression,
+                                   b.param.numel(), q_send, [st.slot(b.comm, t) for t in range(len(targets))],
+                                   st.result, self_next, self.timeout, self.step)
         else:
             b.work = None
         self.stepped(b)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """The tracked copies of every bucket (clones), by peer; a bucket not stepped yet has none."""
+        """The tracked copies of every bucket (clones), by pair partner and by group; a bucket not
+        stepped yet has none."""
         copies: List[Optional[Dict[int, Tuple[Tensor, Tensor]]]] = []
+        group_copies: List[Optional[Dict[Tuple[int, ...], Tuple[Tensor, Tensor]]]] = []
         for b in self.buckets:
             st = self.state_of(b, create=False)
             copies.append(None if st is None else
                           {j: (st.self_copy[j].clone(), st.peer_copy[j].clone()) for j in self.peers})
+            group_copies.append(None if st is None else
+                                {g: (st.group_self[g].clone(), st.group_mean[g].clone()) for g in self.groups})
         return {"kind": self.compression.kind, "gamma": self.compression.gamma, "peers": list(self.peers),
-                "copies": copies}
+                "groups": [list(g) for g in self.groups], "copies": copies, "group_copies": group_copies}
 
     @torch.no_grad()
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
@@ -225,15 +221,18 @@ class CompressedGossip(GossipStrategy):
         if state is None:
             raise ValueError(f"the checkpoint was saved without compression; this run uses compression="
                              f"{self.compression.kind!r} (the tracked public copies are part of the state)")
-        if state["kind"] != self.compression.kind or list(state["peers"]) != self.peers:
-            raise ValueError(f"the checkpoint was saved with compression {state['kind']!r} and peers {state['peers']}; "
-                             f"this run has {self.compression.kind!r} and peers {self.peers}")
+        groups = [tuple(g) for g in state.get("groups", [])]
+        if state["kind"] != self.compression.kind or list(state["peers"]) != self.peers or groups != self.groups:
+            raise ValueError(f"the checkpoint was saved with compression {state['kind']!r}, pair partners "
+                             f"{state['peers']} and groups {groups}; this run has {self.compression.kind!r}, "
+                             f"{self.peers} and {self.groups}")
         if not state["copies"]:  # saved before the first iteration: nothing tracked yet
             return
         if len(state["copies"]) != len(self.buckets):
             raise ValueError(f"the checkpoint has compressed-gossip copies for {len(state['copies'])} buckets, this "
                              f"run has {len(self.buckets)}")
-        for b, copies in zip(self.buckets, state["copies"]):
+        group_copies = state.get("group_copies") or [{} for _ in self.buckets]
+        for b, copies, gcopies in zip(self.buckets, state["copies"], group_copies):
             if copies is None:
                 if hasattr(b, "choco"):
                     del b.choco  # type: ignore[attr-defined]
@@ -244,6 +243,10 @@ class CompressedGossip(GossipStrategy):
                 s, p = copies[j]
                 st.self_copy[j].copy_(s)
                 st.peer_copy[j].copy_(p)
+            for g in self.groups:
+                s, m = gcopies[g]
+                st.group_self[g].copy_(s)
+                st.group_mean[g].copy_(m)
 
 
 class CompressedNodeShard(CompressedGossip, NodeShard):

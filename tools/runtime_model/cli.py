@@ -172,10 +172,11 @@ def _compression_report(out_dir: Path, gpus: Sequence[int], table_csv: Optional[
     rows = compression_table(sorted(set(HYBRID_GPUS) | set(gpus)))
     print(f"Compressed gossip at scale: {_cluster_line()}; DDP hierarchical all-reduce (fp32), AER "
           "= alternating-exp-ring, 1peer-exp = one-peer-exp, +int8 / +bf16 = compression=; a "
-          "compressed group exchange is point to point (each member its own difference to every "
-          f"other member), so AER's node-pair group of {2 * HYBRID_LOCAL} GPUs puts "
-          f"{HYBRID_LOCAL ** 2} compressed models through each NIC where fp32's hierarchical "
-          "all-reduce puts one; shard-AER = sharded gossip over AER (intra_node=\"shard\": exact "
+          "compressed group exchange of m GPUs is two point-to-point rounds of chunks of 1/m (a "
+          "reduce-scatter and an all-gather of compressed chunks), so AER's node-pair group of "
+          f"{2 * HYBRID_LOCAL} GPUs puts {HYBRID_LOCAL} compressed models through each NIC where "
+          "fp32's hierarchical all-reduce puts one; shard-AER = sharded gossip over AER "
+          "(intra_node=\"shard\": exact "
           f"reduce-scatter / all-gather in the node, each GPU exchanging its 1/{HYBRID_LOCAL} shard, "
           f"compressed, with the same shard of the peer node: {HYBRID_LOCAL} compressed shards, one "
           "compressed model, through each NIC)")
@@ -196,7 +197,8 @@ def _compression_report(out_dir: Path, gpus: Sequence[int], table_csv: Optional[
                      + ", ".join(f"{m} {r['model_mb'] * copies / per / 1e3:.1f} GB"
                                  for m, r in at_big.items()) + ")")
     print(f"memory per GPU at {big} GPUs (2 fp32 copies of the model, or of the GPU's "
-          f"1/{HYBRID_LOCAL} shard with shard-, per distinct peer): " + "; ".join(parts))
+          f"1/{HYBRID_LOCAL} shard with shard-, per distinct pair partner and per distinct group "
+          "of more than two): " + "; ".join(parts))
     written = []
     csv_path = out_dir / "runtime_compression.csv"
     write_csv(csv_path, list(rows[0]), rows)

@@ -6,7 +6,7 @@ predicts the time of one training iteration for
 * all-reduce DDP (gradient all-reduce, bucketed, overlapped with the backward pass only), and
 * decentpy's decentralized topologies (``complete``, ``ring``, ``one-peer-exp``,
   ``alternating-exp-ring``), whose parameter exchange of iteration k overlaps the whole
-  forward + backward of iteration k+1, uncompressed or with compressed gossip (bf16 / int8),
+  forward + backward of iteration k+1, uncompressed or with compressed gossip (bf16 / int8 / int4),
 * the hybrid modes that shard the model inside a node: HSDP (FSDP HYBRID_SHARD) and decentpy's
   sharded gossip (a topology over the nodes, each node's model sharded over its workers),
   uncompressed or compressed,
@@ -89,47 +89,62 @@ except an exposed piece e, the shape of DDP's backward above):
   exchange (NIC) and the all-gather / reduce-scatter (intra link) use different links, so they
   overlap. L == 1: plain gossip.
 
-Compressed gossip (decentpy ``compression="int8"`` / ``"bf16"``, CHOCO-style; docs/compression.md):
+Compressed gossip (decentpy ``compression="int8"`` / ``"int4"`` / ``"bf16"``, CHOCO-style;
+docs/compression.md; byte counts from decentpy.compression, the model restates none):
 
-* Bytes: an exchange with one peer carries ``W = decentpy.compression.wire_bytes(kind, M / 4)``
-  instead of M (bf16 M / 2; int8 ``4 ceil(n / 256) + n`` for n = M / 4 elements, 0.254 M; the
-  model is taken as one run of int8 blocks: the partial block ending each real bucket adds at
-  most 4 bytes per bucket). A group of m ranks is no all-reduce any more: every rank sends each
-  other member its own compressed difference, point to point, all posted at once. So a rank with
-  l - 1 other members on its node and m - l on other nodes sends ``(l - 1) W`` over its intra link
-  (``(l - 1) intra_lat``, one latency per message) and ``m - l`` messages through its node's NIC,
-  which carries ``sum over the node's groups of l (m - l) W`` in that step; the intra and inter
-  messages are in flight together, so a group's time is the max of the two, not the sum (a pair:
-  one message, as uncompressed). Against the hierarchical all-reduce's ``2 (k - 1) / k M`` per
-  NIC, AER's node-pair group of 2L ranks puts ``L^2 W`` through each NIC: int8 AER moves more
-  NIC bytes than fp32 AER whenever ``L^2 * 0.254 > 1``, i.e. for every L >= 2. Pairs (ring,
-  one-peer-exp) move W where they moved M.
-* Kernels: the fused compressing pass moves ``kernel_traffic_choco * M + 2 W`` bytes (the step's
-  p, g, m, v and the tracked copies, fp32; the q received and sent); a group of m > 2 adds m - 2
-  mix-only and m - 2 compress-only passes, ``(m - 2) (kernel_traffic_choco_extra * M + 2 W)``
-  bytes. A step's kernel time is that over ``mem_bw`` for its largest group (a rank mixes the m_t
-  - 1 members of step t and compresses for the m_{t+1} - 1 of step t+1; over the period both sums
-  are the same, so the mean is exact). These are memory-bound passes, counted like
-  ``kernel_traffic_dec``: 1.56x (int8) / 1.63x (bf16) the uncompressed pass for a pair, more than
-  the 1.28x / 1.20x measured on a 2-core CPU (bench_kernels: 17.9 / 16.8 ms against 14.0 ms for a
-  25 MiB bucket, not purely bandwidth-bound there).
-* Memory (reported, not timed): 2 fp32 copies of the model per distinct peer over the period.
+* Pairs (m == 2): one message each way of ``W = decentpy.compression.wire_bytes(kind, M / 4)``
+  where uncompressed gossip sends M (bf16 M / 2; int8 ``4 ceil(n / 256) + n`` for n = M / 4
+  elements, 0.254 M; the model is taken as one run of int8 blocks: the partial block ending each
+  real bucket adds at most 4 bytes per bucket), costed as the uncompressed pair.
+* A group of m > 2 ranks is no all-reduce: a reduce-scatter and an all-gather of compressed
+  chunks, point to point. The ``ceil(n / 256)`` scale blocks are split into m chunks
+  (``decentpy.compression.chunk_bounds``). Round 1: each member sends chunk c of its q to member c
+  and receives the other members' bytes of its own chunk (m - 1 messages each way, ~W / m each);
+  the owner reduces its chunk; round 2: it sends its reduced chunk to each of the m - 1 others and
+  receives theirs. The busiest member (the owner of the largest chunk) sends ``S =
+  decentpy.compression.group_wire_bytes(kind, n, m, position)`` bytes (~``2 (m - 1) / m W``) in
+  2 (m - 1) messages, each taken as ``s = S / (2 (m - 1))``. Round 2 starts only once round 1 has
+  arrived, so a group's time is two rounds, each with the intra and the inter messages in flight
+  together (the max of the two, not the sum): a member with l - 1 other members on its node and m
+  - l elsewhere costs ``2 max((l - 1) (intra_lat + s / intra_bw), (m - l) inter_lat + NIC /
+  inter_bw)``, its node's NIC carrying ``sum over the node's groups of l (m - l) s`` per round (one
+  latency per message, as for a pair). The middle step runs on a helper thread, so the exchange
+  overlaps compute like any other. Per node and step, AER's node-pair group of 2L ranks puts ``2
+  L^2 s ~ L W`` through each NIC, against the hierarchical all-reduce's ``2 (k - 1) / k M = M``:
+  int8 AER moves more NIC bytes than fp32 AER when ``L * 0.254 > 1``, i.e. for L >= 4 (8 GPUs per
+  node: 2.03 M), fewer for L <= 3, and pays 2L inter-node latencies against 2.
+* Kernels: the fused compressing pass, the same for a pair and a group, moves
+  ``kernel_traffic_choco * M + 2 W`` bytes (the step's p, g, m, v and the tracked copies, fp32: a
+  pair's two copies, or the group's mean and this rank's public copy in the group; the q (or the
+  reduced r) received and the q sent). A group of m > 2 adds the owner's reduction of its chunk of
+  c elements (the largest): it reads the m members' chunk wires and writes the reduced one, ``(m +
+  1) wire_bytes(kind, c)``, and reads and writes its fp32 copy's chunk, ``8 c`` (~``(m + 1) / m W
+  + 2 M / m``; int8, m = 16: 0.39 M against the pass's 12.5 M). It runs between the rounds on the
+  helper thread; the model counts it with the pass, not hidden. A step's kernel time is that over
+  ``mem_bw`` for its largest group. These are memory-bound passes, counted like
+  ``kernel_traffic_dec``: 1.56x (int8) / 1.63x (bf16) the uncompressed pass, more than the 1.28x /
+  1.20x measured on a 2-core CPU (bench_kernels: 17.9 / 16.8 ms against 14.0 ms for a 25 MiB
+  bucket, not purely bandwidth-bound there).
+* Memory (reported, not timed): 2 fp32 copies of the model per distinct pair partner and 2 per
+  distinct group of m > 2 over the period (decentpy's CompressedGossip.memory_bytes); AER over N =
+  2^r nodes of L >= 3: its node, and r node pairs, ``2 (1 + r)`` copies.
 * Sharded compressed gossip (``intra_node="shard"`` with ``compression=``, decentpy's
   CompressedNodeShard): the node's reduce-scatter and all-gather stay exact and are costed as in
-  sharded gossip above (same window); rank l of a node sends its shard, compressed, to rank l of
-  each other node of its node group, point to point: ``W_s = wire_bytes(kind, M / 4 / L)`` per
-  message (buckets are padded to a multiple of L elements; the model is one run of int8 blocks).
-  As for uncompressed sharded gossip, one rank per node stands for the node's L concurrent flows:
-  the node topology's point-to-point rows (k - 1 messages per rank in a group of k nodes, one
-  latency each; a pair: one) in units of ``L W_s``, the bytes all L ranks put through the NIC per
-  peer node (int8: 0.254 M, where uncompressed sharded gossip puts M). Kernels: the compressing
-  passes above on the shard, ``M / L`` bytes and ``W_s`` per q, for the step's largest node group
-  (k = 1, no exchange: the uncompressed fused step on the shard). Memory: 2 fp32 copies of the
-  shard (``M / L``) per distinct peer node. L == 1: plain compressed gossip. The node-allreduce
-  variant (``intra_node="allreduce"``) is not modelled, compressed or not.
+  sharded gossip above (same window); rank l of a node exchanges its shard, compressed, with rank
+  l of each other node of its node group, as plain compressed gossip over ranks: a pair of nodes
+  one message of ``W_s = wire_bytes(kind, M / 4 / L)`` each way, a group of k > 2 nodes the two
+  rounds of chunks of the shard (buckets are padded to a multiple of L elements; the model is one
+  run of int8 blocks). As for uncompressed sharded gossip, one rank per node stands for the node's
+  L concurrent flows: the node topology's rows with L times each rank's bytes through the NIC
+  (int8 pair of nodes: 0.254 M, where uncompressed sharded gossip puts M). Kernels: the
+  compressing pass (and a group's reduction) above on the shard, ``M / L`` bytes, for the step's
+  largest node group (k = 1, no exchange: the uncompressed fused step on the shard). Memory: 2
+  fp32 copies of the shard (``M / L``) per distinct partner node and 2 per distinct node group.
+  L == 1: plain compressed gossip. The node-allreduce variant (``intra_node="allreduce"``) is not
+  modelled, compressed or not.
 * Not modelled, refused like decentpy refuses them: compression with DDP / HSDP (no gossip). The
   consensus rate is taken as uncompressed (``gamma = 1`` with bf16 / int8: docs/compression.md's
-  runs end at the same consensus distance).
+  runs end at the same consensus distance; a group's re-quantised mean is not modelled either).
 
 Consensus: ``gap`` = 1 - |lambda_2| of the period-averaged mixing matrix, from
 ``decentpy.topology`` for n <= ``EXACT_GAP_MAX_N`` and from closed forms beyond (checked equal
@@ -152,7 +167,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from decentpy.compression import Compression, wire_bytes
+from decentpy.compression import Compression, chunk_bounds, group_wire_bytes, wire_bytes
 from decentpy.topology import Topology, TopologyError, make_topology, node_topology
 
 __all__ = [
@@ -172,6 +187,10 @@ __all__ = [
     "sharded_gossip_iteration_time",
     "iteration_times",
     "exchange_bytes",
+    "largest_chunk",
+    "compressed_send_bytes",
+    "compressed_topology_rows",
+    "compressed_node_topology_rows",
     "choco_kernel_time",
     "step_group_sizes",
     "compressed_copies",
@@ -231,12 +250,10 @@ class Workload:
     # DDP Adam step: read p, g, m, v; write p, m, v.
     kernel_traffic_ddp: float = 7.0
     # Compressed gossip's fused pass (csrc/kernels/mix_and_step.h), fp32 only: the Adam step's
-    # p, g, m, v (7, no c) plus the tracked copies: the peer's (read, write), this rank's for the
-    # mix (read) and for the next send (read, write). The q received and sent add 2 W.
+    # p, g, m, v (7, no c) plus the tracked copies: the peer's copy or the group's mean (read,
+    # write), this rank's for the mix (read) and for the next send (read, write). The q (or r)
+    # received and the q sent add 2 W; a group's chunk reduction is counted apart (no parameter).
     kernel_traffic_choco: float = 12.0
-    # Per extra member of a group (m > 2): a mix-only pass (read p, peer copy, self copy; write p,
-    # peer copy) and a compress-only pass (read p, self copy; write self copy), plus 2 W.
-    kernel_traffic_choco_extra: float = 8.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,12 +296,10 @@ def _allreduce_row(size: int, nodes: int, per_node: int, nic_units: float) -> Tu
     return (intra[0], intra[1], 2.0 * (nodes - 1), nic_units)
 
 
-def _group_rows(groups: Sequence[Tuple[int, ...]], local: int, p2p: bool = False) -> np.ndarray:
-    """Cost rows of one step; ``groups`` are tuples of ranks. ``p2p``: compressed gossip, where
-    every member sends each other member one message (rows in units of one message, W): per node
-    of a group with l members, an intra row ``(l-1, l-1, 0, 0)`` and an inter row ``(0, 0, m-l,
-    NIC)``, its NIC carrying ``l (m - l)`` messages per such group (a pair: the pair rows)."""
-    nic: Dict[int, float] = {}  # node -> inter-node bytes through its NIC, in units of M (or W)
+def _group_rows(groups: Sequence[Tuple[int, ...]], local: int) -> np.ndarray:
+    """Cost rows of one step of uncompressed gossip; ``groups`` are tuples of ranks (pairs: one
+    exchange of M each way; larger groups: the hierarchical all-reduce)."""
+    nic: Dict[int, float] = {}  # node -> inter-node bytes through its NIC, in units of M
     shapes = []
     for ranks in groups:
         per_node: Dict[int, int] = {}
@@ -293,27 +308,75 @@ def _group_rows(groups: Sequence[Tuple[int, ...]], local: int, p2p: bool = False
         k = len(per_node)
         shapes.append((len(ranks), per_node))
         if k > 1:
-            for node, l in per_node.items():
-                units = (l * (len(ranks) - l) if p2p
-                         else 1.0 if len(ranks) == 2 else 2.0 * (k - 1) / k)
-                nic[node] = nic.get(node, 0.0) + units
+            for node in per_node:
+                nic[node] = nic.get(node, 0.0) + (1.0 if len(ranks) == 2 else 2.0 * (k - 1) / k)
     rows = set()
     for size, per_node in shapes:
         k = len(per_node)
         if size == 1:
-            continue
-        if p2p:  # the intra and the inter messages are in flight together: separate rows (max)
-            for node, l in per_node.items():
-                if l > 1:
-                    rows.add((float(l - 1), float(l - 1), 0.0, 0.0))
-                if size > l:
-                    rows.add((0.0, 0.0, float(size - l), nic[node]))
             continue
         worst = max(nic.get(node, 0.0) for node in per_node)
         if size == 2:
             rows.add((1.0, 1.0, 0.0, 0.0) if k == 1 else (0.0, 0.0, 1.0, worst))
         else:
             rows.add(_allreduce_row(size, k, max(per_node.values()), worst))
+    if not rows:
+        rows.add((0.0, 0.0, 0.0, 0.0))
+    return np.array(sorted(rows), dtype=np.float64)
+
+
+@lru_cache(maxsize=1024)
+def largest_chunk(numel: int, members: int) -> Tuple[int, int]:
+    """(position, elements) of the largest chunk of a bucket of ``numel`` in a compressed group
+    exchange of ``members`` ranks (decentpy.compression.chunk_bounds; the first such position)."""
+    sizes = [hi - lo for lo, hi in (chunk_bounds(numel, members, p) for p in range(members))]
+    big = max(sizes)
+    return sizes.index(big), big
+
+
+@lru_cache(maxsize=1024)
+def compressed_send_bytes(kind: str, numel: int, members: int) -> int:
+    """Bytes the busiest member sends in one compressed exchange of ``numel`` fp32 elements within
+    a group of ``members`` ranks: a pair, one wire (decentpy.compression.wire_bytes); a larger
+    group, decentpy.compression.group_wire_bytes of the owner of the largest chunk (its round-2
+    sends are the largest, its round-1 sends the same total as anyone's); a lone rank, nothing."""
+    if members < 2:
+        return 0
+    if members == 2:
+        return wire_bytes(kind, numel)
+    return group_wire_bytes(kind, numel, members, largest_chunk(numel, members)[0])
+
+
+def _compressed_group_rows(groups: Sequence[Tuple[int, ...]], local: int, kind: str,
+                           numel: int) -> np.ndarray:
+    """Cost rows of one step of compressed gossip, in bytes (unit cost vector: 1 byte). A pair:
+    one message of W each way. A group of m > 2: two rounds of one message to each other member,
+    each of s = compressed_send_bytes / (2 (m - 1)) bytes; per node of a group with l members,
+    an intra row ``(2 (l-1), 2 (l-1) s, 0, 0)`` and an inter row ``(0, 0, 2 (m-l), NIC)``, the
+    NIC carrying ``2 l (m - l) s`` per such group of the step (intra and inter messages in flight
+    together: separate rows, the max; both rounds alike: twice one round)."""
+    nic: Dict[int, float] = {}  # node -> bytes through its NIC in the step (each way)
+    shapes = []
+    for ranks in groups:
+        size = len(ranks)
+        if size < 2:
+            continue
+        per_node: Dict[int, int] = {}
+        for r in ranks:
+            per_node[r // local] = per_node.get(r // local, 0) + 1
+        rounds = 1 if size == 2 else 2
+        msg = compressed_send_bytes(kind, numel, size) / (rounds * (size - 1))
+        shapes.append((size, per_node, rounds, msg))
+        for node, l in per_node.items():
+            if size > l:
+                nic[node] = nic.get(node, 0.0) + rounds * l * (size - l) * msg
+    rows = set()
+    for size, per_node, rounds, msg in shapes:
+        for node, l in per_node.items():
+            if l > 1:
+                rows.add((float(rounds * (l - 1)), rounds * (l - 1) * msg, 0.0, 0.0))
+            if size > l:
+                rows.add((0.0, 0.0, float(rounds * (size - l)), nic[node]))
     if not rows:
         rows.add((0.0, 0.0, 0.0, 0.0))
     return np.array(sorted(rows), dtype=np.float64)
@@ -327,17 +390,25 @@ def _valid_topology(name: str, n: int, local: int) -> Topology:
 
 
 @lru_cache(maxsize=256)
-def topology_rows(name: str, n: int, local: int, p2p: bool = False) -> Tuple[np.ndarray, ...]:
-    """Per step of the period, the cost rows of ``name`` on n workers, ``local`` per node;
-    ``p2p``: compressed gossip's point-to-point exchanges (rows in units of one message)."""
+def topology_rows(name: str, n: int, local: int) -> Tuple[np.ndarray, ...]:
+    """Per step of the period, the cost rows of uncompressed ``name`` on n workers, ``local`` per
+    node (in units of the model's bytes)."""
     topo = _valid_topology(name, n, local)
-    if name == "complete" and not p2p:  # one group: the hierarchical all-reduce row, no walk
+    if name == "complete":  # one group: the hierarchical all-reduce row, no walk
         nodes = n // local
         return (np.array([_allreduce_row(n, nodes, local, 2.0 * (nodes - 1) / nodes)]),)
-    steps = []
-    for t in range(topo.period):
-        steps.append(_group_rows([g.ranks for g in topo.groups(t)], local, p2p))
-    return tuple(steps)
+    return tuple(_group_rows([g.ranks for g in topo.groups(t)], local) for t in range(topo.period))
+
+
+@lru_cache(maxsize=256)
+def compressed_topology_rows(name: str, n: int, local: int, kind: str,
+                             numel: int) -> Tuple[np.ndarray, ...]:
+    """Per step of the period, the cost rows of compressed gossip (``kind``) on ``name``, n
+    workers, ``local`` per node, exchanging ``numel`` fp32 elements: point-to-point pairs and the
+    two rounds of a group's chunks, in bytes (module docstring)."""
+    topo = _valid_topology(name, n, local)
+    return tuple(_compressed_group_rows([g.ranks for g in topo.groups(t)], local, kind, numel)
+                 for t in range(topo.period))
 
 
 @lru_cache(maxsize=256)
@@ -348,14 +419,26 @@ def step_group_sizes(name: str, n: int, local: int) -> Tuple[int, ...]:
     return tuple(max(g.size for g in topo.groups(t)) for t in range(topo.period))
 
 
+def _copies_of_rank0(topo: Topology) -> int:
+    """Two per distinct pair partner of rank 0 over the period (its own public copy as the partner
+    knows it, the partner's) and two per distinct group of more than two ranks (its own public
+    copy in the group, the group's mean): the copies term of decentpy's
+    CompressedGossip.memory_bytes."""
+    partners, groups = set(), set()
+    for t in range(topo.period):
+        ranks = tuple(topo.group_of(0, t).ranks)
+        if len(ranks) == 2:
+            partners.add(ranks[0] if ranks[1] == 0 else ranks[1])
+        elif len(ranks) > 2:
+            groups.add(ranks)
+    return 2 * (len(partners) + len(groups))
+
+
 def compressed_copies(name: str, n: int, local: int) -> int:
-    """fp32 copies of the model that compressed gossip keeps beside it on rank 0: two (its own
-    public copy as the peer knows it, the peer's) per distinct peer of the period (the copies
-    term of decentpy's CompressedGossip.memory_bytes). Every rank alike on full nodes of powers of
-    two, the sizes of the tables."""
-    topo = _valid_topology(name, n, local)
-    peers = {r for t in range(topo.period) for r in topo.group_of(0, t).ranks} - {0}
-    return 2 * len(peers)
+    """fp32 copies of the model that compressed gossip keeps beside it on rank 0 (two per distinct
+    pair partner, two per distinct group of m > 2; :func:`_copies_of_rank0`). Every rank alike on
+    full nodes of powers of two, the sizes of the tables."""
+    return _copies_of_rank0(_valid_topology(name, n, local))
 
 
 def _flat_allreduce_row(n: int, local: int) -> np.ndarray:
@@ -378,24 +461,29 @@ def _compression_kind(compression: Optional[str]) -> Optional[str]:
     return None if compression is None else Compression(compression).kind
 
 
+def _numel(model_bytes: float) -> int:
+    """fp32 elements of ``model_bytes`` (the model as one bucket, one run of int8 blocks: each
+    real bucket's partial last block adds at most 4 bytes)."""
+    return int(round(model_bytes / 4))
+
+
 def exchange_bytes(compression: Optional[str], model_bytes: float) -> float:
-    """Bytes one exchange of the model with one peer puts on the wire: ``model_bytes`` without
-    compression, else decentpy.compression.wire_bytes of its fp32 elements (the model as one run
-    of int8 blocks: each real bucket's partial last block adds at most 4 bytes)."""
+    """Bytes one exchange of the model with one peer (a pair) puts on the wire: ``model_bytes``
+    without compression, else decentpy.compression.wire_bytes of its fp32 elements."""
     kind = _compression_kind(compression)
     if kind is None:
         return model_bytes
-    return float(wire_bytes(kind, int(round(model_bytes / 4))))
+    return float(wire_bytes(kind, _numel(model_bytes)))
 
 
 def step_comm_times(name: str, n: int, local: int, model_bytes: float, hw: Hardware,
                     compression: Optional[str] = None) -> np.ndarray:
     """Communication time of every step of the topology's period (seconds); ``compression``
-    ('bf16', 'int8'): compressed gossip's point-to-point exchanges of the wire bytes."""
-    if _compression_kind(compression) is None:
+    ('bf16', 'int8', 'int4'): compressed gossip's point-to-point pairs and group rounds."""
+    kind = _compression_kind(compression)
+    if kind is None:
         return _step_times(topology_rows(name, n, local), model_bytes, hw)
-    return _step_times(topology_rows(name, n, local, p2p=True),
-                       exchange_bytes(compression, model_bytes), hw)
+    return _step_times(compressed_topology_rows(name, n, local, kind, _numel(model_bytes)), 1.0, hw)
 
 
 def _step_times(steps: Sequence[np.ndarray], model_bytes: float, hw: Hardware) -> np.ndarray:
@@ -425,14 +513,20 @@ def _overlapped(a: float, b: float, overlap: float) -> float:
 
 def choco_kernel_time(group: int, compression: str, wl: Workload, hw: Hardware) -> float:
     """Seconds of compressed gossip's kernel passes at a step whose group has ``group`` ranks: the
-    fused compressing pass, plus a mix-only and a compress-only pass per member beyond the second
-    (memory-bound passes, like the uncompressed fused step; a lone rank: that fused step)."""
+    fused compressing pass (a pair or a group alike), plus for a group of more than two the
+    owner's reduction of its (largest) chunk of c elements, ``(m + 1)`` chunk wires and ``8 c``
+    bytes of its fp32 copy (memory-bound passes, like the uncompressed fused step; a lone rank:
+    that fused step)."""
     if group < 2:
         return wl.kernel_traffic_dec * wl.model_bytes / hw.mem_bw
-    q = exchange_bytes(compression, wl.model_bytes)
-    fused = wl.kernel_traffic_choco * wl.model_bytes + 2.0 * q
-    extra = (group - 2) * (wl.kernel_traffic_choco_extra * wl.model_bytes + 2.0 * q)
-    return (fused + extra) / hw.mem_bw
+    kind = _compression_kind(compression)
+    assert kind is not None, "choco_kernel_time needs a compression kind"
+    numel = _numel(wl.model_bytes)
+    traffic = wl.kernel_traffic_choco * wl.model_bytes + 2.0 * wire_bytes(kind, numel)
+    if group > 2:
+        c = largest_chunk(numel, group)[1]
+        traffic += (group + 1) * wire_bytes(kind, c) + 8.0 * c
+    return traffic / hw.mem_bw
 
 
 def decentralized_iteration_time(
@@ -523,18 +617,27 @@ def _node_topology(name: str, nodes: int) -> Topology:
 
 
 @lru_cache(maxsize=256)
-def node_topology_rows(name: str, nodes: int, p2p: bool = False) -> Tuple[np.ndarray, ...]:
+def node_topology_rows(name: str, nodes: int) -> Tuple[np.ndarray, ...]:
     """Per step, the cost rows of ``name`` run over the nodes (one rank per node: the node's L
-    same-shard flows of M / L each put the same bytes and messages on its NIC); ``p2p``: sharded
-    compressed gossip's point-to-point exchanges (rows in units of one node's L messages)."""
+    same-shard flows of M / L each put the same bytes and messages on its NIC)."""
     if not sharded_topology_valid(name, nodes):
         raise ValueError(f"topology {name!r} is not valid over {nodes} nodes")
     if name != "alternating-exp-ring":
-        return topology_rows(name, nodes, 1, p2p)
+        return topology_rows(name, nodes, 1)
     # AER's node pairing (a cross-node group of 2L ranks becomes the 2 nodes, a group inside a
     # node the node alone: no exchange)
     topo = _node_topology(name, nodes)
-    return tuple(_group_rows([g.ranks for g in topo.groups(t)], 1, p2p)
+    return tuple(_group_rows([g.ranks for g in topo.groups(t)], 1) for t in range(topo.period))
+
+
+@lru_cache(maxsize=256)
+def compressed_node_topology_rows(name: str, nodes: int, kind: str,
+                                  numel: int) -> Tuple[np.ndarray, ...]:
+    """Per step, the cost rows of sharded compressed gossip's exchange (``kind``, a shard of
+    ``numel`` fp32 elements per rank) over the nodes, in bytes of one rank's flow: one rank per
+    node stands for the node's L same-shard flows (scale the bytes by L for the NIC)."""
+    topo = _node_topology(name, nodes)
+    return tuple(_compressed_group_rows([g.ranks for g in topo.groups(t)], 1, kind, numel)
                  for t in range(topo.period))
 
 
@@ -548,11 +651,10 @@ def node_group_sizes(name: str, nodes: int) -> Tuple[int, ...]:
 
 def sharded_compressed_copies(name: str, nodes: int) -> int:
     """fp32 copies of the shard (1/L of the model) that sharded compressed gossip keeps beside it
-    on rank 0: two per distinct peer node of the period (rank l's peers are the ranks l of those
-    nodes; the copies term of decentpy's CompressedNodeShard.memory_bytes)."""
-    topo = _node_topology(name, nodes)
-    peers = {r for t in range(topo.period) for r in topo.group_of(0, t).ranks} - {0}
-    return 2 * len(peers)
+    on rank 0: two per distinct partner node and two per distinct group of more than two nodes
+    over the period (rank l's groups are the ranks l of those nodes; the copies term of decentpy's
+    CompressedNodeShard.memory_bytes)."""
+    return _copies_of_rank0(_node_topology(name, nodes))
 
 
 def sharded_gossip_iteration_time(
@@ -560,8 +662,9 @@ def sharded_gossip_iteration_time(
 ) -> Tuple[float, float]:
     """(mean iteration time, mean inter-node exchange time) of sharded gossip: topology ``name``
     over the N nodes, each node's model sharded over its L ranks. ``compression`` ('bf16',
-    'int8'): decentpy's CompressedNodeShard, each rank's shard exchanged compressed, point to
-    point, with the same shard of every other node of its node group (module docstring)."""
+    'int8', 'int4'): decentpy's CompressedNodeShard, each rank's shard exchanged compressed, point
+    to point, with the same shard of every other node of its node group (a pair of nodes: one
+    message; more: the group's two rounds of chunks; module docstring)."""
     kind = _compression_kind(compression)
     nodes = _check_nodes(n, local)
     fwd, bwd = _fwd_bwd(wl)
@@ -574,9 +677,9 @@ def sharded_gossip_iteration_time(
         comm = _step_times(node_topology_rows(name, nodes), m, hw)
         kernels = [wl.kernel_traffic_dec * m / local / hw.mem_bw] * len(comm)
     else:
-        # the node's L ranks each send one compressed shard per peer node, all at once
-        per_node = local * exchange_bytes(kind, m / local)
-        comm = _step_times(node_topology_rows(name, nodes, p2p=True), per_node, hw)
+        # the node's L ranks each exchange their compressed shard, all at once: L flows per NIC
+        rows = compressed_node_topology_rows(name, nodes, kind, _numel(m / local))
+        comm = _step_times(rows, float(local), hw)
         shard = replace(wl, model_bytes=m / local)
         kernels = [choco_kernel_time(k, kind, shard, hw) for k in node_group_sizes(name, nodes)]
     per_step = [_overlapped(window, c, hw.overlap) + k for c, k in zip(comm, kernels)]
