@@ -50,8 +50,10 @@ fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 200 -o addopts="-ra")
 if want tests; then  # one pytest per file: a crash (segfault) in one does not hide the others
   for f in tests/test_kernels_cuda.py tests/test_nccl_comm.py tests/test_gpu_wrapper.py tests/test_gpu_sharding.py \
-           "tests/test_compression.py::test_kernel_cuda_matches_cpu" tests/test_config_report.py; do
+           "tests/test_compression.py::test_kernel_cuda_matches_cpu" \
+           "tests/test_compression.py::test_group_reduce_cuda_matches_cpu" tests/test_config_report.py; do
     name="tests_$(basename "${f%%::*}" .py)"
+    [[ "$f" == *::* ]] && name="${name}_${f##*::}"
     TAIL=6 step "$name" 150 "${PYTEST[@]}" -v "$f"
   done
 fi
