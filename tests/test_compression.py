@@ -390,6 +390,38 @@ def _linear_mean(rank: int, kind: str, topology: str = "ring") -> Tuple[torch.Te
     return w, nn.Linear(700, 1, bias=False).weight.detach().clone().view(-1)
 
 
+class _ThreeLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(600, 1, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x) for layer in self.layers)
+
+
+def _linear_mean_buckets(rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`_linear_mean`, int8 on the group of 4 (complete) with three buckets (one per layer,
+    600 elements: 3 scale blocks for 4 members), so that several group exchanges are in flight at once
+    through the helper thread, and ``param_as_bucket_view=False``."""
+    from decentpy import DecentralizedDataParallel
+
+    model = _ThreeLinear()
+    ddp = DecentralizedDataParallel(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.5),
+                                    topology="complete", compression="int8", bucket_size_in_mb=600 * 4 / 2 ** 20,
+                                    param_as_bucket_view=False)
+    assert len(ddp.buckets) == 3
+    for k in range(6):
+        ddp(torch.zeros(1, 600))  # arms the iteration
+        loss = sum((layer.weight.view(-1) * torch.randn(600, generator=torch.Generator().manual_seed(
+            100 * rank + 10 * k + j))).sum() for j, layer in enumerate(model.layers))
+        loss.backward()
+    ddp.wait()
+    w = torch.cat([layer.weight.detach().view(-1) for layer in model.layers])
+    ddp.close()
+    return w, torch.cat([layer.weight.detach().view(-1) for layer in _ThreeLinear().layers])
+
+
 def _checkpoint(rank: int, kind: str, topology: str = "one-peer-exp") -> bool:
     from decentpy import DecentralizedDataParallel
 
@@ -492,7 +524,8 @@ def _all(rank: int, world: int) -> Dict[str, Any]:
     return {"train": {c: _train(rank, *c, STEPS) for c in COMBOS},
             "amp_clip": _amp_and_clip(rank), "join": _join(rank), "join_group": _join(rank, "complete"),
             "mean": {**{k: _linear_mean(rank, k) for k in ("int8", "bf16", "int4")},
-                     "int8-aer": _linear_mean(rank, "int8", "alternating-exp-ring")},
+                     "int8-aer": _linear_mean(rank, "int8", "alternating-exp-ring"),
+                     "int8-buckets": _linear_mean_buckets(rank)},
             "ckpt": {**{k: _checkpoint(rank, k) for k in ("int8", "bf16")},
                      "int8-aer": _checkpoint(rank, "int8", "alternating-exp-ring")},
             "refusals": _refusals(rank)}
@@ -604,6 +637,19 @@ def test_group_bytes_and_memory_equal_the_formula(results: List[Dict[str, Any]])
     # a 25 MiB bucket in a group of 4: half the bytes of one compressed copy per edge (2 / m)
     big = 25 * 2 ** 20 // 4
     assert _group_wire("int8", big, 4, 0) / (3 * _wire("int8", big)) == pytest.approx(0.5, abs=1e-3)
+
+
+def test_group_exchanges_of_several_buckets_preserve_the_mean(results: List[Dict[str, Any]]) -> None:
+    ws = [r["mean"]["int8-buckets"][0].double() for r in results]
+    x0 = results[0]["mean"]["int8-buckets"][1].double()
+    total = torch.zeros(1800, dtype=torch.float64)
+    for rank in range(4):
+        for k in range(6):
+            total += torch.cat([torch.randn(600, generator=torch.Generator().manual_seed(100 * rank + 10 * k + j))
+                                for j in range(3)]).double()
+    got, want = torch.stack(ws).mean(0), x0 - 0.5 * total / 4
+    assert torch.allclose(got, want, rtol=0, atol=2e-5), float((got - want).abs().max())
+    assert float(torch.stack(ws).std(0).max()) > 0, "workers differ (the test would be vacuous otherwise)"
 
 
 @pytest.mark.parametrize("kind", ["int8", "bf16", "int4", "int8-aer"])
