@@ -731,3 +731,56 @@ def test_single_process_refuses_low_precision_params() -> None:
         with pytest.raises(Exception, match="float32 parameters only"):
             DecentralizedDataParallel(make_mlp(0).bfloat16(), decentpy_optim_fn("sgd"), topology="complete",
                                       compression="bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# Node groups of more than two nodes: 3 nodes x 2 ranks, `complete` over the nodes
+# ---------------------------------------------------------------------------------------------
+
+def _node_group_mean(rank: int, world: int) -> Dict[str, Tuple[torch.Tensor, torch.Tensor, List[int]]]:
+    """``intra_node='shard'`` / ``'allreduce'`` with int8 and ``complete`` over 3 nodes: the ranks that
+    hold the same shard (or local rank) on the 3 nodes form a compressed group of 3; with gradients
+    independent of the parameters, SGD's mean over all ranks is x0 - lr * sum_k mean_i c_{i,k}
+    whatever the mixing does, if the node reduction and the group exchange preserve the mean."""
+    from decentpy import DecentralizedDataParallel
+
+    torch.set_num_threads(1)
+    out = {}
+    for intra in ("shard", "allreduce"):
+        model = _ThreeLinear()
+        ddp = DecentralizedDataParallel(model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.5),
+                                        topology="complete", intra_node=intra, local_world_size=2,
+                                        compression="int8")
+        for k in range(5):
+            ddp(torch.zeros(1, 600))
+            loss = sum((layer.weight.view(-1) * torch.randn(600, generator=torch.Generator().manual_seed(
+                100 * rank + 10 * k + j))).sum() for j, layer in enumerate(model.layers))
+            loss.backward()
+        ddp.wait()
+        out[intra] = (torch.cat([layer.weight.detach().view(-1) for layer in model.layers]),
+                      torch.tensor(float(ddp.bytes_sent)), [b.numel for b in ddp.buckets])
+        ddp.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_node_groups_of_three_preserve_the_mean() -> None:
+    results = run_workers(_node_group_mean, 6, timeout=240)
+    x0 = torch.cat([layer.weight.detach().view(-1) for layer in _ThreeLinear().layers]).double()
+    total = torch.zeros(1800, dtype=torch.float64)
+    for rank in range(6):
+        for k in range(5):
+            total += torch.cat([torch.randn(600, generator=torch.Generator().manual_seed(100 * rank + 10 * k + j))
+                                for j in range(3)]).double()
+    want = x0 - 0.5 * total / 6
+    for intra in ("shard", "allreduce"):
+        ws = [r[intra][0].double() for r in results]
+        got = torch.stack(ws).mean(0)
+        assert torch.allclose(got, want, rtol=0, atol=2e-5), (intra, float((got - want).abs().max()))
+        assert float(torch.stack(ws).std(0).max()) > 0, f"{intra}: workers identical (vacuous)"
+        # 5 group exchanges of each bucket (with shards: this rank's half of it), the rank at position
+        # node = rank // 2 of its group of 3
+        for rank, r in enumerate(results):
+            part = 2 if intra == "shard" else 1
+            want_bytes = 5 * sum(_group_wire("int8", n // part, 3, rank // 2) for n in r[intra][2])
+            assert float(r[intra][1]) == want_bytes, (intra, rank, r[intra][2])

@@ -33,6 +33,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch.distributed as dist
 
+from .exit import stop_at_exit
+
 __all__ = ["PeerTimeoutError", "PeerUnreachableError", "PeerReportedError", "NonFiniteGradientError",
            "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "running_monitor", "start_heartbeat", "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
 
@@ -107,6 +109,7 @@ class PeerMonitor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="decentpy-heartbeat", daemon=True)
         self._thread.start()
+        stop_at_exit(self._stop, [self._thread])  # never inside a store call when Python finalizes
 
     def _beat(self) -> None:
         key = f"{_PREFIX}beat/{self.rank}"

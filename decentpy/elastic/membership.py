@@ -32,6 +32,8 @@ import time
 from collections import Counter
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
+from ..comm.exit import stop_at_exit
+
 __all__ = ["Formation", "Membership", "RendezvousError", "EvictedError", "HEARTBEAT_INTERVAL_S", "POLL_INTERVAL_S"]
 
 logger = logging.getLogger(__name__)
@@ -109,6 +111,7 @@ class Membership:
                          threading.Thread(target=self._poll, name="decentpy-elastic-poll", daemon=True)]
         for t in self._threads:
             t.start()
+        stop_at_exit(self._stop, self._threads)  # never inside a store call when Python finalizes
 
     # -- store access ------------------------------------------------------------------------
     def _add(self, key: str, n: int) -> int:

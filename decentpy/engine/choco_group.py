@@ -11,13 +11,14 @@ re-quantised mean ``r`` into the result bytes and keeps the rounding in its own 
 sends that chunk of ``r`` to every other member and receives theirs: the result bytes then hold the
 whole ``r``, which the next fused pass adds to the group's public mean.
 
-Round 2's sends can only start once round 1 has arrived (its receives are posted at the launch), and the bucket's exchange is waited for only at
-its next mix, an iteration later. So the middle step runs on a helper thread (one per strategy: the
-rounds of all buckets run in launch order) that waits for round 1, reduces and launches round 2,
-while the training thread goes on; the training thread waits for round 2 at the next mix. gloo's
-point-to-point work cannot be polled (it completes only inside ``wait``), hence a thread rather
-than polling. Every pair of members exchanges over the communicator's ``send_recv`` (the bucket's
-tag): round 1 is posted before round 2 on both ends of every pair, so the messages match in order.
+Round 2's sends can only start once round 1 has arrived (its receives are posted at the
+launch), and the bucket's exchange is waited for only at its next mix, an iteration later. So the
+middle step runs on a helper thread (one per strategy: the rounds of all buckets run in launch
+order) that waits for round 1, reduces and launches round 2, while the training thread goes on;
+the training thread waits for round 2 at the next mix. gloo's point-to-point work cannot be
+polled (it completes only inside ``wait``), hence a thread rather than polling. Every pair of
+members exchanges over the communicator's ``send_recv`` (the bucket's tag): round 1 is posted
+before round 2 on both ends of every pair, so the messages match in order.
 """
 
 from __future__ import annotations
