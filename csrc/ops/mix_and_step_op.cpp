@@ -86,6 +86,13 @@ void* cuda_stream_of(const at::Tensor& t) {
   return c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(t.device()).native_handle();
 }
 
+// The error of every launcher asked to run `op` on a non-CPU device in a build without the CUDA
+// kernels (the launch itself stays behind DECENTPY_WITH_CUDA at each call site).
+[[maybe_unused]] void no_cuda_kernels(const at::Device& device, const char* op) {
+  TORCH_CHECK(false, "decentpy was built without CUDA kernels (no nvcc at build time, or "
+              "DECENTPY_NO_CUDA=1); cannot run ", op, " on ", device, ". Rebuild with nvcc available.");
+}
+
 }  // namespace
 
 void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_groups) {
@@ -374,9 +381,7 @@ void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<a
     c10::DeviceGuard guard(param.device());
     decentpy::cuda::launch_mix_and_step(a, cuda_stream_of(param));
 #else
-    TORCH_CHECK(false, "decentpy was built without CUDA kernels (no nvcc at build time, or "
-                "DECENTPY_NO_CUDA=1); cannot run mix_and_step on ", param.device(),
-                ". Rebuild with nvcc available.");
+    no_cuda_kernels(param.device(), "mix_and_step");
 #endif
   }
   bump(param);
@@ -461,9 +466,7 @@ void compressed_group_reduce(Compressor compressor, const std::vector<at::Tensor
     c10::DeviceGuard guard(self_copy.device());
     decentpy::cuda::launch_choco_group_reduce(a, cuda_stream_of(self_copy));
 #else
-    TORCH_CHECK(false, "decentpy was built without CUDA kernels (no nvcc at build time, or "
-                "DECENTPY_NO_CUDA=1); cannot run compressed_group_reduce on ", self_copy.device(),
-                ". Rebuild with nvcc available.");
+    no_cuda_kernels(self_copy.device(), "compressed_group_reduce");
 #endif
   }
   bump(out);
@@ -508,9 +511,7 @@ void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha) {
     c10::DeviceGuard guard(dst.device());
     decentpy::cuda::launch_scale_copy(a, cuda_stream_of(dst));
 #else
-    TORCH_CHECK(false, "decentpy was built without CUDA kernels (no nvcc at build time, or "
-                "DECENTPY_NO_CUDA=1); cannot run scale_copy_ on ", dst.device(),
-                ". Rebuild with nvcc available.");
+    no_cuda_kernels(dst.device(), "scale_copy_");
 #endif
   }
   bump(dst);

@@ -29,7 +29,8 @@ _lock = threading.Lock()
 def stop_at_exit(stop: threading.Event, threads: Sequence[threading.Thread]) -> None:
     """At interpreter exit: ``stop.set()``, then join each of ``threads`` (at most
     :data:`EXIT_JOIN_S` each). Held weakly: an object stopped and dropped earlier costs nothing."""
-    with _lock:
+    with _lock:  # entries whose owner is gone are dropped here (elastic re-formations register anew)
+        _registered[:] = [e for e in _registered if e[0]() is not None]
         _registered.append((weakref.ref(stop), [weakref.ref(t) for t in threads]))
 
 

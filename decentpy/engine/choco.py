@@ -69,7 +69,7 @@ class EdgeCopies:
 
     self_copy: Dict[int, Tensor]   # xhat_{i|j}
     peer_copy: Dict[int, Tensor]   # xhat_{j|i}
-    send: Tensor                   # the compressed bytes of the last q sent (slot 0)
+    send: Tensor                   # the compressed bytes of the last q sent (one wire)
     wire: int                      # bytes of one slot
     group_self: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)  # xhat_i^G
     group_mean: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)  # M^G
@@ -177,7 +177,7 @@ class CompressedGossip(GossipStrategy):
         elif received.mixes and not b.skip_mix:
             raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
         targets = self.peers_at(nxt)
-        q_send = st.slot(st.send, 0) if targets else None
+        q_send = st.send if targets else None
         self_next = (None if not targets else st.self_copy[targets[0]] if len(targets) == 1 else
                      st.group_self[tuple(nxt.group.ranks)])
         grads = self.grad_args(b, reduction) if local_step else UNSCALED

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
 from torch import Tensor
 
@@ -77,26 +77,24 @@ class GroupExchange:
         self.position = self.ranks.index(rank)
         self.others = [r for r in self.ranks if r != rank]
         self.chunks = [chunk_bounds(numel, m, p) for p in range(m)]
+        #: per position, the wire byte ranges of its chunk (its block scales, then its codes)
+        self.regions = [kernels.wire_regions(self.compressor, numel, lo, hi) for lo, hi in self.chunks]
         # Round 1: chunk c of q to its owner, this rank's chunk of every other member's q into its slot.
         # Round 2's receives are posted now too (the other members' chunks of r land in parts of the
         # result bytes that the reduction does not touch): a message that arrives before its receive is
         # posted keeps gloo's receiving thread spinning. Per peer they follow round 1's, as the peer's
         # sends do, so the messages match in order.
-        mine = self._regions(self.position)
+        mine = self.regions[self.position]
         works, round2 = [], []
         for t, j in enumerate(self.others):
-            theirs = self._regions(self.ranks.index(j))
+            theirs = self.regions[self.ranks.index(j)]
             works += self._pair(j, [q[a:b] for a, b in theirs], [self.slots[t][a:b] for a, b in mine])
         for j in self.others:
-            theirs = self._regions(self.ranks.index(j))
+            theirs = self.regions[self.ranks.index(j)]
             round2 += self._pair(j, [q[:0]] * len(theirs), [self.result[a:b] for a, b in theirs])
         self._round1 = works
         self._round2: List[Any] = round2
         self._future = exchanger.submit(self._reduce_and_send)
-
-    def _regions(self, position: int) -> List[Tuple[int, int]]:
-        lo, hi = self.chunks[position]
-        return kernels.wire_regions(self.compressor, self.numel, lo, hi)
 
     def _pair(self, peer: int, sends: List[Tensor], recvs: List[Tensor]) -> List[Any]:
         works = []
@@ -118,7 +116,7 @@ class GroupExchange:
         inputs.insert(self.position, self.q)  # the members' q in rank order, this rank's own included
         lo, hi = self.chunks[self.position]
         kernels.group_reduce(self.compressor, inputs, self.result, self.self_copy, lo, hi)
-        mine = self._regions(self.position)
+        mine = self.regions[self.position]
         works = []
         for j in self.others:
             works += self._pair(j, [self.result[a:b] for a, b in mine], [self.result[:0]] * len(mine))
