@@ -357,7 +357,12 @@ def configure() -> BuildConfig:
     link_args = ["-fopenmp"]
     if with_cuda:
         define_macros.append(("DECENTPY_WITH_CUDA", "1"))
-        link_args += [f"-L{cuda_lib_dir(cuda_home)}", "-lcudart_static", "-ldl", "-lrt", "-lpthread"]
+        # The static runtime by its path, not -L<dir> -lcudart_static: a -L directory is searched first
+        # for every library, the compiler's implicit -lstdc++ too, and a libstdc++.a there would be
+        # linked into the extension -- a second libstdc++ whose locale facets the process's own one
+        # does not know (every integer formatted into an error message then crashed; tests:
+        # test_config_report.py).
+        link_args += [os.path.join(cuda_lib_dir(cuda_home), "libcudart_static.a"), "-ldl", "-lrt", "-lpthread"]
     include_dirs = [CSRC]
     nccl_include = find_nccl_include(cuda_home) if with_cuda else None
     if nccl_include is not None:

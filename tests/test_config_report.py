@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 import runpy
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import decentpy
@@ -79,3 +83,36 @@ def test_packaging_metadata() -> None:
     assert project["tool"]["setuptools"]["package-data"]["decentpy"] == ["py.typed"]
     changelog = (ROOT / "CHANGELOG.md").read_text()
     assert f"## {decentpy.version.base_version} - " in changelog
+
+
+# libstdc++'s own definitions (not templates a user's code instantiates): the locale, the stream
+# initialiser and the integer insertion behind every `stream << n`
+LIBSTDCXX_INTERNALS = {"_ZNSt6locale7classicEv": "std::locale::classic()",
+                       "_ZNSt8ios_base4InitC1Ev": "std::ios_base::Init::Init()",
+                       "_ZNSo9_M_insertIlEERSoT_": "std::ostream::_M_insert<long>(long)"}
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_extension_uses_the_process_libstdcxx() -> None:
+    """The extension defines none of libstdc++'s own functions: a statically linked copy beside the
+    process's shared one crashed (SIGSEGV) at the first integer formatted into an error message."""
+    out = subprocess.run(["nm", "--defined-only", C.__file__], capture_output=True, text=True, check=True).stdout
+    defined = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    found = [name for sym, name in LIBSTDCXX_INTERNALS.items() if sym in defined]
+    assert not found, (f"{C.__file__} defines {found}: a static libstdc++ was linked into the extension "
+                       "(a libstdc++.a in a -L directory of the link?)")
+
+
+def test_an_error_message_with_integers_raises() -> None:
+    """A refusal whose message formats integers (c10::str) raises a RuntimeError naming them, in a
+    child process so that a crash fails this test instead of ending the session."""
+    code = ("import torch, decentpy.kernels as K\n"
+            "p = torch.zeros(100)\n"
+            "try:\n"
+            "    K.fused_step(K.OptKind.ADAM, p, torch.zeros(100), [torch.zeros(99), torch.zeros(100)],\n"
+            "                 K.segments_for_numel(100, p.device), [K.GroupHyper(lr=1e-3, weight_decay=0.0, bias_step=1)])\n"
+            "except RuntimeError as e:\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, f"the child died (returncode {r.returncode}): {r.stderr[-2000:]}"
+    assert "99" in r.stdout and "100" in r.stdout, r.stdout + r.stderr

@@ -10,6 +10,9 @@
 - Mixed precision: bf16 autocast, and fp16 autocast with a GradScaler, against torch's own AdamW
   on the same GPU model under the same autocast (world size 1: the step is the whole difference).
 - OSS + ShardedDataParallel on 2 processes sharing the GPU over gloo, against torch DDP + AdamW.
+- Compressed gossip (int8, bf16, int4; pairs, a group of 4 through the shared-mean exchange, a sharded
+  node pair) on 4 processes sharing the GPU: the CUDA kernels and the group reduction in training,
+  against tests/test_compression.py's float64 re-computation and tolerances.
 
 NCCL across ranks needs one GPU per rank: those cases live in tests/test_nccl_comm.py and
 tests/test_gpu_pipeline.py and skip with fewer than 2 GPUs. Every test here skips without CUDA.
@@ -24,6 +27,7 @@ import torch
 
 from dist_harness import run_workers, single_process_group
 from reference import assert_close_params, batch, decentpy_optim_fn, loss_fn, make_mlp, simulate
+from test_compression import check_combo, train_combo
 from test_ddp_features import amp_worker, check_grad_scaler_run
 from test_ddp_reference import combos_4, reference_params, train_all
 
@@ -144,3 +148,26 @@ def _sharded_worker(rank: int, world: int) -> List[float]:
 def test_oss_sharded_ddp_on_a_shared_gpu_matches_torch_ddp() -> None:
     for rank, errs in enumerate(run_workers(_sharded_worker, 2, timeout=300)):
         assert max(errs) <= 1e-5, (rank, errs)
+
+
+# one of each compressed path: pairs (int8 SGD, bf16 AdamW), the group of 4 where every member owns a
+# chunk, the AER groups with int4 AdamW, and compressed shards between two nodes of two ranks
+COMPRESSED = [("ring", "sgd", "int8"), ("one-peer-exp", "adamw", "bf16"), ("complete+wide", "sgd", "int8"),
+              ("alternating-exp-ring", "adamw", "int4"), ("ring/shard", "adamw", "int8")]
+
+
+def _compressed_worker(rank: int, world: int) -> Dict[tuple, Dict]:
+    torch.set_num_threads(1)
+    from test_compression import STEPS
+
+    return {c: train_combo(rank, *c, STEPS, device="cuda") for c in COMPRESSED}
+
+
+@pytest.fixture(scope="module")
+def compressed_results() -> List[Dict[tuple, Dict]]:
+    return run_workers(_compressed_worker, 4, timeout=300)
+
+
+@pytest.mark.parametrize("topo,opt,kind", COMPRESSED)
+def test_compressed_gossip_on_a_shared_gpu(compressed_results, topo: str, opt: str, kind: str) -> None:
+    check_combo([r[(topo, opt, kind)] for r in compressed_results], topo, opt, kind)

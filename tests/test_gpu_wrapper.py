@@ -67,25 +67,39 @@ def test_cpu_model_under_nccl_is_refused() -> None:
 @pytest.mark.cuda
 @pytest.mark.parametrize("intra_node", ["shard", "allreduce"])
 def test_intra_node_path_on_gpu_matches_cpu_without_host_sync(intra_node: str) -> None:
-    """A node of one rank on the GPU: the shard path (pieces, shard optimizer, reduction buffers) steps
-    as on the CPU, and its backward never waits for the host."""
+    """A node of one rank on the GPU: the node path (pieces, shard optimizer, reduction buffers, the
+    step of bucket k when bucket k+1 is ready) steps as on the CPU, and its backward never waits for
+    the host. At world size 1 nothing is mixed, so both equal torch's AdamW."""
     from decentpy import DecentralizedDataParallel
-    from decentpy.optim import optim_fn_adamw
+    from decentpy.optim import optim_fn_adamw, split_decay_groups
 
+    ref = make_mlp(0).double()
+    opt = torch.optim.AdamW(split_decay_groups(list(ref.named_parameters()), 0.1), lr=1e-3)
     results = {}
     with single_process_group("gloo"):
         for device in ("cpu", "cuda"):
             model = make_mlp(0).to(device)
             ddp = DecentralizedDataParallel(model, optim_fn_adamw, topology="complete", local_world_size=1,
                                             intra_node=intra_node, bucket_size_in_mb=0.0005)
+            assert len(ddp.buckets) > 1  # several buckets: each steps when the next one is ready
             counts = []
             for k in range(3):
                 x, y = (t.to(device) for t in batch(0, k))
                 loss = loss_fn(ddp(x), y)
                 counts.append(syncs_in(loss.backward) if device == "cuda" else 0)
+                if device == "cpu":
+                    loss.backward()
             ddp.wait()
-            results[device] = [p.detach().cpu() for p in model.parameters()]
+            results[device] = [p.detach().double().cpu().clone() for p in model.parameters()]
             ddp.close()
             assert counts[1:] == [0, 0], counts
-    for a, b in zip(results["cpu"], results["cuda"]):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    for k in range(3):
+        x, y = batch(0, k)
+        opt.zero_grad()
+        loss_fn(ref(x.double()), y.double()).backward()
+        opt.step()
+    moved = max((p - q).abs().max().item() for p, q in zip(ref.parameters(), make_mlp(0).double().parameters()))
+    assert moved > 1e-3, moved
+    for device, params in results.items():
+        for got, want in zip(params, ref.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6, msg=f"{device} {intra_node}")

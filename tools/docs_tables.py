@@ -33,10 +33,12 @@ TABLES: Dict[str, str] = {
                           "'% of copy' against dst.copy_(src) of the same bytes in the same run; 'vs torch': torch's "
                           "mix (mul_/add_) + torch.optim fused or foreach step + send (mul) on the same flat bucket. "
                           "NVIDIA H200 (132 SMs), torch 2.11.0+cu130, decentpy built for sm_90, 2026-11-26.",
-    "bench_overhead_cuda": "`python -m bench.bench_overhead_cuda --runs 30` (bench/bench_overhead_cuda.py): 6 x "
-                           "Linear(4096, 4096) = 100.7M parameters, batch 64, MSE, AdamW, world size 1 "
-                           "(topology='complete', 6 buckets), median of 30 iterations timed with CUDA events; host "
-                           "syncs counted with torch's sync debug mode. NVIDIA H200, torch 2.11.0+cu130, 2026-11-26.",
+    "bench_overhead_cuda": "`python -m bench.bench_overhead_cuda` (bench/bench_overhead_cuda.py, in "
+                           "tools/gpu_session.sh): 6 x Linear(4096, 4096) = 100.7M parameters, batch 64, MSE, AdamW, "
+                           "world size 1 (topology='complete', 6 buckets), median of 50 iterations timed with CUDA "
+                           "events; host syncs in the backward counted with torch's sync debug mode. Two runs, each "
+                           "on a fresh NVIDIA H200 machine, torch 2.11.0+cu130, 2026-11-26 (the skip verdicts read "
+                           "back without a wait).",
     "bench_train": "`make bench-train` (bench/bench_train.py): AdamW, gloo, 1 torch thread per worker, median step "
                    "time over 32 steps (CNN rows: 48), max over ranks; decent-dp 0.2.3 and torch DDP in the same "
                    "run. Intel Xeon, 2 cores shared by the 4 or 8 workers, torch 2.13.0+cpu.",

@@ -3,21 +3,33 @@
 # every GPU test, the kernel and overhead benchmarks, and the digits training on the GPU. Each step
 # has its own time bound so that one slow step cannot eat the others; logs and CSVs go to $OUT.
 #
-#   OUT=/tmp/gpu bash tools/gpu_session.sh [steps...]     steps: build tests bench overhead e2e train (default: all)
+#   OUT=/tmp/gpu BUDGET=560 bash tools/gpu_session.sh [steps...]
+#       steps: build nccl diag tests overhead e2e bench train (default: all; they run in this order)
+#   E2E_K: a pytest -k expression for the e2e step (default: every test)
 #
-# A build carried from an earlier call (decentpy/_C*.so with decentpy/_build_info.py) is reused
-# when REUSE_BUILD=1; KEEP_BUILD=1 copies the build to $OUT for that.
+# BUDGET (seconds, default 560) bounds the whole script: each step's bound is cut to what is left
+# (less 10 s for the summary), and a step with under 20 s left is skipped, so that the summary and
+# the logs always come back inside one device call. A build carried from an earlier call
+# (decentpy/_C*.so with decentpy/_build_info.py) is reused when REUSE_BUILD=1; KEEP_BUILD=1 copies
+# the build to $OUT for that.
 set -u
 OUT="${OUT:-/tmp/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 PY="${PYTHON:-python3}"
-STEPS="${*:-build tests bench overhead e2e train}"
+STEPS="${*:-build nccl diag tests overhead e2e bench train}"
+BUDGET="${BUDGET:-560}"
 STATUS=/tmp/gpu_summary.txt
 : > "$STATUS"
 
 step() {  # step NAME SECONDS CMD...: run CMD bounded, append its output to $OUT/steps.log, record its status
   local name=$1 secs=$2; shift 2
+  local left=$((BUDGET - SECONDS - 10))
+  if (( left < 20 )); then
+    echo "$name skipped: ${left}s of the budget left" | tee -a "$STATUS"
+    return 124
+  fi
+  (( secs > left )) && secs=$left
   local t0=$SECONDS log="/tmp/gpu_step_$name.log"
   echo "== $(date +%T) $name (bound ${secs}s): $*"
   timeout --kill-after=10 "$secs" "$@" > "$log" 2>&1
@@ -41,25 +53,40 @@ if want build; then
     echo "build: reusing the carried decentpy/_C*.so" | tee -a "$STATUS"
   else
     export DECENTPY_CUDA_ARCHS="${DECENTPY_CUDA_ARCHS:-90}" MAX_JOBS="${MAX_JOBS:-16}"
-    step build 240 "$PY" -m pip install --no-index --no-deps --no-build-isolation -e . || { tail -n 80 /tmp/gpu_step_build.log; exit 1; }
+    # -v: the compile and link commands go to the log (a toolchain surprise shows there)
+    TAIL=8 step build 240 "$PY" -m pip install -v --no-index --no-deps --no-build-isolation -e . || { tail -n 80 /tmp/gpu_step_build.log; exit 1; }
     [[ "${KEEP_BUILD:-0}" == 1 ]] && cp decentpy/_C*.so decentpy/_build_info.py "$OUT/" 2>/dev/null
   fi
-  "$PY" -c "import decentpy._C as C; print(C.build_info())" 2>&1 | tee -a "$OUT/steps.log"
+  {
+    "$PY" -c "import decentpy._C as C; print(C.build_info())"
+    echo "libstdc++ the compiler links: $(c++ -print-file-name=libstdc++.so) $(c++ -print-file-name=libstdc++.a)"
+    grep -o -- "-shared .*_C[^ ]*\.so" /tmp/gpu_step_build.log | tail -n 1 | cut -c1-1500
+  } 2>&1 | tee -a "$OUT/steps.log"
 fi
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 200 -o addopts="-ra")
-if want tests; then  # one pytest per file: a crash (segfault) in one does not hide the others
-  for f in tests/test_kernels_cuda.py tests/test_nccl_comm.py tests/test_gpu_wrapper.py tests/test_gpu_sharding.py \
-           "tests/test_compression.py::test_kernel_cuda_matches_cpu" \
-           "tests/test_compression.py::test_group_reduce_cuda_matches_cpu" tests/test_config_report.py; do
-    name="tests_$(basename "${f%%::*}" .py)"
-    [[ "$f" == *::* ]] && name="${name}_${f##*::}"
-    TAIL=6 step "$name" 150 "${PYTEST[@]}" -v "$f"
-  done
+
+if want nccl; then
+  # Under xdist: a crash (segfault) fails its test and the worker is replaced, so the others still run.
+  TAIL=12 step tests_test_nccl_comm 150 "${PYTEST[@]}" -v -n 2 tests/test_nccl_comm.py
 fi
 
-if want bench; then
-  step bench_kernels_cuda 100 "$PY" -m bench.bench_kernels_cuda --runs 20 --out-dir "$OUT"
+if want diag; then
+  # An integer formatted into an error message inside decentpy._C at successive stages of NCCL use
+  # (one process each), then the NCCL tests in one process under cuda-gdb (a backtrace at a crash),
+  # then the wrapper at world size 1 with and without intra_node against torch's AdamW.
+  TAIL=20 step diag_ostream 90 "$PY" -m tools.gpu_diag ostream
+  TAIL=70 step diag_nccl_gdb 120 cuda-gdb -q -batch -ex "set pagination off" -ex "set cuda break_on_launch none" \
+    -ex run -ex "bt 40" -ex "info registers rip" -ex "x/6i \$pc" -ex "info threads" \
+    --args "$PY" -m pytest -x -q -p no:cacheprovider -p no:xdist tests/test_nccl_comm.py
+  TAIL=32 step diag_intra_node 90 "$PY" -m tools.gpu_diag intra-node
+fi
+
+if want tests; then
+  TAIL=6 step tests_test_kernels_cuda 240 "${PYTEST[@]}" -n 8 tests/test_kernels_cuda.py
+  TAIL=12 step tests_gpu 200 "${PYTEST[@]}" -v tests/test_gpu_wrapper.py tests/test_gpu_sharding.py tests/test_config_report.py \
+    tests/test_kernels_cpu.py \
+    "tests/test_compression.py::test_kernel_cuda_matches_cpu" "tests/test_compression.py::test_group_reduce_cuda_matches_cpu"
 fi
 
 if want overhead; then
@@ -67,7 +94,11 @@ if want overhead; then
 fi
 
 if want e2e; then
-  step tests_e2e 200 "${PYTEST[@]}" tests/test_gpu_end_to_end.py tests/test_gpu_pipeline.py
+  TAIL=14 step tests_e2e 260 "${PYTEST[@]}" -rA ${E2E_K:+-k "$E2E_K"} tests/test_gpu_end_to_end.py tests/test_gpu_pipeline.py
+fi
+
+if want bench; then
+  step bench_kernels_cuda 100 "$PY" -m bench.bench_kernels_cuda --runs 20 --out-dir "$OUT"
 fi
 
 if want train; then

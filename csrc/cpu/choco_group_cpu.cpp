@@ -42,7 +42,7 @@ void reduce_block(const GroupReduceArgs& A, int64_t lo, int64_t hi) {
         if (lo + e >= hi) break;
         const float c = block_code<Bits>(mu[e], s);
         byte |= block_code_field<Bits>(c, j);
-        X[lo + e] = group_copy_adjust(X[lo + e], c * s, mu[e], mf);
+        X[lo + e] = group_copy_adjust(X[lo + e], block_value(c, s), mu[e], mf);
       }
       Q[k] = static_cast<uint8_t>(byte);
     }

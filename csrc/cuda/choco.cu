@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads) group_reduce_kernel(const __grid_con
       for (int j = 1; j < BC::kPerByte; ++j) byte |= __shfl_down_sync(0xffffffffu, block_code_field<Bits>(c, j), j);
       if (valid) {
         if (threadIdx.x % BC::kPerByte == 0) block_codes(a.out, a.numel)[i / BC::kPerByte] = static_cast<uint8_t>(byte);
-        a.self_copy[i] = group_copy_adjust(a.self_copy[i], c * s, mu, mf);
+        a.self_copy[i] = group_copy_adjust(a.self_copy[i], block_value(c, s), mu, mf);
       }
     } else if (valid) {
       const uint16_t r = bf16_bits(mu);

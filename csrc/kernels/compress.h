@@ -33,7 +33,9 @@ DECENTPY_HD const uint8_t* block_codes(const void* wire, int64_t n) {
 }
 
 // ---- bf16 -----------------------------------------------------------------------------------
-// fp32 -> bf16 bits, round to nearest even (NaN stays a quiet NaN).
+// fp32 -> bf16 bits, round to nearest even. Every NaN becomes the one quiet NaN 0x7fc0: the NaN an
+// operation returns differs by device (x86 keeps an operand's payload and sign, CUDA returns its
+// canonical NaN), and the wire bytes must not.
 DECENTPY_HD uint16_t bf16_bits(float x) {
 #if defined(__CUDA_ARCH__)
   uint32_t u = __float_as_uint(x);
@@ -41,7 +43,7 @@ DECENTPY_HD uint16_t bf16_bits(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof(u));
 #endif
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }
@@ -129,23 +131,27 @@ inline int wire_regions(Compressor c, int64_t n, int64_t lo, int64_t hi, int64_t
 }
 
 // ---- group reduction (kernels/mix_and_step.h, GroupReduceArgs) ------------------------------
-// D(q)[i] of a wire of n elements.
+// acc + D(q)[i] with one rounding: a fused multiply-add of code and scale for int8 / int4 (written
+// out: nvcc would contract acc + code * s into one on its own, a CPU build without FMA would not),
+// one addition for bf16.
 template <Compressor C>
-DECENTPY_HD float wire_value(const void* wire, int64_t n, int64_t i) {
+DECENTPY_HD float wire_accumulate(float acc, const void* wire, int64_t n, int64_t i) {
   constexpr int Bits = code_bits(C);
   if constexpr (Bits != 0) {
-    return block_code_at<Bits>(block_codes(wire, n), i) * block_scales(wire)[i / kInt8Block];
+    return ScalarMath::fma(block_code_at<Bits>(block_codes(wire, n), i), block_scales(wire)[i / kInt8Block], acc);
   } else {
-    return bf16_value(static_cast<const uint16_t*>(wire)[i]);
+    return acc + bf16_value(static_cast<const uint16_t*>(wire)[i]);
   }
 }
 // mu = (sum_t D(q_t)[i]) * inv_m, the members in their order (one rounding order on every device).
 template <Compressor C>
 DECENTPY_HD float group_mean(const void* const* inputs, int m, int64_t n, int64_t i, float inv_m) {
   float s = 0.f;
-  for (int t = 0; t < m; ++t) s += wire_value<C>(inputs[t], n, i);
-  return s * inv_m;
+  for (int t = 0; t < m; ++t) s = wire_accumulate<C>(s, inputs[t], n, i);
+  return ScalarMath::mul(s, inv_m);
 }
+// D(r) = code * scale of the owner's re-quantised mean, rounded on its own (see ScalarMath::mul).
+DECENTPY_HD float block_value(float code, float s) { return ScalarMath::mul(code, s); }
 // The owner's copy keeps what the re-quantisation of the mean dropped: xhat += m (D(r) - mu).
 DECENTPY_HD float group_copy_adjust(float xhat, float dr, float mu, float m) {
   return ScalarMath::fma(m, dr - mu, xhat);

@@ -100,9 +100,18 @@ inline StepConstants derive_step(const MixStepArgs& a, const GroupHyper& g) {
 }
 
 // Scalar math policy (host and device): fused multiply-add, IEEE division and square root (also
-// under nvcc's fast-math flags).
+// under nvcc's fast-math flags), and a product that is never contracted into a neighbouring add
+// (nvcc fuses a * b + c on its own; the CPU builds, ISO C++, do not: where CPU and CUDA results must
+// agree bit for bit, such a product is written with mul).
 struct ScalarMath {
   static DECENTPY_HD float splat(float x) { return x; }
+  static DECENTPY_HD float mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    return __fmul_rn(a, b);
+#else
+    return a * b;
+#endif
+  }
   static DECENTPY_HD float fma(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
     return __fmaf_rn(a, b, c);
