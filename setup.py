@@ -359,9 +359,9 @@ def configure() -> BuildConfig:
         define_macros.append(("DECENTPY_WITH_CUDA", "1"))
         # The static runtime by its path, not -L<dir> -lcudart_static: a -L directory is searched first
         # for every library, the compiler's implicit -lstdc++ too, and a libstdc++.a there would be
-        # linked into the extension -- a second libstdc++ whose locale facets the process's own one
-        # does not know (every integer formatted into an error message then crashed; tests:
-        # test_config_report.py).
+        # linked into the extension beside the process's shared one. (An H200 build defined
+        # libstdc++'s own integer formatting and crashed in it; this link path is the suspected
+        # cause, not a confirmed one. tests/test_config_report.py guards the result.)
         link_args += [os.path.join(cuda_lib_dir(cuda_home), "libcudart_static.a"), "-ldl", "-lrt", "-lpthread"]
     include_dirs = [CSRC]
     nccl_include = find_nccl_include(cuda_home) if with_cuda else None

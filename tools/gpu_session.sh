@@ -72,14 +72,10 @@ if want nccl; then
 fi
 
 if want diag; then
-  # An integer formatted into an error message inside decentpy._C at successive stages of NCCL use
-  # (one process each), then the NCCL tests in one process under cuda-gdb (a backtrace at a crash),
-  # then the wrapper at world size 1 with and without intra_node against torch's AdamW.
-  TAIL=20 step diag_ostream 90 "$PY" -m tools.gpu_diag ostream
+  # The NCCL tests in one process under cuda-gdb: a backtrace if one of them crashes.
   TAIL=70 step diag_nccl_gdb 120 cuda-gdb -q -batch -ex "set pagination off" -ex "set cuda break_on_launch none" \
     -ex run -ex "bt 40" -ex "info registers rip" -ex "x/6i \$pc" -ex "info threads" \
     --args "$PY" -m pytest -x -q -p no:cacheprovider -p no:xdist tests/test_nccl_comm.py
-  TAIL=32 step diag_intra_node 90 "$PY" -m tools.gpu_diag intra-node
 fi
 
 if want tests; then
