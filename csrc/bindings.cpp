@@ -19,7 +19,8 @@
 namespace py = pybind11;
 
 namespace decentpy {
-void bind_nccl(py::module& m);  // csrc/nccl/nccl_bindings.cpp
+void bind_nccl(py::module& m);          // csrc/nccl/nccl_bindings.cpp
+void bind_pipe_message(py::module& m);  // csrc/pipeline/message_bindings.cpp
 }  // namespace decentpy
 
 namespace {
@@ -203,4 +204,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   decentpy::bind_reduce_scatter(m);
   decentpy::bind_nccl(m);
+  decentpy::bind_pipe_message(m);
 }

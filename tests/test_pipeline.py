@@ -1261,6 +1261,57 @@ def test_same_parameter_in_two_stages_refused() -> None:
     check_no_shared_layers(layers, [2])
 
 
+def test_message_format_in_one_buffer() -> None:
+    """The wire format of csrc/pipeline/message.h, re-computed here from its description: int64
+    header slots, the tensors after the header (padded to HEADER_SLOTS slots), each 16-byte
+    aligned; received tensors are views of the buffer. An unsupported dtype is a TypeError, and a
+    malformed buffer an exception -- never a crash or a view past the buffer's end."""
+    from decentpy import _C
+    from decentpy.pipeline.transport import DTYPES, HEADER_SLOTS, Kind
+
+    tensors: List[Optional[Tensor]] = [torch.arange(6.0).reshape(2, 3), None, torch.ones(0, 4, dtype=torch.int32),
+                                       torch.tensor([True, False, True])]
+    rg = [True, False, False, False]
+    f32, i32, b8 = DTYPES.index(torch.float32), DTYPES.index(torch.int32), DTYPES.index(torch.bool)
+    header = [int(Kind.GRAD), 5, 9, 4, 24, 1,  # kind, micro-batch, count, tensors, header length, tuple
+              1, f32, 1, 2, 2, 3,  0,  1, i32, 0, 2, 0, 4,  1, b8, 0, 1, 3]
+    start = 8 * HEADER_SLOTS
+    total = start + 32 + 0 + 16  # 24 bytes of floats padded to 32, the empty tensor, 3 bools padded to 16
+    assert _C.pipe_message_bytes(tensors) == total
+    buf = torch.full((total,), 0xAB, dtype=torch.uint8)
+    _C.pipe_pack(buf, int(Kind.GRAD), 5, 9, tensors, rg, True)
+    assert buf[:8 * len(header)].view(torch.int64).tolist() == header
+    assert torch.equal(buf[start:start + 24].view(torch.float32), torch.arange(6.0))
+    assert buf[start + 32:start + 35].tolist() == [1, 0, 1]
+    kind, mb, count, is_tuple, out, out_rg = _C.pipe_unpack(buf)
+    assert (kind, mb, count, is_tuple, out_rg) == (int(Kind.GRAD), 5, 9, True, rg)
+    assert out[0] is not None and torch.equal(out[0], tensors[0]) and out[0].data_ptr() == buf.data_ptr() + start
+    assert out[1] is None and out[2] is not None and out[2].shape == (0, 4) and out[2].dtype == torch.int32
+    assert out[3] is not None and torch.equal(out[3], tensors[3])
+    # the header alone (the NCCL wire's first message), and its decoding
+    head = _C.pipe_header(int(Kind.GRAD), 5, 9, tensors, rg, True)
+    assert head.dtype == torch.int64 and head.numel() == HEADER_SLOTS and head.tolist()[:24] == header
+    assert _C.pipe_decode(header) == (int(Kind.GRAD), 5, 9, True, [(torch.float32, True, [2, 3]), None,
+                                                                  (torch.int32, False, [0, 4]), (torch.bool, False, [3])])
+    # refusals
+    with pytest.raises(TypeError, match="torch.uint16 cannot cross a pipeline stage boundary; supported: torch.float32"):
+        _C.pipe_message_bytes([torch.zeros(2, dtype=torch.uint16)])
+    small = torch.zeros(total - 1, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        _C.pipe_pack(small, int(Kind.GRAD), 5, 9, tensors, rg, True)
+    assert not small.any()  # nothing written
+    for slot, value in [(4, 10 ** 6),      # a header longer than the buffer
+                        (3, -1),           # a negative tensor count
+                        (7, len(DTYPES)),  # an unknown dtype code
+                        (10, 10 ** 9),     # a tensor past the buffer's end
+                        (11, -3),          # a negative size
+                        (10, 2 ** 62)]:    # a size whose bytes overflow int64
+        bad = buf.clone()
+        bad[:8 * len(header)].view(torch.int64)[slot] = value
+        with pytest.raises(RuntimeError, match="malformed pipeline message"):
+            _C.pipe_unpack(bad)
+
+
 def test_schedules_order_and_memory() -> None:
     """The schedules every rank computes: each micro-batch's forward before its backward, every
     micro-batch once; 1F1B keeps at most S - s micro-batches alive on stage s, GPipe all."""

@@ -5,8 +5,11 @@ after) and the order of its messages: no receive-from-any-source (which NCCL lac
 a header -- int64 values: its kind, micro-batch, the step's micro-batch count, flags (whether the
 tensors form a tuple), and per tensor whether it is present, its dtype, whether it requires grad
 and its shape -- and the tensors' raw bytes (any dtype, any shape; shapes may change from batch to
-batch). Sends are asynchronous (the buffers stay alive until the step ends); every receive is
-bounded by the pipe's timeout. Two wire formats, chosen by the backend:
+batch). The format is the extension's (``csrc/pipeline/message.h``: encoding, decoding, packing
+into one buffer and the views of a received one are one C++ call each -- in Python they cost tens
+of microseconds per message on the pipeline's critical path). Sends are asynchronous (the buffers
+stay alive until the step ends); every receive is bounded by the pipe's timeout. Two wire formats,
+chosen by the backend:
 
 * **one buffer** (gloo): header and tensors travel as one message, ``[header | tensor 0 | ...]``
   (each part 16-byte aligned; the received tensors are views of the buffer). Gloo accepts a
@@ -42,10 +45,8 @@ exchange), so the next step starts in step.
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import enum
-import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -53,22 +54,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .. import _C
 from ..comm import SubGroup, wait_bounded
 
 __all__ = ["Kind", "Message", "Link", "HEADER_SLOTS", "PIPE_TAG"]
 
-HEADER_SLOTS = 32
-_FIXED = 6  # kind, micro-batch, count, tensors, total header length, flags
-_TUPLE = 1  # flags: the tensors are a tuple (a 1-tuple stays a tuple)
-_ALIGN = 16  # byte alignment of every part of a one-buffer message (the widest element: complex128)
+HEADER_SLOTS: int = _C.PIPE_HEADER_SLOTS  # the fixed header (NCCL wire: its first message)
 PIPE_TAG = 0x5D1E  # the tag of every pipeline message (a user's own point-to-point traffic keeps tag 0)
 
-# dtype codes: positions in this tuple (the same on every rank: part of the wire format)
-DTYPES: Tuple[torch.dtype, ...] = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool, torch.complex64, torch.complex128,
-)
-_CODE = {d: i for i, d in enumerate(DTYPES)}
+#: the dtypes a message carries (a dtype's wire code is its position)
+DTYPES: Tuple[torch.dtype, ...] = tuple(_C.pipe_dtypes())
 
 
 class Kind(enum.IntEnum):
@@ -97,36 +92,6 @@ class Message:
         return "" if t is None else bytes(t.cpu().tolist()).decode("utf-8", errors="replace")
 
 
-def encode(kind: Kind, mb: int, count: int, tensors: Sequence[Optional[Tensor]],
-           requires_grad: Sequence[bool], is_tuple: bool = False) -> List[int]:
-    body: List[int] = []
-    for t, rg in zip(tensors, requires_grad):
-        if t is None:
-            body += [0]
-            continue
-        if t.dtype not in _CODE:
-            raise TypeError(f"a tensor of dtype {t.dtype} cannot cross a pipeline stage boundary; supported: "
-                            f"{', '.join(str(d) for d in DTYPES)}")
-        body += [1, _CODE[t.dtype], int(rg), t.dim(), *t.shape]
-    head = [int(kind), int(mb), int(count), len(tensors), _FIXED + len(body), _TUPLE if is_tuple else 0]
-    return head + body
-
-
-def decode(values: List[int]) -> Tuple[Kind, int, int, List[Optional[Tuple[torch.dtype, bool, List[int]]]], bool]:
-    kind, mb, count, n = Kind(values[0]), values[1], values[2], values[3]
-    specs: List[Optional[Tuple[torch.dtype, bool, List[int]]]] = []
-    i = _FIXED
-    for _ in range(n):
-        if values[i] == 0:
-            specs.append(None)
-            i += 1
-            continue
-        dtype, rg, ndim = DTYPES[values[i + 1]], bool(values[i + 2]), values[i + 3]
-        specs.append((dtype, rg, values[i + 4:i + 4 + ndim]))
-        i += 4 + ndim
-    return kind, mb, count, specs, bool(values[5] & _TUPLE)
-
-
 _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # private torch API; without it nothing is reused
 
 
@@ -145,41 +110,10 @@ def _unviewed(buf: Tensor) -> bool:
     return _storage_users(buf) == _ALONE
 
 
-def _write_int64(buf: Tensor, values: Sequence[int]) -> None:
-    """``values`` as int64 at the start of the host buffer ``buf`` (one C call: a message's header is
-    written per message on the pipeline's critical path, where each torch op costs microseconds)."""
-    data = struct.pack(f"<{len(values)}q", *values)
-    ctypes.memmove(buf.data_ptr(), data, len(data))
-
-
-def _read_int64(buf: Tensor, count: int) -> List[int]:
-    """The first ``count`` int64 of the host buffer ``buf``."""
-    return list(struct.unpack(f"<{count}q", ctypes.string_at(buf.data_ptr(), 8 * count)))
-
-
 def _bytes(t: Tensor) -> Tensor:
     """``t``'s elements as a flat uint8 tensor (a view when contiguous and not a lazy conjugate or
     negation, whose values are materialised first)."""
     return t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _layout(header_slots: int, specs: Sequence[Optional[Tuple[torch.dtype, Any]]]) -> Tuple[List[int], int]:
-    """Byte offsets of the tensors of a one-buffer message, and its total size."""
-    offsets: List[int] = []
-    at = _aligned(8 * max(header_slots, HEADER_SLOTS))
-    for spec in specs:
-        offsets.append(at)
-        if spec is not None:
-            dtype, shape = spec
-            numel = 1
-            for d in shape:
-                numel *= int(d)
-            at += _aligned(numel * dtype.itemsize)
-    return offsets, at
 
 
 @dataclass
@@ -242,19 +176,21 @@ class Link:
             return self.recv_group.recv(t, self.peer, PIPE_TAG)
         return dist.irecv(t, src=self.peer, group=self.group, tag=PIPE_TAG)
 
-    def _header(self, values: List[int]) -> Tensor:
-        return torch.tensor(values + [0] * max(0, HEADER_SLOTS - len(values)), dtype=torch.int64)
+    @staticmethod
+    def _control(kind: Kind, size: int) -> Tensor:
+        """A header-only ``GROW``/``SPLIT`` message announcing a message of ``size`` bytes."""
+        return _C.pipe_header(int(kind), size, 0, [], [], False).view(torch.uint8)
 
     def send(self, kind: Kind, mb: int, count: int, tensors: Sequence[Optional[Tensor]],
              requires_grad: Optional[Sequence[bool]] = None, is_tuple: bool = False) -> None:
+        tensors = list(tensors)
         rg = list(requires_grad) if requires_grad is not None else [False] * len(tensors)
-        values = encode(kind, mb, count, tensors, rg, is_tuple)
         if self.one_buffer:
-            self._send_one_buffer(values, tensors)
+            self._send_one_buffer(int(kind), mb, count, tensors, rg, is_tuple)
         else:
-            head = self._header(values).to(self.device)
+            head = _C.pipe_header(int(kind), mb, count, tensors, rg, is_tuple).to(self.device)
             self._isend(head[:HEADER_SLOTS])
-            if len(values) > HEADER_SLOTS:
+            if head.numel() > HEADER_SLOTS:
                 self._isend(head[HEADER_SLOTS:])
             for t in tensors:
                 if t is not None and t.numel() > 0:
@@ -268,28 +204,20 @@ class Link:
         self._lent.append(buf)
         return buf
 
-    def _send_one_buffer(self, values: List[int], tensors: Sequence[Optional[Tensor]]) -> None:
-        specs = [None if t is None else (t.dtype, t.shape) for t in tensors]
-        offsets, total = _layout(len(values), specs)
+    def _send_one_buffer(self, kind: int, mb: int, count: int, tensors: List[Optional[Tensor]], rg: List[bool],
+                         is_tuple: bool) -> None:
+        total = _C.pipe_message_bytes(tensors)  # refuses an unsupported dtype before anything is sent
         larger = total > self.send_capacity
         split = larger and self.sent > 0  # the peer's receives may be posted at the capacity: parts of it
         if larger and not split:  # the step's first message: one receive is posted, enlarge it
-            self._isend(self._header([int(Kind.GROW), total, 0, 0, _FIXED, 0]).view(torch.uint8))
+            self._isend(self._control(Kind.GROW, total))
             self.send_capacity = total
         buf = self._buffer(total)
-        _write_int64(buf, values)
-        base = buf.data_ptr()
-        for t, at in zip(tensors, offsets):
-            if t is not None and t.numel() > 0:
-                nbytes = t.numel() * t.element_size()
-                if t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-                    ctypes.memmove(base + at, t.data_ptr(), nbytes)
-                else:  # straight into the buffer (one copy, also when t is not contiguous)
-                    buf[at:at + nbytes].view(t.dtype).view(t.shape).copy_(t.detach())
+        _C.pipe_pack(buf, kind, mb, count, tensors, rg, is_tuple)  # one copy, also of a non-contiguous tensor
         if not split:
             self._isend(buf)
             return
-        self._isend(self._header([int(Kind.SPLIT), total, 0, 0, _FIXED, 0]).view(torch.uint8))
+        self._isend(self._control(Kind.SPLIT, total))
         for start in range(0, total, self.send_capacity):
             self._isend(buf[start:start + self.send_capacity])
 
@@ -367,39 +295,23 @@ class Link:
     def _recv_one_buffer(self, what: str) -> Message:
         while True:
             buf = self._next_buffer(what)
-            values = _read_int64(buf, HEADER_SLOTS)
-            if values[0] == Kind.SPLIT:
-                buf = self._join(values[1], what)
-                values = _read_int64(buf, HEADER_SLOTS)
-            if values[0] != Kind.GROW:
-                break
-            self.recv_capacity = values[1]
-        if values[4] > HEADER_SLOTS:
-            values = _read_int64(buf, values[4])
-        kind, mb, count, specs, is_tuple = decode(values)
-        offsets, _ = _layout(values[4], [None if s is None else (s[0], s[2]) for s in specs])
-        tensors: List[Optional[Tensor]] = []
-        for spec, at in zip(specs, offsets):
-            if spec is None:
-                tensors.append(None)
-                continue
-            dtype, _, shape = spec
-            n = dtype.itemsize
-            for d in shape:
-                n *= d
-            tensors.append(buf[at:at + n].view(dtype).view(shape) if n > 0 else
-                           torch.empty(shape, dtype=dtype, device=self.device))
-        return Message(kind, mb, count, tensors, [s is not None and s[1] for s in specs], is_tuple)
+            kind, mb, count, is_tuple, tensors, rg = _C.pipe_unpack(buf)
+            if kind == Kind.SPLIT:
+                kind, mb, count, is_tuple, tensors, rg = _C.pipe_unpack(self._join(mb, what))
+            if kind != Kind.GROW:
+                return Message(Kind(kind), mb, count, tensors, rg, is_tuple)
+            self.recv_capacity = mb
 
     def _recv_parts(self, what: str) -> Message:
         head = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
         self._recv_into(head, what)
         values = head.tolist()  # a host read on NCCL: the shapes size the receive buffers
-        if values[4] > HEADER_SLOTS:
-            rest = torch.empty(values[4] - HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        length = _C.pipe_header_length(values)
+        if length > HEADER_SLOTS:
+            rest = torch.empty(length - HEADER_SLOTS, dtype=torch.int64, device=self.device)
             self._recv_into(rest, what)
             values += rest.tolist()
-        kind, mb, count, specs, is_tuple = decode(values)
+        kind, mb, count, is_tuple, specs = _C.pipe_decode(values)
         tensors: List[Optional[Tensor]] = []
         for spec in specs:
             if spec is None:
@@ -409,7 +321,7 @@ class Link:
             if t.numel() > 0:
                 self._recv_into(t.reshape(-1).view(torch.uint8), what)
             tensors.append(t)
-        return Message(kind, mb, count, tensors, [s is not None and s[1] for s in specs], is_tuple)
+        return Message(Kind(kind), mb, count, tensors, [s is not None and s[1] for s in specs], is_tuple)
 
     # -- end of a step -------------------------------------------------------------------------
     def fill(self, peer_consumed: int) -> int:
