@@ -85,16 +85,13 @@ class _PeerFailed(Exception):
 
 
 class _GradTap(torch.autograd.Function):
-    """Identity whose backward hands the gradients to ``hook`` instead of passing them on. Two
-    uses: a stage's received inputs (the hook sends their gradients upstream) and the final
-    stage's gathered output (the hook runs each micro-batch's backward itself, so that a failure
-    there reaches the other stages).
+    """Identity whose backward hands the gradients to ``hook`` instead of passing them on: the
+    final stage's gathered output, whose hook runs each micro-batch's backward itself (so that a
+    failure there reaches the other stages).
 
-    ``owned``: the outputs are the user's to keep (the final stage's output): tensors of their
-    own to autograd (``detach()``: the same memory, no copy), which may be modified in place like
-    any model output (``y.add_(1)``, a collective writing into ``y``). Otherwise views, which
-    autograd refuses to modify in place: a layer writing into the activations it received would
-    corrupt them for a checkpointed micro-batch's recomputation, which reads them again."""
+    ``owned``: the outputs are the user's to keep: tensors of their own to autograd
+    (``detach()``: the same memory, no copy), which may be modified in place like any model output
+    (``y.add_(1)``, a collective writing into ``y``). Otherwise views."""
 
     @staticmethod
     def forward(ctx: Any, hook: Callable[[Tuple[Optional[Tensor], ...]], None], owned: bool,
@@ -120,6 +117,9 @@ class _Step:
         self.forwards = 0
         self.backwards = 0                       # micro-batch backwards run (or skipped) on this stage
         self.held_grads: Dict[int, List[Optional[Tensor]]] = {}  # input gradients not yet sent upstream
+        # micro-batch -> (inputs, positions that require grad, those received leaves): their .grad
+        # after the micro-batch's backward is what goes upstream
+        self.inputs: Dict[int, Tuple[int, List[int], List[Tensor]]] = {}
 
 
 class AsyncPipe(nn.Module):
@@ -491,28 +491,32 @@ class AsyncPipe(nn.Module):
         return (tuple(xs) if msg.is_tuple else xs[0]), msg.count, any(msg.requires_grad)
 
     def _run_partition(self, mb: int, step: _Step, inputs: TensorOrTensors, checkpointed: bool) -> TensorOrTensors:
-        """The stage's layers on one micro-batch: received inputs behind a :class:`_GradTap` (their
-        gradients go upstream), checkpointed when asked."""
+        """The stage's layers on one micro-batch, checkpointed when asked. The received inputs that
+        require grad are autograd leaves: their ``.grad`` after the micro-batch's backward goes
+        upstream (as torch's pipelining does; an autograd Function around them cost 15-45 us a
+        micro-batch, on the critical path), and a layer cannot modify them in place (which would
+        corrupt them for a checkpointed micro-batch's recomputation)."""
         assert self.partition is not None
         xs = list(as_tuple(inputs))
         single = not isinstance(inputs, tuple)
         diff = [i for i, t in enumerate(xs) if t.requires_grad] if self.stage != 0 else []
         if diff:
-            width = len(xs)
-            views = _GradTap.apply(_step_hook(step, lambda s, grads: self._send_input_grads(s, mb, width, diff, grads)),
-                                   False, *[xs[i] for i in diff])
-            for i, v in zip(diff, views):
-                xs[i] = v
+            leaves = [xs[i] for i in diff]
+            step.inputs[mb] = (len(xs), diff, leaves)
+            if self._wrapper:  # sent from inside the backward (see _send_input_grads)
+                torch.autograd.graph.register_multi_grad_hook(
+                    leaves, _step_hook(step, lambda s, grads: self._send_input_grads(s, mb, grads)), mode="all")
         part = self.partition
         # a wrapper counts iterations by its forward calls: it sees the mini-batch's first micro-batch
         first = self._wrapper[0] if self._wrapper and step.forwards == 0 and torch.is_grad_enabled() else part
         try:
             out = self._call_partition(part, xs, single, checkpointed, first)
         except RuntimeError as exc:
-            if "_GradTap is a view and is being modified inplace" in str(exc):
-                raise RuntimeError(f"stage {self.stage}: a layer modified its input in place, but the activations "
-                                   "it received from the previous stage require grad; use an out-of-place "
-                                   f"operation (or clone the input first). torch: {exc}") from exc
+            if diff and "leaf Variable that requires grad is being used in an in-place operation" in str(exc):
+                raise RuntimeError(f"stage {self.stage}: a layer modified in place a tensor that requires grad and "
+                                   "has no history -- most likely the activations it received from the previous "
+                                   "stage; use an out-of-place operation (or clone the input first). "
+                                   f"torch: {exc}") from exc
             raise
         check(out, f"the output of stage {self.stage}")
         return out
@@ -539,21 +543,20 @@ class AsyncPipe(nn.Module):
             out = torch.utils.checkpoint.checkpoint(run, *xs, use_reentrant=False, preserve_rng_state=True)
         return out
 
-    def _send_input_grads(self, step: _Step, mb: int, width: int, diff: List[int],
-                          grads: Sequence[Optional[Tensor]]) -> None:
-        """The tap's hook: micro-batch ``mb``'s input gradients, sent upstream once its backward
-        returns (:meth:`_send_held_grads`) -- or right away, from inside the backward, when a
-        data-parallel wrapper's hooks run there (the upstream stage's backward then overlaps
-        them). Sending from inside the autograd backward cost measurably more CPU time than
-        after it (1F1B, 2 stages on 2 cores: +10-30% CPU per step), for no earlier start upstream:
-        what remains of the backward after the first layer's input gradient is the accumulation
-        of its parameters' gradients."""
+    def _send_input_grads(self, step: _Step, mb: int, grads: Sequence[Optional[Tensor]]) -> None:
+        """With a data-parallel wrapper on the stage: micro-batch ``mb``'s input gradients, sent
+        from inside the backward as soon as autograd has them (the upstream stage's backward then
+        overlaps the wrapper's hooks). Without one they are sent once the backward returns
+        (:meth:`_release_upstream`): sending from inside the autograd backward cost measurably more
+        CPU time than after it (1F1B, 2 stages on 2 cores: +10-30% CPU per step), for no earlier
+        start upstream: what remains of the backward after the first layer's input gradient is the
+        accumulation of its parameters' gradients."""
+        width, diff, _ = step.inputs.pop(mb)
         full: List[Optional[Tensor]] = [None] * width
         for i, g in zip(diff, grads):
             full[i] = g
         step.held_grads[mb] = full
-        if self._wrapper:
-            self._send_held_grads(step, mb)
+        self._send_held_grads(step, mb)
 
     def _send_held_grads(self, step: _Step, mb: int) -> None:
         full = step.held_grads.pop(mb, None)
@@ -623,7 +626,7 @@ class AsyncPipe(nn.Module):
 
     def _backward_one(self, step: _Step, mb: int, grads: Optional[Sequence[Optional[Tensor]]]) -> None:
         """Micro-batch ``mb``'s backward through this stage, from its outputs' gradients (None:
-        none came); its inputs' gradients go upstream (through :class:`_GradTap`)."""
+        none came); its inputs' gradients go upstream."""
         out = step.outputs.pop(mb)
         with self._backward_scope(step):
             if grads is not None:
@@ -634,7 +637,15 @@ class AsyncPipe(nn.Module):
         self._release_upstream(step, mb)
 
     def _release_upstream(self, step: _Step, mb: int) -> None:
-        """Micro-batch ``mb``'s answer to the previous stage: its input gradients, or NOGRAD."""
+        """Micro-batch ``mb``'s answer to the previous stage: its input gradients (the received
+        leaves' ``.grad``), or NOGRAD where the backward reached none of them."""
+        entry = step.inputs.pop(mb, None)
+        if entry is not None:
+            width, diff, leaves = entry
+            full: List[Optional[Tensor]] = [None] * width
+            for i, x in zip(diff, leaves):
+                full[i] = x.grad
+            step.held_grads[mb] = full
         self._send_held_grads(step, mb)
         self._answer_upstream(step, mb)
 
