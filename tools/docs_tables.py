@@ -80,9 +80,10 @@ TABLES: Dict[str, str] = {
                    "per rank, AdamW, gloo, 1 thread per worker, medians of 64 steps timed in interleaved rounds, the "
                    "four set-ups in the same processes. AMD EPYC, 2 cores.",
     "bench_pipe": "`make bench-pipe` (bench/bench_pipe.py): 8 x (Linear(512) + ReLU), batch 256, MSE, gradients "
-                  "only, one gloo worker per stage (1 thread each), medians of 40 steps in interleaved rounds, each "
-                  "step after a barrier; every row's first step checked against one process (rel. error <= 2e-7). "
-                  "AMD EPYC, 2 cores, quiet machine, 2026-11-25 (GPipe posting every forward's receive at once).",
+                  "only, one gloo worker per stage (1 thread each), medians of 80 steps in interleaved rounds "
+                  "(`--rounds 16`), each step after a barrier; every row's first step checked against one process "
+                  "(rel. error <= 2e-7). Intel Xeon, 2 cores, 2026-11-26 (messages packed in C++, received inputs "
+                  "as autograd leaves).",
     "bench_fairscale_parity": "`make bench-fairscale-parity` (bench/bench_fairscale_parity.py): fairscale's "
                               "benchmarks/oss.py on CPU, ResNet-18 on digits upscaled to 32x32, 2 gloo workers, "
                               "batch 64 per rank, RMSprop(lr=1e-4, momentum=0.9), 4 epochs of 14 steps; rank 0's "
