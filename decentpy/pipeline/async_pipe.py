@@ -87,22 +87,19 @@ class _PeerFailed(Exception):
 class _GradTap(torch.autograd.Function):
     """Identity whose backward hands the gradients to ``hook`` instead of passing them on: the
     final stage's gathered output, whose hook runs each micro-batch's backward itself (so that a
-    failure there reaches the other stages).
-
-    ``owned``: the outputs are the user's to keep: tensors of their own to autograd
-    (``detach()``: the same memory, no copy), which may be modified in place like any model output
-    (``y.add_(1)``, a collective writing into ``y``). Otherwise views."""
+    failure there reaches the other stages). The outputs are the user's to keep: tensors of their
+    own to autograd (``detach()``: the same memory, no copy), which may be modified in place like
+    any model output (``y.add_(1)``, a collective writing into ``y``)."""
 
     @staticmethod
-    def forward(ctx: Any, hook: Callable[[Tuple[Optional[Tensor], ...]], None], owned: bool,
-                *xs: Tensor) -> Tuple[Tensor, ...]:
+    def forward(ctx: Any, hook: Callable[[Tuple[Optional[Tensor], ...]], None], *xs: Tensor) -> Tuple[Tensor, ...]:
         ctx.hook = hook
-        return tuple(x.detach() if owned else x.view_as(x) for x in xs)
+        return tuple(x.detach() for x in xs)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[None, ...]:
         ctx.hook(grads)
-        return (None,) * (len(grads) + 2)
+        return (None,) * (len(grads) + 1)
 
 
 class _Step:
@@ -696,7 +693,7 @@ class AsyncPipe(nn.Module):
         leaves = [joined[i].requires_grad_(True) for i in diff]
         width = len(joined)
         owned = _GradTap.apply(_step_hook(step, lambda s, grads: self._final_backward(s, sizes, width, diff, grads)),
-                               True, *leaves)
+                               *leaves)
         for i, v in zip(diff, owned):
             joined[i] = v
         self._pending = step
@@ -913,11 +910,12 @@ class AsyncPipe(nn.Module):
 
 def _step_hook(step: _Step, fn: Callable[[_Step, Tuple[Optional[Tensor], ...]], None]
                ) -> Callable[[Tuple[Optional[Tensor], ...]], None]:
-    """A :class:`_GradTap` hook that runs ``fn(step, grads)``, holding ``step`` weakly. The tap's
-    node lives in the step's autograd graph, which the step reaches (its outputs, the final stage's
-    losses): a strong reference back from the node would make a cycle through C++ autograd nodes
-    that Python's garbage collector cannot see through, and every step's received activations would
-    stay alive for good (found as a leak of every receive buffer of the final stage)."""
+    """A :class:`_GradTap` (or multi-grad) hook that runs ``fn(step, grads)``, holding ``step``
+    weakly. The hook lives in the step's autograd graph, which the step reaches (its outputs, the
+    final stage's losses): a strong reference back from it would make a cycle through C++ autograd
+    nodes that Python's garbage collector cannot see through, and every step's received
+    activations would stay alive for good (found as a leak of every receive buffer of the final
+    stage)."""
     ref = weakref.ref(step)
 
     def hook(grads: Tuple[Optional[Tensor], ...]) -> None:
