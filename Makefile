@@ -116,7 +116,7 @@ train: $(BUILD_STAMP)
 test: ctest pytest
 
 pytest: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 ctest: $(BUILD_STAMP)
 ifeq ($(CMAKE),)
