@@ -152,12 +152,15 @@ Header decode_header(const std::vector<int64_t>& values) {
 }
 
 int64_t message_bytes(const OptTensors& tensors) {
-  int64_t len = kFixed;
-  for (const auto& t : tensors) {
-    len += t ? 4 + t->dim() : 1;
-    if (t) code_of(t->scalar_type());  // refuse a dtype here already, before any message is sent
-  }
-  return layout(len, specs_of(tensors), nullptr);
+  // the header's length as header_values makes it (which also refuses a dtype, before any message is sent)
+  const auto len = header_values(0, 0, 0, tensors, std::vector<bool>(tensors.size()), false).size();
+  return layout(static_cast<int64_t>(len), specs_of(tensors), nullptr);
+}
+
+int64_t header_length(const std::vector<int64_t>& first) {
+  TORCH_CHECK(static_cast<int64_t>(first.size()) >= kFixed && first[4] >= kFixed,
+              "malformed pipeline message: a header of ", first.size(), " slots");
+  return first[4];
 }
 
 void pack(const at::Tensor& buf, int64_t kind, int64_t mb, int64_t count, const OptTensors& tensors,

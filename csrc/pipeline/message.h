@@ -59,6 +59,9 @@ at::Tensor encode_header(int64_t kind, int64_t mb, int64_t count, const OptTenso
 // Decodes `values` (a header, at least its header_len slots). Throws on a malformed header.
 Header decode_header(const std::vector<int64_t>& values);
 
+// A header's length in slots, read from its first kHeaderSlots (the NCCL wire's first message).
+int64_t header_length(const std::vector<int64_t>& first);
+
 // Bytes of the one-buffer message carrying `tensors` (header included).
 int64_t message_bytes(const OptTensors& tensors);
 

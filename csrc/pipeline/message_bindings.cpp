@@ -31,14 +31,8 @@ void bind_pipe_message(py::module& m) {
       },
       py::arg("values"),
       "A header's (kind, mb, count, is_tuple, specs): per tensor None or (dtype, requires_grad, shape).");
-  m.def(
-      "pipe_header_length",
-      [](const std::vector<int64_t>& values) {
-        TORCH_CHECK(static_cast<int64_t>(values.size()) >= kFixed && values[4] >= kFixed,
-                    "malformed pipeline message: a header of ", values.size(), " slots");
-        return values[4];
-      },
-      py::arg("values"), "A header's length in slots, read from its first PIPE_HEADER_SLOTS.");
+  m.def("pipe_header_length", &header_length, py::arg("values"),
+        "A header's length in slots, read from its first PIPE_HEADER_SLOTS.");
   m.def("pipe_message_bytes", &message_bytes, py::arg("tensors"),
         "Bytes of the one-buffer message carrying these tensors (None: an absent one), header included.");
   m.def("pipe_pack", &pack, py::arg("buf"), py::arg("kind"), py::arg("mb"), py::arg("count"), py::arg("tensors"),

@@ -113,7 +113,6 @@ class _Step:
         self.losses: Dict[int, Tensor] = {}
         self.forwards = 0
         self.backwards = 0                       # micro-batch backwards run (or skipped) on this stage
-        self.held_grads: Dict[int, List[Optional[Tensor]]] = {}  # input gradients not yet sent upstream
         # micro-batch -> (inputs, positions that require grad, those received leaves): their .grad
         # after the micro-batch's backward is what goes upstream
         self.inputs: Dict[int, Tuple[int, List[int], List[Tensor]]] = {}
@@ -541,24 +540,18 @@ class AsyncPipe(nn.Module):
         return out
 
     def _send_input_grads(self, step: _Step, mb: int, grads: Sequence[Optional[Tensor]]) -> None:
-        """With a data-parallel wrapper on the stage: micro-batch ``mb``'s input gradients, sent
-        from inside the backward as soon as autograd has them (the upstream stage's backward then
-        overlaps the wrapper's hooks). Without one they are sent once the backward returns
-        (:meth:`_release_upstream`): sending from inside the autograd backward cost measurably more
-        CPU time than after it (1F1B, 2 stages on 2 cores: +10-30% CPU per step), for no earlier
-        start upstream: what remains of the backward after the first layer's input gradient is the
-        accumulation of its parameters' gradients."""
+        """Micro-batch ``mb``'s input gradients upstream (``grads``: one per received leaf, None
+        where the backward did not reach it): GRAD, or NOGRAD when it reached none. With a
+        data-parallel wrapper on the stage they are sent from inside the backward, as soon as
+        autograd has them (the upstream stage's backward then overlaps the wrapper's hooks);
+        without one, once the backward returns (:meth:`_release_upstream`): sending from inside
+        the autograd backward cost measurably more CPU time than after it (1F1B, 2 stages on 2
+        cores: +10-30% CPU per step), for no earlier start upstream: what remains of the backward
+        after the first layer's input gradient is the accumulation of its parameters' gradients."""
         width, diff, _ = step.inputs.pop(mb)
         full: List[Optional[Tensor]] = [None] * width
         for i, g in zip(diff, grads):
             full[i] = g
-        step.held_grads[mb] = full
-        self._send_held_grads(step, mb)
-
-    def _send_held_grads(self, step: _Step, mb: int) -> None:
-        full = step.held_grads.pop(mb, None)
-        if full is None:
-            return
         assert self._prev is not None
         if all(g is None for g in full):
             self._prev.send(Kind.NOGRAD, mb, step.count, [])
@@ -636,14 +629,9 @@ class AsyncPipe(nn.Module):
     def _release_upstream(self, step: _Step, mb: int) -> None:
         """Micro-batch ``mb``'s answer to the previous stage: its input gradients (the received
         leaves' ``.grad``), or NOGRAD where the backward reached none of them."""
-        entry = step.inputs.pop(mb, None)
-        if entry is not None:
-            width, diff, leaves = entry
-            full: List[Optional[Tensor]] = [None] * width
-            for i, x in zip(diff, leaves):
-                full[i] = x.grad
-            step.held_grads[mb] = full
-        self._send_held_grads(step, mb)
+        entry = step.inputs.get(mb)
+        if entry is not None:  # not yet sent from inside the backward
+            self._send_input_grads(step, mb, [x.grad for x in entry[2]])
         self._answer_upstream(step, mb)
 
     def _forward_only_depth(self, count: int) -> int:
