@@ -98,7 +98,7 @@ docs: $(BUILD_STAMP) $(DOCS_DEPS_STAMP)
 
 # --no-build-isolation: build against the torch installed above, never a freshly pulled one.
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
-	@echo "building decentpy (compiles decentpy._C; takes a minute or two)"
+	@echo "building decentpy (compiles decentpy._C: a few minutes the first time, then only what changed)"
 	$(PIP) install $(PIP_Q) --no-build-isolation -e .
 	@touch $@
 

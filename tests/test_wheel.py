@@ -82,15 +82,41 @@ def _expected_local_version():
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-    """Build the wheel exactly as `make wheel` does (in-tree, reusing build/temp.*)."""
+def built(tmp_path_factory):
+    """Build the wheel exactly as `make wheel` does (in-tree, reusing build/temp.*): (wheel, pip's
+    verbose log)."""
     out = tmp_path_factory.mktemp("dist")
     env = dict(os.environ, DECENTPY_WHEEL="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
     log = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-build-isolation", "--no-deps",
                 "-w", out, ROOT], cwd=ROOT, env=env, timeout=BUILD_TIMEOUT)
     wheels = sorted(out.glob("decentpy-*.whl"))
     assert len(wheels) == 1, (wheels, log[-4000:])
-    return wheels[0]
+    return wheels[0], log
+
+
+@pytest.fixture(scope="module")
+def wheel(built):
+    return built[0]
+
+
+def test_wheel_reuses_the_objects_of_make_build(built):
+    """After `make build` of this very tree the wheel only relinks: the editable install compiles
+    into build/temp.* too (it used to compile in a temporary directory that pip deletes, and the
+    wheel recompiled all of csrc/: 163 s of CI)."""
+    stamp = Path(sys.prefix) / ".build-stamp"  # the Makefile's BUILD_STAMP, in the venv running the tests
+    if not stamp.exists():
+        pytest.skip(f"no {stamp}: the extension was not built by `make build` in this environment")
+    inputs = [ROOT / "setup.py", ROOT / "pyproject.toml"] + [p for p in (ROOT / "csrc").rglob("*") if p.is_file()]
+    changed = [p for p in inputs if p.stat().st_mtime > stamp.stat().st_mtime]
+    if changed:
+        pytest.skip(f"{changed[0].relative_to(ROOT)} changed after the last `make build`: the wheel had to "
+                    "compile it")
+    _, log = built
+    compiled = [line.strip() for line in log.splitlines()
+                if re.match(r"\s*\[\d+/\d+\] c\+\+ ", line) or re.match(r"\s*decentpy: \S*nvcc ", line)]
+    assert not compiled, "the wheel build recompiled objects of an unchanged tree:\n" + "\n".join(
+        c[:200] for c in compiled)
+    assert "ninja: no work to do." in log, log[-4000:]
 
 
 def _wheel_version(path):
