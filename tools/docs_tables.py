@@ -80,9 +80,9 @@ TABLES: Dict[str, str] = {
                    "per rank, AdamW, gloo, 1 thread per worker, medians of 64 steps timed in interleaved rounds, the "
                    "four set-ups in the same processes. AMD EPYC, 2 cores.",
     "bench_pipe": "`make bench-pipe` (bench/bench_pipe.py): 8 x (Linear(512) + ReLU), batch 256, MSE, gradients "
-                  "only, one gloo worker per stage (1 thread each), medians of 80 steps in interleaved rounds "
-                  "(`--rounds 16`), each step after a barrier; every row's first step checked against one process "
-                  "(rel. error <= 2e-7). Intel Xeon, 2 cores, 2026-11-26 (messages packed in C++, received inputs "
+                  "only, one gloo worker per stage (1 thread each), medians of 160 steps in interleaved rounds "
+                  "(`--rounds 32`), each step after a barrier; every row's first step checked against one process "
+                  "(rel. error <= 2e-7). Intel Xeon, 2 cores, 2026-11-27 (messages packed in C++, received inputs "
                   "as autograd leaves).",
     "bench_fairscale_parity": "`make bench-fairscale-parity` (bench/bench_fairscale_parity.py): fairscale's "
                               "benchmarks/oss.py on CPU, ResNet-18 on digits upscaled to 32x32, 2 gloo workers, "
@@ -135,5 +135,7 @@ def generate(out_dir: str) -> List[str]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 2 or (len(sys.argv) == 2 and sys.argv[1].startswith("-")):
+        sys.exit("usage: python tools/docs_tables.py [OUTPUT_DIR]  (default docs/_generated; the docs build runs it)")
     for p in generate(sys.argv[1] if len(sys.argv) > 1 else os.path.join("docs", "_generated")):
         print(p)
