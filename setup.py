@@ -56,8 +56,8 @@ except ImportError:  # pragma: no cover
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(ROOT, "csrc")
-#: where every build's objects go (and ninja finds them again): setuptools' own default for a
-#: plain build, which editable and wheel builds share with it (see DecentpyBuildExt)
+#: where the objects of every build go (and ninja finds them again): setuptools' default for plain
+#: and wheel builds, which the editable install is given too (see DecentpyBuildExt)
 BUILD_TEMP = os.path.join(ROOT, "build", f"temp.{sysconfig.get_platform()}-{sys.implementation.cache_tag}")
 # The one C++ standard of host and device code (nvcc gets the same -std; CMakeLists.txt reads this line).
 CXX_STANDARD = 20
@@ -258,14 +258,16 @@ class DecentpyBdistWheel(_bdist_wheel):
 class DecentpyBuildExt(BuildExtension):
     """torch's BuildExtension (ninja) plus nvcc-compiled objects for csrc/cuda/*.cu.
 
-    The objects always live in the tree's build/temp.* (:data:`BUILD_TEMP`): an editable install
-    (``make build``, ``pip install -e .``) otherwise compiles in a temporary directory that pip
-    deletes, so every rebuild recompiled all of csrc/ (~2.5 min after a one-file change) and the
-    wheel build that follows it (``make wheel``, tests/test_wheel.py) found nothing to reuse."""
+    An editable install (``make build``, ``pip install -e .``) compiles into the tree's
+    build/temp.* (:data:`BUILD_TEMP`), where plain and wheel builds compile by default: setuptools
+    gives it a temporary directory that pip deletes, so every rebuild recompiled all of csrc/
+    (~2.5 min after a one-file change) and the wheel build after it (``make wheel``,
+    tests/test_wheel.py) found nothing to reuse. Other builds keep their ``build_temp``."""
 
     def finalize_options(self):
         super().finalize_options()
-        self.build_temp = BUILD_TEMP
+        if getattr(self, "editable_mode", False):
+            self.build_temp = BUILD_TEMP
 
     def build_extensions(self):
         if CONFIG.with_cuda:
