@@ -37,13 +37,14 @@ Install with: pip install --no-build-isolation -e .      Wheel: make wheel (dist
 """
 import dataclasses
 import glob
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import sysconfig
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from setuptools import Distribution, find_packages, setup
@@ -160,6 +161,172 @@ def find_nccl_include(cuda_home):
 
 
 
+# ---- the C++ toolchain: one C++ runtime in the process ------------------------------------------
+# torch and Python load the system's shared libstdc++ (and libgcc_s, libgomp). An extension linked
+# with a C++ driver that has no shared libstdc++ (only libstdc++.a, e.g. a toolchain built for
+# static binaries) carries a second copy of the runtime: its locale and stream objects are half
+# initialised beside the process's, and the first integer formatted into an error message crashed
+# the process (SIGSEGV, seen on a GPU image whose CXX was such a g++). The build therefore probes the
+# driver before compiling and checks the extension after linking (docs/howto/building.md).
+
+#: symbols that only the C++ runtimes themselves define; an extension that defines one carries its
+#: own copy of that runtime. Name -> what it is.
+RUNTIME_INTERNALS = {
+    "_ZNSt6locale7classicEv": "libstdc++: std::locale::classic()",
+    "_ZNSt8ios_base4InitC1Ev": "libstdc++: std::ios_base::Init::Init()",
+    "_ZNSo9_M_insertIlEERSoT_": "libstdc++: std::ostream::_M_insert<long>(long)",
+    "__cxa_throw": "libstdc++ (libsupc++): __cxa_throw",
+    "_Unwind_RaiseException": "libgcc_s: _Unwind_RaiseException",
+    "GOMP_parallel": "libgomp: GOMP_parallel",
+}
+
+#: what the probe links the way the extension is linked (-shared, -fopenmp): integer formatting
+#: through a stream (libstdc++'s locale and num_put), an exception, an OpenMP region
+_PROBE_SOURCE = """
+#include <sstream>
+#include <stdexcept>
+#include <string>
+std::string decentpy_probe(long n) {
+  std::ostringstream s;
+  s << n;
+  long total = 0;
+#pragma omp parallel for reduction(+ : total)
+  for (long i = 0; i < n; ++i) total += i;
+  if (total < 0) throw std::runtime_error(s.str());
+  return s.str();
+}
+"""
+
+
+def runtime_copies(shared_object: str) -> List[str]:
+    """The C++ runtime internals that ``shared_object`` defines itself (:data:`RUNTIME_INTERNALS`):
+    empty for an extension that uses the process's shared runtimes."""
+    nm = shutil.which("nm")
+    if nm is None:
+        raise SystemExit("decentpy: binutils' nm is needed to check the built extension (it comes with the "
+                         "linker, ld); install binutils")
+    defined = set()
+    for flag in ([], ["-D"]):  # the static symbol table, and the dynamic one (a stripped object has only that)
+        r = subprocess.run([nm, "--defined-only", *flag, shared_object], capture_output=True, text=True)
+        defined.update(line.split()[-1] for line in r.stdout.splitlines() if line.strip())
+    return [what for sym, what in RUNTIME_INTERNALS.items() if sym in defined]
+
+
+def _cxx_words(cxx: str) -> List[str]:
+    return cxx.split()
+
+
+#: probe results of earlier builds (a probe compiles and links: ~1-3 s), keyed by the driver's file
+_PROBE_CACHE = os.path.join(ROOT, "build", "cxx_probe.json")
+
+
+def cxx_runtime_problem(cxx: str, workdir: str) -> Optional[str]:
+    """None when the C++ driver ``cxx`` links a shared object against the shared C++ runtimes;
+    else what is wrong with it, in words. It links a small probe as the extension is linked; the
+    answer is kept in build/cxx_probe.json for the same driver file (path, size, mtime)."""
+    words = _cxx_words(cxx)
+    path = shutil.which(words[0]) if words else None
+    if path is None:
+        return "not found"
+    st = os.stat(os.path.realpath(path))
+    key = f"{' '.join(words)}|{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|c++{CXX_STANDARD}"
+    try:
+        with open(_PROBE_CACHE) as f:
+            cache = json.load(f)
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key] or None
+    problem = _probe_cxx(words, workdir)
+    if problem is None or "cannot be run" not in problem:
+        cache[key] = problem or ""
+        try:
+            os.makedirs(os.path.dirname(_PROBE_CACHE), exist_ok=True)
+            with open(_PROBE_CACHE + ".tmp", "w") as f:
+                json.dump(cache, f, indent=1)
+            os.replace(_PROBE_CACHE + ".tmp", _PROBE_CACHE)
+        except OSError:
+            pass  # a read-only tree probes again next time
+    return problem
+
+
+def _probe_cxx(words: List[str], workdir: str) -> Optional[str]:
+    try:
+        lib = subprocess.run(words + ["-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                             timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot be run ({exc})"
+    src = os.path.join(workdir, "decentpy_probe.cpp")
+    out = os.path.join(workdir, "decentpy_probe.so")
+    with open(src, "w") as f:
+        f.write(_PROBE_SOURCE)
+    cmd = words + [f"-std=c++{CXX_STANDARD}", "-fPIC", "-fopenmp", "-shared", src, "-o", out]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot be run ({exc})"
+    if r.returncode != 0:
+        return f"cannot build a C++{CXX_STANDARD} shared object with -fopenmp: {r.stderr.strip()[-300:]}"
+    copies = runtime_copies(out)
+    if copies:
+        why = (f"it has no shared libstdc++ (-print-file-name=libstdc++.so answers {lib!r})"
+               if not os.path.isabs(lib) else "it links the C++ runtime statically")
+        return f"{why}: a shared object it links defines {', '.join(copies)}"
+    return None
+
+
+def _python_cxx() -> str:
+    """The C++ driver Python was configured with (setuptools' choice when $CXX is unset)."""
+    return sysconfig.get_config_var("CXX") or "c++"
+
+
+def _default_cxx() -> str:
+    """The C++ driver setuptools would link with: $CXX, else Python's configured one."""
+    return os.environ.get("CXX") or _python_cxx()
+
+
+#: drivers tried, in this order, after Python's own, when the default one would link a second C++
+#: runtime (Python's first: the same choice as a build without $CXX, whose objects it then reuses)
+CXX_FALLBACKS = ("c++", "g++", "/usr/bin/c++", "/usr/bin/g++", "clang++")
+
+
+def select_cxx(default: Optional[str] = None, fallbacks: Sequence[str] = CXX_FALLBACKS) -> Tuple[str, Optional[str]]:
+    """(the C++ driver to compile and link with, a note saying why it is not ``default``, or None).
+
+    ``default`` is :func:`_default_cxx`; it is kept when it links against the shared runtimes,
+    else the first of ``fallbacks`` that does is used. Raises SystemExit, naming the driver and
+    what to set, when none does."""
+    import tempfile
+
+    default = default or _default_cxx()
+    tried: List[Tuple[str, str]] = []
+    seen = set()
+    candidates = [default, _python_cxx(), *fallbacks] if fallbacks else [default]
+    with tempfile.TemporaryDirectory(prefix="decentpy-cxx-") as work:
+        for cxx in candidates:
+            words = _cxx_words(cxx)
+            key = os.path.realpath(shutil.which(words[0]) or words[0]) if words else cxx
+            if key in seen:
+                continue
+            seen.add(key)
+            problem = cxx_runtime_problem(cxx, work)
+            if problem is None:
+                if cxx == default:
+                    return cxx, None
+                bad = "; ".join(f"{c}: {p}" for c, p in tried)
+                return cxx, (f"C++ compiler {cxx} instead of {default} ({bad}; the extension would carry a "
+                             "second C++ runtime beside torch's)")
+            tried.append((cxx, problem))
+    bad = "; ".join(f"{c}: {p}" for c, p in tried)
+    raise SystemExit(
+        f"decentpy: no C++ compiler here links the extension against the shared C++ runtime ({bad}). "
+        f"CXX={os.environ.get('CXX', '(unset)')}. An extension with its own libstdc++ beside torch's crashes "
+        "the process at its first formatted error message. Set CXX to a g++ or clang++ that has a shared "
+        "libstdc++ (`$CXX -print-file-name=libstdc++.so` prints a full path), e.g. the system's /usr/bin/g++; "
+        "docs/howto/building.md")
+
+
+
 # ---- version, wheel requirements and decentpy/_build_info.py -------------------------------------
 # Everything here depends only on the environment (never on the setup.py command), so every PEP 517
 # hook (metadata, wheel, editable) computes the same version and writes the same _build_info.py.
@@ -210,6 +377,7 @@ def write_build_info(cfg):
         "torch_cuda_version": torch.version.cuda,
         "torch_requirement": cfg.torch_requirement,
         "cpu_arch": cfg.cpu_arch or None,
+        "cxx": cfg.cxx,
         "debug": cfg.debug,
     }
     lines = ['"""Build configuration of this decentpy installation.',
@@ -275,6 +443,20 @@ class DecentpyBuildExt(BuildExtension):
             for ext in self.extensions:
                 ext.extra_objects = list(ext.extra_objects or []) + objects
         super().build_extensions()
+        for ext in self.extensions:
+            self._check_runtime(self.get_ext_fullpath(ext.name))
+
+    @staticmethod
+    def _check_runtime(path: str) -> None:
+        """Refuse (and delete) an extension that carries its own copy of a C++ runtime: it would
+        crash the process rather than raise (see RUNTIME_INTERNALS)."""
+        copies = runtime_copies(path)
+        if copies:
+            os.remove(path)
+            raise SystemExit(f"decentpy: the linked extension {path} defines {', '.join(copies)}: it carries its own "
+                             f"copy of a C++ runtime beside the process's and would crash at its first formatted "
+                             f"error message; it was deleted. The link used CXX={os.environ.get('CXX')}; set CXX to "
+                             "a compiler with a shared libstdc++ (docs/howto/building.md)")
 
     def _compile_cuda(self):
         archs = cuda_archs()
@@ -289,7 +471,8 @@ class DecentpyBuildExt(BuildExtension):
         headers = [p for pat in ("cuda/*.h", "cuda/*.cuh", "kernels/*.h")
                    for p in glob.glob(os.path.join(CSRC, pat))]
         newest_header = max([os.path.getmtime(h) for h in headers] + [0])
-        flags = ["-O3" if not CONFIG.debug else "-O0", f"-std=c++{CXX_STANDARD}", "-Xcompiler", "-fPIC",
+        # -ccbin: the host compiler of the C++ files (its headers match the runtime the extension links)
+        flags = ["-ccbin", CONFIG.cxx, "-O3" if not CONFIG.debug else "-O0", f"-std=c++{CXX_STANDARD}", "-Xcompiler", "-fPIC",
                  "-I" + CSRC, f'-DDECENTPY_CUDA_ARCHS="{arch_list}"'] + gencode
         if CONFIG.debug:
             flags += ["-g", "-lineinfo"]
@@ -330,6 +513,8 @@ class BuildConfig:
     cuda_version: Optional[str]
     cuda_archs: List[str]
     wheel_build: bool
+    cxx: str = "c++"                 # the C++ driver of every compile and the link (select_cxx)
+    cxx_note: Optional[str] = None   # why it is not the default one, if it is not
     version: str = ""
 
     @property
@@ -395,6 +580,7 @@ def configure() -> BuildConfig:
         cuda_version="%d.%d" % nvcc_version(nvcc) if with_cuda else None,
         cuda_archs=cuda_archs() if with_cuda else [],
         wheel_build=env_flag("DECENTPY_WHEEL") or "bdist_wheel" in sys.argv[1:])
+    cfg.cxx, cfg.cxx_note = select_cxx()
     cfg.version = full_version(cfg)
     return cfg
 
@@ -406,6 +592,9 @@ def main() -> None:
     global CONFIG
     CONFIG = cfg = configure()
     write_build_info(cfg)
+    # torch's ninja compile and setuptools' link both take the C++ driver from $CXX: one compiler for both
+    os.environ["CXX"] = cfg.cxx
+    print(f"decentpy: {cfg.cxx_note or 'C++ compiler ' + cfg.cxx}", file=sys.stderr)
     print(f"decentpy: CUDA kernels {'ON (' + cfg.nvcc + ')' if cfg.with_cuda else 'OFF'}"
           f"{'' if cfg.with_cuda or not cfg.nvcc else ' (no csrc/cuda/*.cu)'}", file=sys.stderr)
     print(f"decentpy: NCCL communicator {'ON (' + cfg.nccl_include + ')' if cfg.with_nccl else 'OFF'}",
