@@ -177,7 +177,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "before it is copied to the GPU.");
 
   m.def("scale_copy_", &decentpy::scale_copy_, py::arg("dst"), py::arg("src"), py::arg("alpha"),
-        py::call_guard<py::gil_scoped_release>(), "dst = alpha * src (dst may be src).");
+        py::arg("sumsq") = py::none(), py::call_guard<py::gil_scoped_release>(),
+        "dst = alpha * src (dst may be src); with sumsq (float32, NORM_SLOTS elements) also the partial "
+        "sums of the squares of src, whose sum is its squared norm.");
+  m.attr("NORM_SLOTS") = decentpy::kNormSlots;
 
   m.def("assign_buckets", &decentpy::assign_buckets, py::arg("size_bytes"), py::arg("keys"),
         py::arg("cap_bytes"),

@@ -101,14 +101,18 @@ class BucketGradScaling:
         return scale
 
     def bucket_args(self, bucket: int, grad_block: Tensor,
-                    reduce_sq: Optional[Callable[[Tensor], Tensor]] = None) -> GradArgs:
+                    reduce_sq: Optional[Callable[[Tensor], Tensor]] = None,
+                    norm: Optional[Tensor] = None) -> GradArgs:
         """The kernel's gradient arguments for one bucket (no host synchronisation). ``reduce_sq``
-        sums a squared norm over the ranks that hold the rest of the bucket (intra_node='shard')."""
+        sums a squared norm over the ranks that hold the rest of the bucket (intra_node='shard').
+        ``norm``: the block's norm when already known (taken while the gradients were copied in);
+        else it is computed here, a pass over the block."""
         if not self.active:
             return UNSCALED
-        # fp32 accumulation for the half types; float64 blocks (torch's path) keep their precision
-        wide = grad_block.dtype == torch.float64
-        norm = torch.linalg.vector_norm(grad_block, dtype=None if wide else torch.float32).float().reshape(1)
+        if norm is None:
+            # fp32 accumulation for the half types; float64 blocks (torch's path) keep their precision
+            wide = grad_block.dtype == torch.float64
+            norm = torch.linalg.vector_norm(grad_block, dtype=None if wide else torch.float32).float().reshape(1)
         if reduce_sq is not None:
             norm = reduce_sq(norm.square()).sqrt()
         self._norms[bucket] = norm

@@ -17,7 +17,7 @@ from torch import Tensor
 from . import _C
 
 __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes",
-           "group_reduce", "wire_regions", "mix", "scale_copy",
+           "group_reduce", "wire_regions", "mix", "scale_copy", "NORM_SLOTS",
            "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
            "make_flat_block", "build_info"]
 
@@ -102,9 +102,15 @@ def mix(param: Tensor, comm: Optional[Tensor], mix_a: float, mix_b: float, *, gr
                     send_scale=send_scale, zero_grad=zero_grad)
 
 
-def scale_copy(dst: Tensor, src: Tensor, alpha: float) -> None:
-    """``dst = alpha * src`` (``dst`` may be ``src``)."""
-    _C.scale_copy_(dst, src, float(alpha))
+#: slots of the partial sums of squares :func:`scale_copy` writes (``sumsq``)
+NORM_SLOTS: int = int(_C.NORM_SLOTS)
+
+
+def scale_copy(dst: Tensor, src: Tensor, alpha: float, sumsq: Optional[Tensor] = None) -> None:
+    """``dst = alpha * src`` (``dst`` may be ``src``). With ``sumsq`` (float32, :data:`NORM_SLOTS`
+    elements, on the same device) the same pass writes partial sums of the squares of ``src``:
+    ``sumsq.sum()`` is its squared norm, the same bits in every run."""
+    _C.scale_copy_(dst, src, float(alpha), sumsq)
 
 
 def segments_for_numel(numel: int, device: torch.device) -> Tensor:

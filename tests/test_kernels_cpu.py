@@ -359,6 +359,33 @@ def test_scale_copy(dtype, n):
     assert torch.equal(x, (src.double() * 2).to(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("n", [0, 1, 13, 100_001, 40_000_003])
+def test_scale_copy_sumsq(dtype, n):
+    """The copy also writes partial sums of the squares of src: their sum is its squared norm
+    (against float64), every slot written (poisoned before), and the same bits on a second run."""
+    src = (torch.randn(n) * 3).to(dtype)
+    dst = torch.full((n,), float("nan"), dtype=dtype)
+    sumsq = torch.full((_C.NORM_SLOTS,), float("nan"))
+    _C.scale_copy_(dst, src, 1.0, sumsq)
+    assert torch.equal(dst, src)
+    assert torch.isfinite(sumsq).all()
+    ref = src.double().square().sum()
+    torch.testing.assert_close(sumsq.double().sum(), ref, rtol=1e-5, atol=1e-6)
+    again = torch.full_like(sumsq, float("nan"))
+    _C.scale_copy_(torch.empty_like(src), src, 1.0, again)
+    assert torch.equal(again, sumsq)
+
+
+def test_scale_copy_sumsq_not_finite():
+    src = torch.randn(1000)
+    for bad in (float("inf"), float("nan")):
+        src[517] = bad
+        sumsq = torch.zeros(_C.NORM_SLOTS)
+        _C.scale_copy_(torch.empty_like(src), src, 1.0, sumsq)
+        assert not torch.isfinite(sumsq.sum())
+
+
 def test_mix_preserves_mean_of_pair():
     # Two workers averaging (w = 1/2) get exactly equal results, so the mean is kept.
     n = 4097
@@ -826,6 +853,11 @@ def test_scale_copy_bad_inputs():
         _C.scale_copy_(torch.zeros(4), torch.zeros(4, dtype=torch.half), 1.0)
     with pytest.raises(RuntimeError, match=r"src has 5 elements"):
         _C.scale_copy_(torch.zeros(4), torch.zeros(5), 1.0)
+    with pytest.raises(RuntimeError, match=rf"sumsq must be a contiguous float32 tensor of {_C.NORM_SLOTS} elements, got Float with 7"):
+        _C.scale_copy_(torch.zeros(4), torch.zeros(4), 1.0, torch.zeros(7))
+    slots = torch.zeros(_C.NORM_SLOTS + 4)
+    with pytest.raises(RuntimeError, match=r"sumsq must not overlap dst or src"):
+        _C.scale_copy_(slots[:8], torch.zeros(8), 1.0, slots[4:])
 
 
 # --- every compiled ISA variant ---------------------------------------------------------------

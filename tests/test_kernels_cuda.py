@@ -674,6 +674,31 @@ def test_scale_copy_alpha_one_is_exact_copy(dtype):
     assert torch.equal(dst, src)
 
 
+@pytest.mark.parametrize("offsets", [(0, 0), (1, 1), (0, 1)], ids=str)
+@pytest.mark.parametrize("numel", [0, 7, 1000003, 2**24 + 5])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_scale_copy_sumsq(dtype, numel, offsets):
+    """The copy of a gradient into its bucket with its squared norm in the same pass: an exact
+    copy; every slot written (poisoned before); the slots' sum against float64; the same bits on
+    a second run (a fixed reduction order)."""
+    torch.manual_seed(numel + 1)
+    src = _buffer(numel, dtype, offsets[1], _randn(3.0))
+    dst = _buffer(numel, dtype, offsets[0], lambda n: torch.full((n,), float("nan"), device=DEV))
+    sumsq = torch.full((_C.NORM_SLOTS,), float("nan"), device=DEV)
+    _C.scale_copy_(dst, src, 1.0, sumsq)
+    again = torch.full_like(sumsq, float("nan"))
+    _C.scale_copy_(torch.empty_like(src), src, 1.0, again)
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src)
+    assert torch.isfinite(sumsq).all()
+    torch.testing.assert_close(sumsq.double().sum(), src.double().square().sum(), rtol=1e-5, atol=1e-6)
+    assert torch.equal(again, sumsq)
+    if numel > 1:
+        src[numel // 2] = float("nan")
+        _C.scale_copy_(dst, src, 1.0, sumsq)
+        assert not torch.isfinite(sumsq.sum())
+
+
 def test_no_pending_cuda_error():
     # Everything above ran on the current stream; a sticky error would surface here.
     torch.cuda.synchronize()

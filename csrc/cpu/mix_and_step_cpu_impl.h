@@ -396,28 +396,69 @@ inline void mix_and_step(const MixStepArgs& A) {
   }
 }
 
+// dst = alpha * src over [lo, hi), returning the sum of the squares of src there (fp32 lanes, summed
+// in a fixed order) when SUMSQ.
+template <typename T, bool SUMSQ>
+float scale_copy_range(T* D, const T* Sr, float alpha, int64_t lo, int64_t hi) {
+  using IoT = Io<T>;
+  const Vec al(alpha);
+  Vec acc(0.f);
+  int64_t i = lo;
+  for (; i + IoT::kBlock <= hi; i += IoT::kBlock) {
+    Vec a, b;
+    IoT::load(Sr + i, a, b);
+    if constexpr (SUMSQ) acc = VecMath::fma(a, a, VecMath::fma(b, b, acc));
+    IoT::store(D + i, al * a, al * b);
+  }
+  float s = 0.f;
+  if constexpr (SUMSQ) {
+    alignas(64) float lanes[Vec::size()];
+    acc.store(lanes);
+    for (int k = 0; k < Vec::size(); ++k) s += lanes[k];
+  }
+  for (; i < hi; ++i) {
+    const float x = IoT::load1(Sr + i);
+    if constexpr (SUMSQ) s = std::fma(x, x, s);
+    IoT::store1(D + i, alpha * x);
+  }
+  return s;
+}
+
+// With a.sumsq: a fixed split into at most kNormSlots chunks (whole kUnit multiples, independent of
+// the thread count), each chunk's sum of squares in its slot, the rest of the slots 0.
+template <typename T>
+void scale_copy_sumsq_t(const ScaleCopyArgs& A) {
+  T* D = static_cast<T*>(A.dst);
+  const T* Sr = static_cast<const T*>(A.src);
+  const int64_t n = A.numel;
+  int64_t chunks = std::min<int64_t>(kNormSlots, std::max<int64_t>(1, (n + kGrainElems - 1) / kGrainElems));
+  const int64_t chunk = ((n + chunks - 1) / chunks + kUnit - 1) / kUnit * kUnit;
+  chunks = (n + chunk - 1) / chunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      A.sumsq[c] = scale_copy_range<T, true>(D, Sr, A.alpha, c * chunk, std::min(n, (c + 1) * chunk));
+    }
+  });
+  for (int64_t c = chunks; c < kNormSlots; ++c) A.sumsq[c] = 0.f;
+}
+
 template <typename T>
 void scale_copy_t(const ScaleCopyArgs& A) {
-  using IoT = Io<T>;
+  if (A.sumsq != nullptr) return scale_copy_sumsq_t<T>(A);
   T* D = static_cast<T*>(A.dst);
   const T* Sr = static_cast<const T*>(A.src);
   const int64_t n = A.numel;
   const int64_t units = (n + kUnit - 1) / kUnit;
   at::parallel_for(0, units, kGrainElems / kUnit, [&](int64_t ub, int64_t ue) {
-    const int64_t hi = std::min(n, ue * kUnit);
-    int64_t i = ub * kUnit;
-    const Vec al(A.alpha);
-    for (; i + IoT::kBlock <= hi; i += IoT::kBlock) {
-      Vec a, b;
-      IoT::load(Sr + i, a, b);
-      IoT::store(D + i, al * a, al * b);
-    }
-    for (; i < hi; ++i) IoT::store1(D + i, A.alpha * IoT::load1(Sr + i));
+    scale_copy_range<T, false>(D, Sr, A.alpha, ub * kUnit, std::min(n, ue * kUnit));
   });
 }
 
 inline void scale_copy(const ScaleCopyArgs& A) {
-  if (A.numel <= 0) return;
+  if (A.numel <= 0) {
+    if (A.sumsq != nullptr) std::fill(A.sumsq, A.sumsq + kNormSlots, 0.f);
+    return;
+  }
   switch (A.dtype) {
     case DType::Float32: return scale_copy_t<float>(A);
     case DType::BFloat16: return scale_copy_t<c10::BFloat16>(A);

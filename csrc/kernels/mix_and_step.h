@@ -166,14 +166,24 @@ struct GroupReduceArgs {
   float* self_copy = nullptr;                  // this rank's public copy in the group
 };
 
-// Elementwise helpers on flat buffers of `dtype`, used around the exchanges.
+// Slots of the partial sums of squares that scale_copy writes with `sumsq` (one per CUDA block or
+// CPU chunk of the pass; the unused ones are written 0). A fixed split: the sum of the slots, taken
+// in a fixed order, is the same in every run.
+constexpr int64_t kNormSlots = 1024;
+
+// Elementwise helpers on flat buffers of `dtype`, used around the exchanges and to copy a gradient
+// into its bucket.
 // dst = alpha * src  (dst may equal src)
+// sumsq (optional, fp32, kNormSlots, same device): partial sums of the squares of src (fp32), so
+// that the copy of a gradient into its bucket also yields its norm (sqrt of the slots' sum)
+// without a second pass over it.
 struct ScaleCopyArgs {
   DType dtype = DType::Float32;
   int64_t numel = 0;
   void* dst = nullptr;
   const void* src = nullptr;
   float alpha = 1.f;
+  float* sumsq = nullptr;
 };
 
 }  // namespace decentpy

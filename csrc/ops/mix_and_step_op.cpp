@@ -486,7 +486,8 @@ std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor comp
   return out;
 }
 
-void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha) {
+void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha,
+                 const c10::optional<at::Tensor>& sumsq) {
   TORCH_CHECK(dst.defined() && src.defined(), "scale_copy_: dst and src must be tensors");
   const DType dt = to_dtype(dst, "scale_copy_: dst");
   check_device_supported(dst, "scale_copy_: dst");
@@ -503,7 +504,19 @@ void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha) {
   a.dst = dst.data_ptr();
   a.src = src.data_ptr();
   a.alpha = static_cast<float>(alpha);
-  if (a.numel == 0) return;
+  if (sumsq.has_value()) {
+    const at::Tensor& s = *sumsq;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.numel() == kNormSlots,
+                "scale_copy_: sumsq must be a contiguous float32 tensor of ", kNormSlots, " elements, got ",
+                s.scalar_type(), " with ", s.numel(), " elements");
+    TORCH_CHECK(s.device() == dst.device(), "scale_copy_: sumsq is on ", s.device(), ", dst on ", dst.device());
+    TORCH_CHECK(at::get_overlap_status(s, dst) == at::MemOverlapStatus::No &&
+                    at::get_overlap_status(s, src) == at::MemOverlapStatus::No,
+                "scale_copy_: sumsq must not overlap dst or src");
+    a.sumsq = s.data_ptr<float>();
+  } else if (a.numel == 0) {
+    return;
+  }
   if (dst.device().is_cpu()) {
     scale_copy_cpu(a);
   } else {
@@ -515,6 +528,7 @@ void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha) {
 #endif
   }
   bump(dst);
+  if (sumsq.has_value()) bump(*sumsq);
 }
 
 }  // namespace decentpy

@@ -63,6 +63,9 @@ std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor comp
                                                                  int64_t hi);
 
 // dst = alpha * src, flat contiguous tensors of the same dtype (fp32/bf16/fp16), numel and device.
-void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha);
+// dst = alpha * src; with sumsq (fp32, kNormSlots elements, dst's device) also the partial sums of
+// the squares of src (kernels/mix_and_step.h, ScaleCopyArgs).
+void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha,
+                 const c10::optional<at::Tensor>& sumsq = c10::nullopt);
 
 }  // namespace decentpy

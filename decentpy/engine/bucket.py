@@ -83,6 +83,11 @@ class Bucket:
     comm_valid: bool = False          # comm holds a completed exchange for the next mix
     skip_mix: bool = True             # workers are known equal: the next mix is the identity
     stepped: Optional[bool] = None    # a local step ran: None (no), or whether it was skipped (host view)
+    # gradients: consumed by the last step (the next backward must not accumulate into them), and
+    # the squared norms of the gradients copied in this iteration (see adopt_grad)
+    consumed: bool = False
+    norm_partials: Optional[Tensor] = None  # [len(params), kernels.NORM_SLOTS] float32, or None
+    partials_filled: int = 0          # slots whose row holds this iteration's gradient (bit mask)
     # what the optimizer and scheduler looked like when created (see modified_by_user)
     fresh_groups: List[Dict[str, Any]] = field(default_factory=list)
     fresh_scheduler: Optional[Dict[str, Any]] = None
@@ -102,7 +107,31 @@ class Bucket:
         return self.param_block.numel()
 
     def reset_iteration(self) -> None:
+        """Before an iteration's forward. Gradients the last step consumed are released (``.grad``
+        None, as torch's ``zero_grad()``): autograd then hands over each new gradient instead of
+        adding it to zeros in place (a read of the zeros saved), and :meth:`adopt_grad` copies it in,
+        taking its norm in the same pass when asked to."""
         self.stepped = None
+        self.partials_filled = 0
+        if self.consumed:
+            for p in self.params:
+                p.grad = None
+            self.consumed = False
+
+    def track_grad_norms(self) -> None:
+        """Take each gradient's squared norm while copying it into the block (see
+        :meth:`copied_grad_norm`)."""
+        if self.norm_partials is None:
+            self.norm_partials = torch.zeros(len(self.params), kernels.NORM_SLOTS, dtype=torch.float32,
+                                             device=self.grad_block.device)
+
+    def copied_grad_norm(self) -> Optional[Tensor]:
+        """The whole block's gradient norm (a one-element float32 tensor on its device) when every
+        gradient was copied in this iteration with its norm taken (:meth:`track_grad_norms`): no
+        second pass over the gradients. None otherwise (e.g. one accumulated in place, no_sync)."""
+        if self.norm_partials is None or self.partials_filled != (1 << len(self.params)) - 1:
+            return None
+        return self.norm_partials.sum().sqrt_().reshape(1)
 
     @torch.no_grad()
     def step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send_scale: Optional[float],
@@ -133,11 +162,13 @@ class Bucket:
             if self.whole and not self.params_are_views:
                 self.scatter_params()
             self.stepped = False if local_step else None
+            self.consumed = True
             return
         if compressed is not None:
             raise RuntimeError(f"internal error: bucket {self.index} is not fused but compressed gossip needs the "
                                "fused kernel")
         self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step)
+        self.consumed = True
 
     def _generic_step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send: Optional[Tensor],
                       send_scale: float, grads: GradArgs, local_step: bool) -> None:
@@ -223,12 +254,22 @@ class Bucket:
                     f"{view.dtype} on {view.device}: move or cast the model before wrapping it, or before "
                     "its first training iteration")
             return
+        partials = self.norm_partials
         if g is None:
             view.zero_()
+            if partials is not None:
+                partials[slot].zero_()
+                self.partials_filled |= 1 << slot
         elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
             if g.is_sparse:
                 raise RuntimeError(f"parameter '{self.names[slot]}' got a sparse gradient; decentpy needs dense ones")
-            view.copy_(g)
+            if partials is not None and g.stride() == view.stride() and g.dtype == view.dtype and \
+                    torch._prims_common.is_non_overlapping_and_dense_or_false(g):
+                # one pass: the copy and the gradient's squared norm (the bucket's norm needs no second read)
+                kernels.scale_copy(kernels.flat_alias(view), kernels.flat_alias(g), 1.0, sumsq=partials[slot])
+                self.partials_filled |= 1 << slot
+            else:
+                view.copy_(g)
         p.grad = view
 
     def adopt_grads(self) -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequenc
 import torch
 from torch import Tensor, nn
 
+from .. import kernels
 from ..comm import CommGroup, Communicator, NonFiniteGradientError, peer_monitor
 from ..exchange import ExchangeSchedule
 from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs, SkipVerdict
@@ -51,6 +52,9 @@ class GossipStrategy(BucketStrategy):
     pad_multiple = 1
     #: each exchange carries this rank's whole model (decent-dp's ``pre_average_hook`` can see it)
     exchanges_whole_model = True
+    #: the step's gradient is the bucket's own block: its norm can be taken while the gradients are
+    #: copied in (node strategies step a reduced gradient and take its norm after the reduction)
+    norm_from_copies = True
 
     @classmethod
     def configure(cls, topology: Union[str, Topology], rank: int, size: int, local_world_size: int,
@@ -126,8 +130,11 @@ class GossipStrategy(BucketStrategy):
                 "iteration (which fixes the bucket layout) before it runs out of data")
         self.wait_params()
         self.layout.moved_check()
+        track = self.norm_from_copies and self.grad_scaling.active and self.layout.final
         for b in self.buckets:
             b.reset_iteration()
+            if track and b.whole and b.grad.dtype in kernels.KERNEL_DTYPES:
+                b.track_grad_norms()
 
     def stray_grad(self, index: int) -> None:
         raise RuntimeError(self._twice_message(index))
@@ -228,7 +235,8 @@ class GossipStrategy(BucketStrategy):
 
     def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:
         """How the kernel scales the bucket's gradient (its norm taken on the device, if needed)."""
-        return self.grad_scaling.bucket_args(b.index, b.grad)
+        norm = b.copied_grad_norm() if self.norm_from_copies else None
+        return self.grad_scaling.bucket_args(b.index, b.grad, norm=norm)
 
     def stepped(self, b: Bucket) -> None:
         """After the bucket's step and the launch of its exchange."""

@@ -120,6 +120,7 @@ class NodeGossip(GossipStrategy):
         return GossipSetup(t, shard_topology(t, local_world_size), node)
 
     exchanges_whole_model = False  # shards or node means
+    norm_from_copies = False       # the step's gradient is the node's reduction
     _deferred: Optional[Tuple[Bucket, bool, Optional[Any]]] = None  # a bucket whose reduction is in flight
 
     @property
