@@ -35,6 +35,7 @@ is written to decentpy/_build_info.py (generated, not in git), which goes into t
 
 Install with: pip install --no-build-isolation -e .      Wheel: make wheel (dist/)
 """
+import concurrent.futures
 import dataclasses
 import glob
 import json
@@ -198,13 +199,13 @@ std::string decentpy_probe(long n) {
 """
 
 
-def runtime_copies(shared_object: str) -> List[str]:
+def runtime_copies(shared_object: str) -> Optional[List[str]]:
     """The C++ runtime internals that ``shared_object`` defines itself (:data:`RUNTIME_INTERNALS`):
-    empty for an extension that uses the process's shared runtimes."""
+    empty for an extension that uses the process's shared runtimes; None when binutils' ``nm``
+    is not installed (nothing can be checked)."""
     nm = shutil.which("nm")
     if nm is None:
-        raise SystemExit("decentpy: binutils' nm is needed to check the built extension (it comes with the "
-                         "linker, ld); install binutils")
+        return None
     defined = set()
     for flag in ([], ["-D"]):  # the static symbol table, and the dynamic one (a stripped object has only that)
         r = subprocess.run([nm, "--defined-only", *flag, shared_object], capture_output=True, text=True)
@@ -268,9 +269,11 @@ def _probe_cxx(words: List[str], workdir: str) -> Optional[str]:
     if r.returncode != 0:
         return f"cannot build a C++{CXX_STANDARD} shared object with -fopenmp: {r.stderr.strip()[-300:]}"
     copies = runtime_copies(out)
+    no_shared = f"it has no shared libstdc++ (-print-file-name=libstdc++.so answers {lib!r})"
+    if copies is None:  # no nm: the driver's own answer is all there is to go by
+        return None if os.path.isabs(lib) else no_shared
     if copies:
-        why = (f"it has no shared libstdc++ (-print-file-name=libstdc++.so answers {lib!r})"
-               if not os.path.isabs(lib) else "it links the C++ runtime statically")
+        why = no_shared if not os.path.isabs(lib) else "it links the C++ runtime statically"
         return f"{why}: a shared object it links defines {', '.join(copies)}"
     return None
 
@@ -451,7 +454,10 @@ class DecentpyBuildExt(BuildExtension):
         """Refuse (and delete) an extension that carries its own copy of a C++ runtime: it would
         crash the process rather than raise (see RUNTIME_INTERNALS)."""
         copies = runtime_copies(path)
-        if copies:
+        if copies is None:
+            print(f"decentpy: WARNING: binutils' nm not found: {path} was not checked for a second C++ runtime",
+                  file=sys.stderr)
+        elif copies:
             os.remove(path)
             raise SystemExit(f"decentpy: the linked extension {path} defines {', '.join(copies)}: it carries its own "
                              f"copy of a C++ runtime beside the process's and would crash at its first formatted "
@@ -478,16 +484,24 @@ class DecentpyBuildExt(BuildExtension):
             flags += ["-g", "-lineinfo"]
         stamp = os.path.join(out_dir, "flags.txt")
         old_flags = open(stamp).read() if os.path.exists(stamp) else None
-        objects = []
+        objects, stale = [], []
         for src in CONFIG.cu_sources:
             obj = os.path.join(out_dir, os.path.splitext(os.path.basename(src))[0] + ".o")
             objects.append(obj)
             if (os.path.exists(obj) and old_flags == " ".join(flags)
                     and os.path.getmtime(obj) >= max(os.path.getmtime(src), newest_header)):
                 continue
-            cmd = [CONFIG.nvcc] + flags + ["-c", src, "-o", obj]
+            stale.append([CONFIG.nvcc] + flags + ["-c", src, "-o", obj])
+
+        def compile_one(cmd):
             print("decentpy: " + " ".join(cmd), flush=True)
             subprocess.check_call(cmd)
+
+        # the .cu files in parallel too (MAX_JOBS, as ninja's C++ jobs): nvcc is most of a cold build
+        jobs = max(1, int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1))
+        with concurrent.futures.ThreadPoolExecutor(min(jobs, max(1, len(stale)))) as pool:
+            for future in [pool.submit(compile_one, cmd) for cmd in stale]:
+                future.result()
         with open(stamp, "w") as f:
             f.write(" ".join(flags))
         return objects

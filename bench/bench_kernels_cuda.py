@@ -1,7 +1,9 @@
 """Microbenchmark of the CUDA fused mix-and-step and scale-copy kernels.
 
 For each kernel (mix_and_step for SGD-momentum, Adam, AdamW, AccumAdamW, all with comm + send;
-and scale_copy), each dtype (fp32, bf16) and each bucket size (25 MiB, 256 MiB of parameters):
+scale_copy; scale_copy with the squared norm of its source, how a gradient enters its bucket; the
+int8 group reduction of compressed gossip, 4 members, fp32 parameters), each dtype (fp32, bf16)
+and each bucket size (25 MiB, 256 MiB of parameters):
 
 - achieved bandwidth: bytes the kernel must move (every read and every write counted once) /
   median time, against a device-to-device copy (`dst.copy_(src)`) moving the same number of
@@ -179,6 +181,61 @@ def bench_scale_copy(K, dtype, nbytes, runs, warmup, rows):
     torch.cuda.empty_cache()
 
 
+def bench_copy_norm(K, dtype, nbytes, runs, warmup, rows):
+    """A gradient copied into its bucket with its squared norm in the same pass (what the wrapper
+    does for every gradient autograd hands over, then sum + sqrt of the slots): against torch's
+    copy followed by a norm (two passes over the gradient)."""
+    esize = torch.finfo(dtype).bits // 8
+    numel = nbytes // esize
+    src = torch.randn(numel, device="cuda").to(dtype)
+    dst = torch.empty_like(src)
+    slots = torch.empty(K.NORM_SLOTS, device="cuda")
+    moved = 2 * numel * esize
+
+    def ours():
+        K.scale_copy(dst, src, 1.0, sumsq=slots)
+        slots.sum().sqrt_()
+
+    def theirs():
+        dst.copy_(src)
+        torch.linalg.vector_norm(src, dtype=torch.float32)
+
+    t_ours = time_ms(ours, runs, warmup)
+    t_copy = copy_ms(moved, runs, warmup)
+    t_torch = time_ms(theirs, runs, warmup)
+    rows.append({"kernel": "scale_copy+norm", "dtype": dtype, "MiB": nbytes >> 20, "ms": t_ours,
+                 "GBs": moved / t_ours / 1e6, "copyGBs": moved / t_copy / 1e6,
+                 "pct": t_copy / t_ours, "fused": t_torch / t_ours, "foreach": None,
+                 "speedup_target": False})  # torch: copy_ then vector_norm (3 words an element against 2)
+    del src, dst
+    torch.cuda.empty_cache()
+
+
+def bench_group_reduce(K, nbytes, runs, warmup, rows, members=4):
+    """The owner's step of a compressed (int8) group exchange over a whole bucket of fp32
+    parameters: read the ``members`` q wires and its public copy, write r and the copy. No torch
+    counterpart."""
+    comp = K.Compressor.INT8
+    numel = (nbytes // 4) // K.INT8_BLOCK * K.INT8_BLOCK
+    wire = K.compressed_bytes(comp, numel)
+    qs = []
+    for t in range(members):  # real q of random differences, each with its own block scales
+        q = torch.empty(wire, dtype=torch.uint8, device="cuda")
+        K.compressed_step(K.OptKind.NONE, comp, torch.randn(numel, device="cuda") * 0.01 * (t + 1), None, [], None,
+                          [], q_send=q, self_copy_next=torch.zeros(numel, device="cuda"))
+        qs.append(q)
+    out = torch.empty(wire, dtype=torch.uint8, device="cuda")
+    mine = torch.randn(numel, device="cuda")
+    moved = (members + 1) * wire + 8 * numel
+    t_ours = time_ms(lambda: K.group_reduce(comp, qs, out, mine, 0, numel), runs, warmup)
+    t_copy = copy_ms(moved, runs, warmup)
+    rows.append({"kernel": f"group_reduce int8 x{members}", "dtype": torch.float32, "MiB": nbytes >> 20,
+                 "ms": t_ours, "GBs": moved / t_ours / 1e6, "copyGBs": moved / t_copy / 1e6,
+                 "pct": t_copy / t_ours, "fused": None, "foreach": None, "speedup_target": False})
+    del qs, out, mine
+    torch.cuda.empty_cache()
+
+
 def fmt_x(v):
     return "   n/a" if v is None else f"{v:5.2f}x"
 
@@ -189,7 +246,7 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--kernels", nargs="+", default=list(CASES) + ["scale_copy"])
+    ap.add_argument("--kernels", nargs="+", default=list(CASES) + ["scale_copy", "scale_copy+norm", "group_reduce"])
     ap.add_argument("--out-dir", type=Path, default=Path("bench/out"))
     args = ap.parse_args()
     args.runs = max(args.runs, 20)
@@ -218,6 +275,11 @@ def main():
             for k in args.kernels:
                 if k == "scale_copy":
                     bench_scale_copy(K, dtype, mib << 20, args.runs, args.warmup, rows)
+                elif k == "scale_copy+norm":
+                    bench_copy_norm(K, dtype, mib << 20, args.runs, args.warmup, rows)
+                elif k == "group_reduce":
+                    if dname == args.dtypes[0]:  # fp32 parameters only: once per size
+                        bench_group_reduce(K, mib << 20, args.runs, args.warmup, rows)
                 elif k in CASES:
                     bench_one(K, k, dtype, mib << 20, args.runs, args.warmup, rows)
                 else:
@@ -243,7 +305,8 @@ def main():
           f"{'met' if ok_bw else 'NOT met'}")
     print(f"target: >= {SPEEDUP_TARGET:.0f}x torch's sequence (mix, optimizer step, send; "
           f"mix_and_step rows): {'met' if ok_sp else 'NOT met'}")
-    print("(scale_copy's 'vs fused' column is torch.mul(src, a, out=dst), a single pass too)")
+    print("(scale_copy's 'vs fused' column is torch.mul(src, a, out=dst), a single pass too; scale_copy+norm's is "
+          "copy_ then vector_norm, two passes; group_reduce has no torch counterpart)")
     print("(AccumAdamW rows compare with AdamW's torch sequence, which has no accumulator)")
     device = torch.cuda.get_device_name(0)
     names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

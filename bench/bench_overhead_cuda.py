@@ -5,7 +5,9 @@ that the optimizer step is a large part of the iteration. In one run, timed with
 (median of ``--runs`` iterations after a warm-up):
 
 - ``torch``: forward, backward, ``torch.optim.AdamW(fused=True).step()`` (the gradients kept, as
-  decentpy keeps them);
+  decentpy keeps them: autograd adds each new gradient to the existing one in place);
+- ``torch + zero_grad``: the same with ``opt.zero_grad()`` (set to None) after the step, the usual
+  loop: autograd then hands each gradient over without a pass over it, and the step reads it once;
 - ``fwd+bwd``: forward and backward alone; ``step``: the fused AdamW step alone;
 - ``decentpy``: ``DecentralizedDataParallel(topology='complete')`` in a world of one process: the
   forward and backward, with the fused step run bucket by bucket inside the backward; with the
@@ -109,10 +111,16 @@ def main() -> int:
         fwd_bwd()
         opt.step()
 
+    def torch_iter_zero() -> None:
+        fwd_bwd()
+        opt.step()
+        opt.zero_grad()
+
     profiles: List[str] = []
     t_fb = time_ms(fwd_bwd, args.runs, args.warmup)
     t_torch = time_ms(torch_iter, args.runs, args.warmup)
     t_step = time_ms(opt.step, args.runs, args.warmup)
+    t_torch_zero = time_ms(torch_iter_zero, args.runs, args.warmup)
     if args.profile:
         profiles.append(profile("torch", torch_iter))
     del ref, opt
@@ -150,18 +158,22 @@ def main() -> int:
         rows.append({"gpu": gpu, "torch": torch.__version__, "cpu": machine.get("cpu", ""),
                      "params_m": round(nparams / 1e6, 1), "batch": args.batch, "buckets": buckets,
                      "nonfinite": nonfinite, "torch_iter_ms": t_torch, "fwd_bwd_ms": t_fb,
-                     "fused_adamw_step_ms": t_step, "decentpy_iter_ms": r["ms"], "overhead_ms": o,
+                     "fused_adamw_step_ms": t_step, "torch_iter_zero_grad_ms": t_torch_zero,
+                     "decentpy_iter_ms": r["ms"], "overhead_ms": o,
                      "overhead_of_iter": o / t_torch, "overhead_of_step": o / t_step,
+                     "overhead_vs_zero_grad": (r["ms"] - t_torch_zero) / t_torch_zero,
                      "host_syncs_per_iter": r["syncs"]})
     print()
     print(f"{'torch fwd+bwd+fused AdamW':40} {t_torch:9.3f} ms")
     print(f"{'  fwd+bwd alone':40} {t_fb:9.3f} ms")
     print(f"{'  fused AdamW step alone':40} {t_step:9.3f} ms")
+    print(f"{'torch, with zero_grad() after the step':40} {t_torch_zero:9.3f} ms")
     for nonfinite, r in results.items():
         o = r["ms"] - t_torch
         print(f"{'decentpy, nonfinite=' + repr(nonfinite):40} {r['ms']:9.3f} ms   overhead {o:+.3f} ms = "
               f"{100 * o / t_torch:+.1f}% of torch's iteration, {100 * o / t_step:+.1f}% of its step; "
-              f"{int(r['syncs'])} host sync(s) per iteration ({buckets} buckets)")
+              f"{int(r['syncs'])} host sync(s) per iteration ({buckets} buckets); "
+              f"{100 * (r['ms'] - t_torch_zero) / t_torch_zero:+.1f}% of torch's loop with zero_grad()")
     print_targets([
         (f"overhead < {100 * OVERHEAD_TARGET:.0f}% of the iteration (default settings)", over / t_torch < OVERHEAD_TARGET,
          f"{100 * over / t_torch:+.1f}%"),

@@ -125,6 +125,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scaler_scale") = py::none(), py::arg("clip_norm") = 0.0,
         py::arg("decoupled_weight_decay") = false, py::arg("momentum_init") = false,
         py::arg("accum_boundary") = false, py::arg("skip_update") = false, py::arg("zero_grad") = false,
+        py::arg("prev_skip") = py::none(), py::arg("alt_bias_steps") = std::vector<int64_t>{},
         py::call_guard<py::gil_scoped_release>(),
         "Fused mix + optimizer step + send-buffer write over one flat bucket (in place); keyword "
         "arguments only. See csrc/kernels/mix_and_step.h for the contract.");

@@ -44,6 +44,7 @@ class SkipVerdict:
 
     def __init__(self, buckets: List[int], found: Tensor) -> None:
         self.buckets = buckets
+        self._found = found  # on the device: what a deferred step reads (see flag())
         self._event: Optional[torch.cuda.Event] = None
         if found.is_cuda:
             self._flags = torch.empty(found.shape, dtype=found.dtype, pin_memory=True)
@@ -53,6 +54,18 @@ class SkipVerdict:
         else:
             self._flags = found
         self._result: Optional[Dict[int, bool]] = None
+
+    def ready(self) -> bool:
+        """Whether :meth:`result` would return without waiting for the device."""
+        return self._event is None or self._result is not None or self._event.query()
+
+    def flag(self, bucket: int) -> Optional[Tensor]:
+        """Bucket ``bucket``'s skip flag where the device computed it (a one-element bool tensor),
+        for a kernel that runs before the host has read it; None when it took no norm."""
+        if bucket not in self.buckets:
+            return None
+        j = self.buckets.index(bucket)
+        return self._found[j:j + 1]
 
     def result(self) -> Dict[int, bool]:
         """``{bucket: skipped}``."""

@@ -42,15 +42,19 @@ def fused_step(kind: "_C.OptKind", param: Tensor, grad: Optional[Tensor], states
                send: Optional[Tensor] = None, mix_a: float = 1.0, mix_b: float = 0.0, send_scale: float = 1.0,
                grad_scale: float = 1.0, grad_norm: Optional[Tensor] = None, scaler_scale: Optional[Tensor] = None,
                clip_norm: float = 0.0, decoupled_weight_decay: bool = False, momentum_init: bool = False,
-               accum_boundary: bool = False, skip_update: bool = False, zero_grad: bool = False) -> None:
+               accum_boundary: bool = False, skip_update: bool = False, zero_grad: bool = False,
+               prev_skip: Optional[Tensor] = None, alt_bias_steps: Sequence[int] = ()) -> None:
     """One pass over a flat buffer: mix with ``comm``, the optimizer update, the send-buffer write
     (see csrc/kernels/mix_and_step.h). ``grad_norm`` / ``scaler_scale``: one-element tensors on the
-    buffer's device from which the kernel derives the gradient factor and the found-inf skip."""
+    buffer's device from which the kernel derives the gradient factor and the found-inf skip.
+    ``prev_skip`` (a one-element bool tensor there): a deferred verdict; when it is true the
+    groups' bias corrections are those of ``alt_bias_steps``."""
     _C.mix_and_step(kind=kind, param=param, grad=grad, states=list(states), comm=comm, send=send,
                     segments=segments, groups=list(groups), mix_a=mix_a, mix_b=mix_b, send_scale=send_scale,
                     grad_scale=grad_scale, grad_norm=grad_norm, scaler_scale=scaler_scale, clip_norm=clip_norm,
                     decoupled_weight_decay=decoupled_weight_decay, momentum_init=momentum_init,
-                    accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad)
+                    accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad,
+                    prev_skip=prev_skip, alt_bias_steps=[int(k) for k in alt_bias_steps])
 
 
 def compressed_step(kind: "_C.OptKind", compressor: "_C.Compressor", param: Tensor, grad: Optional[Tensor],

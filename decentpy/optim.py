@@ -248,6 +248,7 @@ class FusedOptimizer(Optimizer):
         skip_update: bool,
         zero_grad: bool = False,
         compressed: Optional["CompressedPass"] = None,
+        prev_skip: Optional[Tensor] = None,
     ) -> None:
         """Mix, step and fill the send buffer for one bucket in one kernel pass.
 
@@ -257,12 +258,22 @@ class FusedOptimizer(Optimizer):
         the update happened (on a GPU that is known only at the end of the iteration). With
         ``zero_grad`` the kernel also zeroes ``grad_block`` in the same pass, right after reading each
         gradient (and also when the update is skipped: the skipped gradients are discarded).
+        ``prev_skip``: the previous update's outcome is still on the device (a one-element bool
+        tensor there, true when it was skipped; see :meth:`defers_verdict`): this step counts it as
+        taken, and the kernel takes the bias corrections of one step fewer when it was not.
         """
         states = self._ensure_flat_state(params, offsets, param_block.numel(), param_block.device)
         assert self._shared_step is not None
         step = int(self._shared_step.item()) + (0 if skip_update else 1)
+        alt_bias: List[int] = []
+        if prev_skip is not None and not skip_update:
+            step += 1
+            alt_bias = [int(h.bias_step) for h in self.group_hypers(step - 1)]
+        else:
+            prev_skip = None
         momentum_init, accum_boundary = self._flags(step)
         if compressed is not None:  # compressed gossip: comm / send are the compressed pass's own buffers
+            assert prev_skip is None, "internal error: compressed gossip does not defer the skip verdict"
             c = compressed
             kernels.compressed_step(self.kind, c.compressor, param_block, grad_block, states, segments,
                                     self.group_hypers(max(step, 1)), q_recv=c.q_recv, peer_copy=c.peer_copy,
@@ -277,7 +288,16 @@ class FusedOptimizer(Optimizer):
                            grad_scale=grads.factor, grad_norm=grads.norm, scaler_scale=grads.scale,
                            clip_norm=grads.clip, decoupled_weight_decay=self.decoupled_weight_decay,
                            momentum_init=momentum_init, accum_boundary=accum_boundary, skip_update=skip_update,
-                           zero_grad=zero_grad)
+                           zero_grad=zero_grad, prev_skip=prev_skip, alt_bias_steps=alt_bias)
+
+    def defers_verdict(self) -> bool:
+        """Whether the next :meth:`bucket_step` can run before the host knows if the last one's
+        update happened: both outcomes give the same flags (SGD's first step, an AccumAdam
+        boundary) and differ at most in the bias corrections, which the kernel picks itself."""
+        if self._shared_step is None:
+            return False
+        s = int(self._shared_step.item())  # a CPU tensor: no synchronisation
+        return self._flags(s + 1) == self._flags(s + 2)
 
     def finish_bucket_step(self, updated: bool) -> None:
         """Count the step of the last :meth:`bucket_step` if its update happened."""

@@ -427,6 +427,38 @@ def test_matches_torch_adamw_one_step():
     torch.testing.assert_close(st[1], opt.state[tp]["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_deferred_verdict_picks_the_bias_step(decoupled):
+    """prev_skip (a flag the kernel reads): false -> the groups' own bias steps, true -> the
+    alternative ones; each run equals torch's Adam/AdamW after that many steps' worth of bias
+    correction (same state, same gradient)."""
+    n = 1000
+    p, g = torch.randn(n), torch.randn(n)
+    m0, v0 = torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    for flag, k in ((False, 5), (True, 4)):
+        tp = torch.nn.Parameter(p.clone())
+        cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+        opt = cls([tp], lr=1e-2, weight_decay=0.1, foreach=False)
+        opt.state[tp] = {"step": torch.tensor(float(k - 1)), "exp_avg": m0.clone(), "exp_avg_sq": v0.clone()}
+        tp.grad = g.clone()
+        opt.step()
+        st, pk = [m0.clone(), v0.clone()], p.clone()
+        _C.mix_and_step(kind=ADAM, param=pk, grad=g, states=st, segments=seg_tensor([(0, n, 0)]),
+                        groups=[group(lr=1e-2, wd=0.1, step=5)], decoupled_weight_decay=decoupled,
+                        prev_skip=torch.tensor([flag]), alt_bias_steps=[4])
+        torch.testing.assert_close(pk, tp.detach(), rtol=1e-5, atol=1e-6, msg=f"prev_skip={flag}")
+
+
+def test_deferred_verdict_bad_inputs():
+    _refuses(lambda kw: None, r"prev_skip needs one alt_bias_steps entry per parameter group: 1 groups, got 0",
+             prev_skip=torch.tensor([False]))
+    _refuses(lambda kw: None, r"alt_bias_steps is only read together with prev_skip", alt_bias_steps=[3])
+    _refuses(lambda kw: None, r"prev_skip must be a one-element bool or uint8 tensor, got Float",
+             prev_skip=torch.zeros(1), alt_bias_steps=[1])
+    _refuses(lambda kw: None, r"alt_bias_steps\[0\] is 0; bias-correction steps are 1-based",
+             prev_skip=torch.tensor([True]), alt_bias_steps=[0])
+
+
 # ---- gradient factor read from memory: grad_norm / scaler_scale / clip_norm ------------------
 
 

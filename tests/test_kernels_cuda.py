@@ -699,6 +699,32 @@ def test_scale_copy_sumsq(dtype, numel, offsets):
         assert not torch.isfinite(sumsq.sum())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_deferred_verdict_matches_cpu(dtype):
+    """The flag in device memory picks the bias corrections as the CPU kernel does with the same
+    flag in host memory (fp32: bit for bit; one arithmetic, update.h)."""
+    n = 1000003
+    torch.manual_seed(7)
+    p, g = torch.randn(n).to(dtype), torch.randn(n).to(dtype)
+    m0, v0 = torch.randn(n) * 0.1, torch.rand(n) * 0.01
+    hyper = _C.GroupHyper(lr=1e-2, weight_decay=0.1, bias_step=5)
+    for flag in (False, True):
+        outs = []
+        for dev in ("cpu", DEV):
+            pk, st = p.clone().to(dev), [m0.clone().to(dev), v0.clone().to(dev)]
+            _C.mix_and_step(kind=_C.OptKind.ADAM, param=pk, grad=g.to(dev), states=st,
+                            segments=torch.tensor([[0, n, 0]], device=dev), groups=[hyper],
+                            decoupled_weight_decay=True, prev_skip=torch.tensor([flag], device=dev),
+                            alt_bias_steps=[4])
+            outs.append((pk.cpu(), st[0].cpu(), st[1].cpu()))
+        torch.cuda.synchronize()
+        for a, b in zip(*outs):
+            if dtype == torch.float32:
+                assert torch.equal(a, b), f"prev_skip={flag}"
+            else:
+                torch.testing.assert_close(a.double(), b.double(), rtol=1e-2, atol=1e-3)
+
+
 def test_no_pending_cuda_error():
     # Everything above ran on the current stream; a sticky error would surface here.
     torch.cuda.synchronize()

@@ -376,7 +376,10 @@ void run_choco(const Launch& L) {
 inline void mix_and_step(const MixStepArgs& A) {
   if (A.numel <= 0) return;
   Launch L{A, {}, A.grad_scale, A.skip_update != 0};
-  for (int g = 0; g < A.num_groups && g < kMaxGroups; ++g) L.consts[g] = derive_step(A, A.groups[g]);
+  const bool alt = A.prev_skip != nullptr && *A.prev_skip != 0;  // host memory here
+  for (int g = 0; g < A.num_groups && g < kMaxGroups; ++g) {
+    L.consts[g] = alt ? derive_step_alt(A, g) : derive_step(A, A.groups[g]);
+  }
   if (A.grad_norm != nullptr && !L.skip) {  // host memory here: reading it costs nothing
     const GradFactor f = grad_factor(*A.grad_norm, A.scaler_scale ? *A.scaler_scale : 1.f, A.clip_norm);
     L.grad_factor = f.factor;

@@ -65,7 +65,9 @@ struct KArgs {
   float clip_norm;
   int32_t zero_grad;
   int32_t num_groups;
-  StepConstants hyp[kMaxGroups];  // derive_step of each group
+  StepConstants hyp[kMaxGroups];      // derive_step of each group
+  const uint8_t* prev_skip;           // device: != 0 -> hyp_alt (a deferred skip verdict), null: hyp
+  StepConstants hyp_alt[kMaxGroups];  // derive_step with the groups' alt_bias_step
 };
 
 // Per-thread cache of the last segment found: [begin, end) -> group.
@@ -98,7 +100,8 @@ template <OptKind K, bool VAR> constexpr bool kWritesS01 = K == OptKind::Adam ||
 
 // One element, scalar loads/stores (head, tail, unaligned buffers, straddling vectors).
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
-__device__ __forceinline__ void process_one(const KArgs& a, float gs, int64_t i, SegCache& cache) {
+__device__ __forceinline__ void process_one(const KArgs& a, const StepConstants* hyp, float gs, int64_t i,
+                                            SegCache& cache) {
   T* __restrict__ param = static_cast<T*>(a.param);
   float p = detail::to_f32<T>(param[i]);
   if constexpr (HC) {
@@ -111,7 +114,7 @@ __device__ __forceinline__ void process_one(const KArgs& a, float gs, int64_t i,
       if (!(i >= cache.begin && i < cache.end)) find_segment(a, i, cache);
       grp = cache.group;
     }
-    const StepConstants& h = a.hyp[grp];
+    const StepConstants& h = hyp[grp];
     T* __restrict__ grad = static_cast<T*>(a.grad);
     const float g = detail::to_f32<T>(grad[i]);
     float m = 0.f, v = 0.f, acc = 0.f;
@@ -135,7 +138,7 @@ __device__ __forceinline__ void process_one(const KArgs& a, float gs, int64_t i,
 }
 
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
-__device__ __forceinline__ void mix_step_body(const KArgs& a, float gs) {
+__device__ __forceinline__ void mix_step_body(const KArgs& a, const StepConstants* hyp, float gs) {
   constexpr int VEC = kStepVec;
   T* __restrict__ param = static_cast<T*>(a.param);
   T* __restrict__ grad = static_cast<T*>(a.grad);
@@ -158,7 +161,7 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, float gs) {
         if (!(base >= cache.begin && base < cache.end)) find_segment(a, base, cache);
         if (base + VEC > cache.end) {  // the vector straddles segments: element by element
 #pragma unroll 1
-          for (int e = 0; e < VEC; ++e) process_one<T, K, HC, HS, MULTI, VAR>(a, gs, base + e, cache);
+          for (int e = 0; e < VEC; ++e) process_one<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, base + e, cache);
           continue;
         }
       }
@@ -174,7 +177,7 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, float gs) {
       for (int e = 0; e < VEC; ++e) p[e] = mix<ScalarMath>(a.mix_a, a.mix_b, p[e], c[e]);
     }
     if constexpr (K != OptKind::None) {
-      const StepConstants& h = a.hyp[grp];
+      const StepConstants& h = hyp[grp];
       float g[VEC];
       detail::load4(grad + base, g);
       float m[VEC], v[VEC], acc[VEC];
@@ -216,7 +219,7 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, float gs) {
   const int64_t nscalar = a.head + (a.numel - tail_begin);
   for (int64_t t = tid; t < nscalar; t += stride) {
     const int64_t i = t < a.head ? t : tail_begin + (t - a.head);
-    process_one<T, K, HC, HS, MULTI, VAR>(a, gs, i, cache);
+    process_one<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, i, cache);
   }
 }
 
@@ -224,18 +227,21 @@ template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
 __global__ void __launch_bounds__(kThreads)
 mix_step_kernel(const __grid_constant__ KArgs a) {
   float gs = a.grad_scale;
+  const StepConstants* hyp = a.hyp;
   if constexpr (K != OptKind::None) {
     if (a.grad_norm != nullptr) {  // every thread reads the same two floats (cached)
       const GradFactor f = grad_factor(__ldg(a.grad_norm), a.scaler_scale ? __ldg(a.scaler_scale) : 1.f,
                                        a.clip_norm);
       if (f.skip) {  // non-finite gradients: mix, send and zero them, no update
-        mix_step_body<T, OptKind::None, HC, HS, false, false>(a, 1.f);
+        mix_step_body<T, OptKind::None, HC, HS, false, false>(a, hyp, 1.f);
         return;
       }
       gs = f.factor;
     }
+    // a deferred verdict: the previous update was skipped -> the bias corrections of one step fewer
+    if (a.prev_skip != nullptr && __ldg(a.prev_skip) != 0) hyp = a.hyp_alt;
   }
-  mix_step_body<T, K, HC, HS, MULTI, VAR>(a, gs);
+  mix_step_body<T, K, HC, HS, MULTI, VAR>(a, hyp, gs);
 }
 
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
@@ -364,6 +370,10 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   a.zero_grad = zero_grad ? 1 : 0;
   a.num_groups = kind != OptKind::None ? args.num_groups : 0;
   for (int g = 0; g < args.num_groups && g < kMaxGroups; ++g) a.hyp[g] = derive_step(args, args.groups[g]);
+  a.prev_skip = kind != OptKind::None ? args.prev_skip : nullptr;
+  if (a.prev_skip != nullptr) {
+    for (int g = 0; g < args.num_groups && g < kMaxGroups; ++g) a.hyp_alt[g] = derive_step_alt(args, g);
+  }
 
   // Vector split, anchored on param; every buffer the kernel touches must be co-aligned.
   const void* ptrs[6] = {a.grad, a.comm, a.send, a.s0, a.s1, a.s2};

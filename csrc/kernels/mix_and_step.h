@@ -142,6 +142,13 @@ struct MixStepArgs {
   int64_t num_segments = 0;
   GroupHyper groups[kMaxGroups];
   int32_t num_groups = 0;
+
+  // A deferred skip verdict (not with a compressor): whether the previous update of this bucket
+  // happened is known only on the device when the kernel is launched. prev_skip (same device as
+  // param; read by the kernel, never by the host for CUDA) != 0: it was skipped, and group g's bias
+  // corrections are those of alt_bias_step[g] instead of groups[g].bias_step.
+  const uint8_t* prev_skip = nullptr;
+  int64_t alt_bias_step[kMaxGroups] = {};
 };
 
 // Compressed gossip in a group of m > 2 ranks (kernels/compress.h, "group reduction"): each member

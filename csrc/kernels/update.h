@@ -99,6 +99,14 @@ inline StepConstants derive_step(const MixStepArgs& a, const GroupHyper& g) {
   return c;
 }
 
+// The constants of group g when a deferred verdict says the previous update was skipped
+// (MixStepArgs::prev_skip): the same group with alt_bias_step[g] as its bias-correction step.
+inline StepConstants derive_step_alt(const MixStepArgs& a, int g) {
+  GroupHyper h = a.groups[g];
+  h.bias_step = a.alt_bias_step[g];
+  return derive_step(a, h);
+}
+
 // Scalar math policy (host and device): fused multiply-add, IEEE division and square root (also
 // under nvcc's fast-math flags), and a product that is never contracted into a neighbouring add
 // (nvcc fuses a * b + c on its own; the CPU builds, ISO C++, do not: where CPU and CUDA results must

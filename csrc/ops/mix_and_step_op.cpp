@@ -169,7 +169,9 @@ void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<a
                   double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
                   const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
                   bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                  bool skip_update, bool zero_grad, const ChocoTensors* choco) {
+                  bool skip_update, bool zero_grad, const ChocoTensors* choco,
+                  const c10::optional<at::Tensor>& prev_skip = c10::nullopt,
+                  const std::vector<int64_t>& alt_bias_steps = {}) {
   const int kind_int = static_cast<int>(k);
   TORCH_CHECK(kind_int >= 0 && kind_int <= 3, "mix_and_step: unknown optimizer kind ", kind_int);
   TORCH_CHECK(param.defined(), "mix_and_step: param is undefined");
@@ -304,6 +306,26 @@ void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<a
     }
   }
 
+  if (prev_skip.has_value() && prev_skip->defined()) {
+    const at::Tensor& f = *prev_skip;
+    TORCH_CHECK(choco == nullptr, "compressed_mix_and_step: a deferred verdict (prev_skip) is not supported");
+    TORCH_CHECK((f.scalar_type() == at::kBool || f.scalar_type() == at::kByte) && f.numel() == 1,
+                "mix_and_step: prev_skip must be a one-element bool or uint8 tensor, got ", f.scalar_type(), " ",
+                f.sizes());
+    TORCH_CHECK(f.device() == param.device(), "mix_and_step: prev_skip is on ", f.device(), " but param is on ",
+                param.device(), "; the kernel reads it where it runs");
+    TORCH_CHECK(alt_bias_steps.size() == groups.size(), "mix_and_step: prev_skip needs one alt_bias_steps entry "
+                "per parameter group: ", groups.size(), " groups, got ", alt_bias_steps.size());
+    for (size_t i = 0; i < alt_bias_steps.size(); ++i) {
+      TORCH_CHECK(alt_bias_steps[i] >= 1 || !(k == OptKind::Adam || k == OptKind::AccumAdam),
+                  "mix_and_step: alt_bias_steps[", i, "] is ", alt_bias_steps[i], "; bias-correction steps are 1-based");
+      a.alt_bias_step[i] = alt_bias_steps[i];
+    }
+    a.prev_skip = static_cast<const uint8_t*>(f.data_ptr());
+  } else {
+    TORCH_CHECK(alt_bias_steps.empty(), "mix_and_step: alt_bias_steps is only read together with prev_skip");
+  }
+
   // Segments.
   const at::Tensor segments = segments_opt.has_value() ? *segments_opt : at::Tensor();
   const bool uses_segments = needs_grad && param.numel() > 0;
@@ -404,10 +426,11 @@ void mix_and_step(OptKind k, const at::Tensor& param, const c10::optional<at::Te
                   double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
                   const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
                   bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                  bool skip_update, bool zero_grad) {
+                  bool skip_update, bool zero_grad, const c10::optional<at::Tensor>& prev_skip,
+                  const std::vector<int64_t>& alt_bias_steps) {
   mix_and_step_impl(k, param, grad, states, comm, send, segments, groups, mix_a, mix_b, send_scale,
                     grad_scale, grad_norm, scaler_scale, clip_norm, decoupled_weight_decay,
-                    momentum_init, accum_boundary, skip_update, zero_grad, nullptr);
+                    momentum_init, accum_boundary, skip_update, zero_grad, nullptr, prev_skip, alt_bias_steps);
 }
 
 void compressed_mix_and_step(OptKind kind, Compressor compressor, const at::Tensor& param,

@@ -26,6 +26,8 @@ void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_group
 // grad_scale must then be 1.
 // zero_grad: grad is zeroed in the same pass, right after it is read (also with skip_update /
 // kind None, where it is not read); grad is then required and must not overlap any other buffer.
+// prev_skip / alt_bias_steps: a deferred skip verdict (MixStepArgs): a one-element bool / uint8
+// tensor on param's device; when it is set the groups' bias-correction steps are alt_bias_steps.
 void mix_and_step(OptKind kind, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
                   const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
                   const c10::optional<at::Tensor>& send, const c10::optional<at::Tensor>& segments,
@@ -33,7 +35,8 @@ void mix_and_step(OptKind kind, const at::Tensor& param, const c10::optional<at:
                   double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
                   const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
                   bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                  bool skip_update, bool zero_grad);
+                  bool skip_update, bool zero_grad, const c10::optional<at::Tensor>& prev_skip = c10::nullopt,
+                  const std::vector<int64_t>& alt_bias_steps = {});
 
 // One fused compressed-gossip pass over a flat fp32 bucket (kernels/mix_and_step.h, "Compressed
 // gossip"): the received q into peer_copy and the mix p += choco_mix * (peer_copy - self_copy_mix),

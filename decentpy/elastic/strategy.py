@@ -41,6 +41,8 @@ class ElasticStrategy:
     remaining buckets do nothing more in the iteration, and a node whose worker died is left out
     whole at the re-formation."""
 
+    defers_verdicts = False  # a re-formation replaces the strategy: nothing may stay pending across it
+
     #: the iteration's first peer failure (None: none); read by the elastic wrapper before the next forward
     failure: Optional[PeerTimeoutError] = None
     #: the step at which it happened

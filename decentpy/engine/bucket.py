@@ -135,7 +135,8 @@ class Bucket:
 
     @torch.no_grad()
     def step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send_scale: Optional[float],
-             grads: GradArgs, local_step: bool, compressed: Optional[Any] = None) -> None:
+             grads: GradArgs, local_step: bool, compressed: Optional[Any] = None,
+             prev_skip: Optional[Tensor] = None) -> None:
         """Mix ``recv`` into ``[lo, hi)`` (``p <- mix_a p + mix_b recv``; none when ``recv`` is None),
         take the local optimizer step on ``grad`` (unless ``local_step`` is False: a joined worker,
         or a shard of padding only), zero the gradient, and, with ``send_scale``, write
@@ -143,7 +144,8 @@ class Bucket:
         move in :meth:`finish_iteration`. The caller has made every gradient a view of
         ``grad_block`` first (:meth:`adopt_grads`). ``compressed``: a
         :class:`~decentpy.optim.CompressedPass` (compressed gossip; ``recv`` is then None and
-        ``send_scale`` None: the pass's own buffers carry the exchange)."""
+        ``send_scale`` None: the pass's own buffers carry the exchange). ``prev_skip``: the last
+        update's outcome is only on the device (see ``FusedOptimizer.bucket_step``)."""
         send = self.comm if send_scale is not None else None
         scale = 1.0 if send_scale is None else send_scale
         if not self.params_are_views:
@@ -158,15 +160,16 @@ class Bucket:
             self.state_optimizer.bucket_step(self.pieces, self.piece_offsets,  # type: ignore[attr-defined]
                                              self.param, self.grad, self.segments, recv, send, mix_a, mix_b,
                                              scale, grads if local_step else UNSCALED, not local_step, zero_grad=True,
+                                             prev_skip=prev_skip,
                                              **({"compressed": compressed} if compressed is not None else {}))
             if self.whole and not self.params_are_views:
                 self.scatter_params()
             self.stepped = False if local_step else None
             self.consumed = True
             return
-        if compressed is not None:
-            raise RuntimeError(f"internal error: bucket {self.index} is not fused but compressed gossip needs the "
-                               "fused kernel")
+        if compressed is not None or prev_skip is not None:
+            raise RuntimeError(f"internal error: bucket {self.index} is not fused but compressed gossip or a "
+                               "deferred verdict needs the fused kernel")
         self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step)
         self.consumed = True
 

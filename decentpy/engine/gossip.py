@@ -55,6 +55,9 @@ class GossipStrategy(BucketStrategy):
     #: the step's gradient is the bucket's own block: its norm can be taken while the gradients are
     #: copied in (node strategies step a reduced gradient and take its norm after the reduction)
     norm_from_copies = True
+    #: a backward may step before the host has read the last iteration's skip verdicts (see
+    #: :meth:`begin_backward`); compressed gossip and elastic strategies always read them first
+    defers_verdicts = True
 
     @classmethod
     def configure(cls, topology: Union[str, Topology], rank: int, size: int, local_world_size: int,
@@ -81,6 +84,9 @@ class GossipStrategy(BucketStrategy):
         self.step = 0                       # iterations completed (schedule index of the next mix)
         # the last iteration's skip verdict, the buckets' step flags and its step, until settle()
         self._unsettled: Optional[Tuple[Optional[SkipVerdict], List[Tuple[Bucket, Optional[bool]]], int]] = None
+        # the part of it whose outcome this iteration's steps read on the device (begin_backward)
+        self._deferred: Optional[Tuple[SkipVerdict, List[Tuple[Bucket, Optional[bool]]], int]] = None
+        self._prev_skip: Dict[int, Tensor] = {}  # bucket index -> its deferred skip flag (device)
         self.adaptive_factor = 1.0          # p <- (1-f) p + f mix(p)
         self.layout = BucketLayout(params, names, optim_fn, scheduler_fn, bucket_cap_bytes, param_as_bucket_view,
                                    group, self.pad_multiple, self.shard_of)
@@ -148,8 +154,36 @@ class GossipStrategy(BucketStrategy):
         return True
 
     def begin_backward(self) -> None:
-        self.settle()  # the last iteration's verdicts, before this one steps anything
+        self._settle_or_defer()  # the last iteration's verdicts, before this one steps anything
         self.grad_scaling.begin_iteration()
+
+    def _settle_or_defer(self) -> None:
+        """Apply the last iteration's outcome before this backward steps. On a GPU, when its skip
+        verdicts have not reached the host yet, waiting here would idle the GPU while the host
+        launches the backward; instead the buckets whose outcome only the device knows step with
+        their flag (the kernel takes the bias corrections of one step fewer if that update was
+        skipped) and are settled at the end of this backward, when the GPU has the whole backward
+        queued. Only where nothing else needs the outcome first: no LR scheduler on those buckets
+        (it moves only after an update), a fused optimizer whose flags agree for both outcomes
+        (:meth:`FusedOptimizer.defers_verdict`), and not under ``nonfinite='raise'``."""
+        u = self._unsettled
+        if u is None or self._deferred is not None:
+            return self.settle()
+        verdict, stepped, step = u
+        if not self.defers_verdicts or verdict is None or verdict.ready():
+            return self.settle()
+        # a fused step's outcome is the kernel's (stepped False: not known on the host); a torch
+        # optimizer's step was decided on the host (its flag is the outcome)
+        uncertain = [(b, st) for b, st in stepped if b.fused and st is False and verdict.flag(b.index) is not None]
+        if not uncertain or any(b.scheduler is not None or not b.state_optimizer.defers_verdict()  # type: ignore[attr-defined]
+                                for b, _ in uncertain):
+            return self.settle()
+        self._unsettled = None
+        for b, st in stepped:  # what the host knows already
+            if not any(b is c for c, _ in uncertain):
+                b.finish_iteration(st, None)
+        self._deferred = (verdict, uncertain, step)
+        self._prev_skip = {b.index: verdict.flag(b.index) for b, _ in uncertain}  # type: ignore[misc]
 
     def bucket_ready(self, bucket: int, joined: bool) -> None:
         b = self.layout.buckets[bucket]
@@ -170,10 +204,15 @@ class GossipStrategy(BucketStrategy):
         its update happened (the device's verdict, read now), and a skipped bucket is reported.
         Deferred from the end of the backward so that the host does not wait for the GPU there;
         run before anything steps again or reads the optimizers (the wrapper's accessors)."""
+        if self._deferred is not None:
+            deferred, self._deferred, self._prev_skip = self._deferred, None, {}
+            self._apply(*deferred)
         if self._unsettled is None:
             return
-        verdict, stepped, step = self._unsettled
-        self._unsettled = None
+        unsettled, self._unsettled = self._unsettled, None
+        self._apply(*unsettled)
+
+    def _apply(self, verdict: Optional[SkipVerdict], stepped: List[Tuple[Bucket, Optional[bool]]], step: int) -> None:
         skipped = verdict.result() if verdict is not None else {}
         for b, st in stepped:
             b.finish_iteration(st, skipped.get(b.index))
@@ -224,7 +263,7 @@ class GossipStrategy(BucketStrategy):
             recv = b.comm
             a, c = received.mix_coefficients(self.adaptive_factor)
         grads = self.grad_args(b, reduction) if local_step else UNSCALED
-        b.step(recv, a, c, nxt.send_scale(), grads, local_step)
+        b.step(recv, a, c, nxt.send_scale(), grads, local_step, prev_skip=self._prev_skip.get(b.index))
         b.comm_valid = False
         b.skip_mix = False
         assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
