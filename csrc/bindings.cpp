@@ -63,6 +63,9 @@ py::dict build_info() {
   d["compiler"] = compiler_string();
   // Extra: the instruction set the CPU kernels picked at run time (default/avx2/avx512).
   d["cpu_kernel_isa"] = std::string(decentpy::cpu_kernel_isa());
+  // Why that is not torch's CPU capability ("" when it is): e.g. ATEN_CPU_CAPABILITY=avx512 on a
+  // CPU without AVX-512.
+  d["cpu_kernel_isa_note"] = decentpy::cpu_kernel_isa_note();
   return d;
 }
 
@@ -193,6 +196,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Zero-filled flat block plus one view per tensor (strides kept when dense).");
 
   m.def("build_info", &build_info, "What this build of decentpy._C contains.");
+
+  m.def("choose_cpu_isa", [](const std::string& torch_capability, bool cpu_avx2, bool cpu_avx512) {
+    const auto c = decentpy::choose_cpu_isa_here(torch_capability, cpu_avx2, cpu_avx512);
+    return py::make_tuple(std::string(c.isa), c.note);
+  }, py::arg("torch_capability"), py::arg("cpu_avx2"), py::arg("cpu_avx512"),
+     "(isa, note): the instruction set the CPU kernels would pick for torch's capability "
+     "(\"DEFAULT\", \"AVX2\", \"AVX512\") on a CPU with those features, with this build's kernels; "
+     "note says why it is not torch's choice (\"\" when it is). cpu_kernel_isa() is this rule "
+     "applied to this CPU.");
 
   // at::RecordFunctionGuard has no Python binding; the exchange launcher needs it (see
   // decentpy/comm.py: a c10d Work started under the profiler ends its RecordFunction in wait(),

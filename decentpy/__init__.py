@@ -13,7 +13,7 @@ from .version import __version__
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-from .environment import load_extension, running_the_report  # noqa: E402
+from .environment import load_extension, log_cpu_kernel_choice, running_the_report  # noqa: E402
 
 try:
     # Before decentpy._C is loaded: another torch, or a CPU without the instructions it was compiled
@@ -26,6 +26,8 @@ except ImportError:
     __all__ = ["__version__"]
 else:
     from . import _C  # noqa: E402  (the compiled extension, loaded just above)
+
+    log_cpu_kernel_choice(_C)
     from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
     from .comm import NonFiniteGradientError, PeerReportedError, PeerTimeoutError, PeerUnreachableError  # noqa: E402
     from .compression import Compression  # noqa: E402

@@ -148,6 +148,8 @@ def config_report() -> str:
             detail = ", ".join(x for x in (f"{isa} picked at run time" if isa else "",
                                            f"fp32 vector width {width}" if width else "") if x)
             cpu += f" ({detail})" if detail else ""
+            if info.get("cpu_kernel_isa_note"):
+                cpu += f"; {info['cpu_kernel_isa_note']}"
         else:
             cpu = "not compiled"
         rows.append(("CPU kernels", cpu))
@@ -202,7 +204,8 @@ def show_config(file: Optional[TextIO] = None) -> str:
     checked against torch's CUDA and the visible devices, e.g. "compiled (sm_80, sm_90, PTX
     compute_90), not usable here: torch 2.13.0+cpu is a CPU build"), decentpy's NCCL communicator;
     then OpenMP, torch's intra-op thread count, the CUDA devices and torch.distributed's backends. The build's
-    DECENTPY_CPU_ARCH is checked against this CPU's flags.
+    DECENTPY_CPU_ARCH is checked against this CPU's flags, and the CPU kernels' row says when they
+    do not run the instruction set torch chose (ATEN_CPU_CAPABILITY asking for one the CPU lacks).
     If ``decentpy._C`` cannot be used here (another torch, a CPU without its instructions, a failed
     load), why and what to do is reported instead of raised; it is then not loaded.
 

@@ -12,6 +12,7 @@ raising (decentpy/config.py). The table of these cases is in docs/howto/building
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from types import ModuleType
@@ -21,7 +22,9 @@ import torch
 
 __all__ = ["ExtensionImportError", "CPUINFO", "REBUILD", "recorded_build", "major_minor", "torch_mismatch",
            "cpu_flags", "missing_cpu_flags", "cpu_arch_problem", "environment_problems", "load_extension",
-           "running_the_report"]
+           "log_cpu_kernel_choice", "running_the_report"]
+
+logger = logging.getLogger(__name__)
 
 #: where Linux lists the CPU's instruction-set flags
 CPUINFO = "/proc/cpuinfo"
@@ -143,6 +146,14 @@ def load_extension() -> ModuleType:
         return importlib.import_module("decentpy._C")
     except ImportError as exc:
         raise ExtensionImportError(_load_failure(exc), name="decentpy._C") from exc
+
+
+def log_cpu_kernel_choice(extension: ModuleType) -> None:
+    """One warning when the CPU kernels do not run the instruction set torch chose (e.g.
+    ATEN_CPU_CAPABILITY=avx512 on a CPU without AVX-512: they fall back to AVX2)."""
+    note = extension.build_info().get("cpu_kernel_isa_note")
+    if note:
+        logger.warning("decentpy: %s", note)
 
 
 def running_the_report(argv: Optional[Sequence[str]] = None) -> bool:

@@ -34,7 +34,7 @@ from decentpy import _C
 from decentpy.comm import nccl as nccl_comm
 from decentpy.comm import select as comm_select
 from decentpy.config import config_report
-from decentpy.environment import load_extension, running_the_report
+from decentpy.environment import load_extension, log_cpu_kernel_choice, running_the_report
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 180
@@ -271,3 +271,55 @@ def test_only_python_m_decentpy_is_the_report(argv: List[str], expected: bool) -
 
 def test_load_extension_returns_the_extension_here() -> None:
     assert load_extension() is _C
+
+
+# ---- 4b. the default build's run-time pick never takes an ISA the CPU lacks --------------------
+
+def test_cpu_kernels_never_pick_an_isa_the_cpu_lacks() -> None:
+    """torch's capability (ATEN_CPU_CAPABILITY sets it without asking the CPU) fed with CPUs
+    without AVX-512 / AVX2: the kernels fall back, and the note says why. Before: the same fall
+    back, silently (nothing in build_info, the report or the log)."""
+    if not X86:
+        pytest.skip("no AVX2/AVX-512 kernels off x86-64")
+    isa, note = _C.choose_cpu_isa("AVX512", cpu_avx2=True, cpu_avx512=False)
+    assert isa == "avx2", (isa, note)
+    assert "torch's CPU capability is AVX512, but this CPU lacks AVX-512" in note and "AVX2" in note, note
+    assert "unset ATEN_CPU_CAPABILITY" in note
+    isa, note = _C.choose_cpu_isa("AVX512", cpu_avx2=False, cpu_avx512=False)
+    assert isa == "default" and "lacks AVX-512 and AVX2" in note, note
+    isa, note = _C.choose_cpu_isa("AVX2", cpu_avx2=False, cpu_avx512=False)
+    assert isa == "default" and "lacks AVX2" in note, note
+    assert _C.choose_cpu_isa("AVX512", cpu_avx2=True, cpu_avx512=True) == ("avx512", "")
+    assert _C.choose_cpu_isa("AVX2", cpu_avx2=True, cpu_avx512=True) == ("avx2", "")
+    assert _C.choose_cpu_isa("DEFAULT", cpu_avx2=True, cpu_avx512=True) == ("default", "")
+
+
+@pytest.mark.skipif(not X86, reason="x86-64 instruction sets")
+@pytest.mark.parametrize("asked", ["default", "avx2", "avx512"])
+def test_cpu_kernels_follow_aten_cpu_capability_within_what_the_cpu_has(asked: str) -> None:
+    flags = decentpy.environment.cpu_flags() or frozenset()
+    code = ("import decentpy, torch\n"
+            "i = decentpy._C.build_info()\n"
+            "print(torch.backends.cpu.get_cpu_capability(), i['cpu_kernel_isa'], i['vector_width_fp32'], "
+            "repr(i['cpu_kernel_isa_note']))")
+    r = run_python(["-c", code], cwd=ROOT, env={"ATEN_CPU_CAPABILITY": asked})
+    assert r.returncode == 0, r.stderr[-3000:]
+    capability, isa, width, note = r.stdout.split(" ", 3)
+    has_avx2, has_avx512 = {"avx2", "fma"} <= flags, set(AVX512) - {"avx512cd"} <= flags
+    expected = {"default": "default", "avx2": "avx2" if has_avx2 else "default",
+                "avx512": "avx512" if has_avx512 else ("avx2" if has_avx2 else "default")}[asked]
+    assert isa == expected and int(width) == (16 if isa == "avx512" else 8), r.stdout
+    assert (note.strip() == "''") == (isa == asked), note  # a note exactly when it fell back
+
+
+def test_report_and_log_say_when_the_cpu_kernels_fall_back(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    isa, note = _C.choose_cpu_isa("AVX512", cpu_avx2=True, cpu_avx512=False)  # a CPU without AVX-512
+    info = dict(_C.build_info(), cpu_kernel_isa=isa, cpu_kernel_isa_note=note, vector_width_fp32=8)
+    monkeypatch.setattr(_C, "build_info", lambda: info)
+    row = re.search(r"CPU kernels:\s+(.*)", config_report()).group(1)
+    assert row.startswith("compiled, usable here (avx2 picked at run time, fp32 vector width 8); torch's CPU "
+                          "capability is AVX512, but this CPU lacks AVX-512"), row
+    with caplog.at_level("WARNING", logger="decentpy.environment"):
+        log_cpu_kernel_choice(_C)
+    assert [r.getMessage() for r in caplog.records] == [f"decentpy: {note}"]
