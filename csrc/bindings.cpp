@@ -4,11 +4,13 @@
 
 #include <pybind11/stl.h>
 
+#include <stdexcept>
 #include <string>
 
 #include "bucket/bucket_plan.h"
 #include "bucket/flat_block.h"
 #include "cpu/mix_and_step_cpu.h"
+#include "cuda/cuda_driver.h"
 #include "ops/mix_and_step_op.h"
 #include "ops/reduce_scatter_pack.h"
 #include "kernels/update.h"
@@ -205,6 +207,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
      "(\"DEFAULT\", \"AVX2\", \"AVX512\") on a CPU with those features, with this build's kernels; "
      "note says why it is not torch's choice (\"\" when it is). cpu_kernel_isa() is this rule "
      "applied to this CPU.");
+
+  m.def("cuda_driver_problem", &decentpy::cuda::driver_problem, py::arg("driver_version"),
+        py::arg("runtime_version"),
+        "Why a driver supporting CUDA driver_version cannot be relied on to run a CUDA runtime "
+        "runtime_version (1000 * major + 10 * minor; 0: no driver), or \"\" when it can.");
+  m.def("cuda_driver_info", []() -> py::object {
+#ifdef DECENTPY_WITH_CUDA
+    const int driver = decentpy::cuda::driver_version();
+    const int runtime = decentpy::cuda::runtime_version();
+    py::dict d;
+    d["driver_version"] = driver;
+    d["runtime_version"] = runtime;
+    d["problem"] = decentpy::cuda::driver_problem(driver, runtime);
+    return std::move(d);
+#else
+    return py::none();
+#endif
+  }, "{driver_version, runtime_version, problem} of the installed driver and the CUDA runtime "
+     "linked into this extension (None in a build without CUDA).");
+  m.def("cuda_device_count", []() -> int {
+#ifdef DECENTPY_WITH_CUDA
+    return decentpy::cuda::device_count();
+#else
+    throw std::runtime_error(
+        "decentpy._C was built without CUDA (no nvcc at build time, or DECENTPY_NO_CUDA=1)");
+#endif
+  }, "The CUDA devices this extension's own CUDA runtime sees; raises RuntimeError (the driver's and "
+     "the runtime's CUDA releases, what to do) where the driver cannot run that runtime.");
 
   // at::RecordFunctionGuard has no Python binding; the exchange launcher needs it (see
   // decentpy/comm.py: a c10d Work started under the profiler ends its RecordFunction in wait(),

@@ -111,6 +111,22 @@ def _cpu_arch_status(built: Any) -> str:
     return f"{head}: this CPU has the {len(required)} instruction-set flags it needs"
 
 
+def _cuda_release(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _cuda_driver_status(C: Any) -> str:
+    """The installed driver's CUDA against the runtime linked into the extension (CUDA builds)."""
+    try:
+        d = C.cuda_driver_info()
+    except Exception as exc:
+        return f"unknown: cudaDriverGetVersion failed ({type(exc).__name__}: {exc})"
+    if d["problem"]:
+        return f"NOT usable here: {d['problem']}"
+    return (f"supports CUDA {_cuda_release(d['driver_version'])}; decentpy's CUDA runtime (linked in) is "
+            f"{_cuda_release(d['runtime_version'])}")
+
+
 def config_report() -> str:
     """Build the multi-line configuration report as a string (no printing)."""
     rows: List[Tuple[str, str]] = []
@@ -138,7 +154,7 @@ def config_report() -> str:
     rows.append(("python", f"{platform.python_version()} ({sys.executable})"))
     rows.append(("platform", f"{platform.platform()} {platform.machine()}"))
 
-    _, info, err = _build_info()
+    C, info, err = _build_info()
     if info is None:
         rows.append(("extension", f"decentpy._C NOT available: {err}"))
     else:
@@ -154,6 +170,8 @@ def config_report() -> str:
             cpu = "not compiled"
         rows.append(("CPU kernels", cpu))
         rows.append(("CUDA kernels", _cuda_status(info, torch)))
+        if info.get("cuda_kernels"):
+            rows.append(("CUDA driver", _cuda_driver_status(C)))
         rows.append(("NCCL communicator", _nccl_status(info)))
         rows.append(("OpenMP", _yes_no(info.get("openmp"))))
         if info.get("compiler"):
@@ -202,8 +220,9 @@ def show_config(file: Optional[TextIO] = None) -> str:
     ``decentpy._C`` what was compiled and whether it can run on this machine, and why not: the
     CPU kernels (and the vector ISA picked at run time), the CUDA kernels (their SASS/PTX archs,
     checked against torch's CUDA and the visible devices, e.g. "compiled (sm_80, sm_90, PTX
-    compute_90), not usable here: torch 2.13.0+cpu is a CPU build"), decentpy's NCCL communicator;
-    then OpenMP, torch's intra-op thread count, the CUDA devices and torch.distributed's backends. The build's
+    compute_90), not usable here: torch 2.13.0+cpu is a CPU build"), the NVIDIA driver's CUDA
+    against the CUDA runtime linked into the extension, decentpy's NCCL communicator; then OpenMP,
+    torch's intra-op thread count, the CUDA devices and torch.distributed's backends. The build's
     DECENTPY_CPU_ARCH is checked against this CPU's flags, and the CPU kernels' row says when they
     do not run the instruction set torch chose (ATEN_CPU_CAPABILITY asking for one the CPU lacks).
     If ``decentpy._C`` cannot be used here (another torch, a CPU without its instructions, a failed

@@ -323,3 +323,41 @@ def test_report_and_log_say_when_the_cpu_kernels_fall_back(monkeypatch: pytest.M
     with caplog.at_level("WARNING", logger="decentpy.environment"):
         log_cpu_kernel_choice(_C)
     assert [r.getMessage() for r in caplog.records] == [f"decentpy: {note}"]
+
+
+# ---- 2. an NVIDIA driver older than the CUDA runtime linked into the extension ----------------
+
+def test_cuda_driver_older_than_the_runtime_is_explained() -> None:
+    """The one wording of the driver check (C++, csrc/cuda/cuda_driver.cpp), fed (driver,
+    runtime) pairs as cudaDriverGetVersion and CUDART_VERSION encode them. Before: the user got
+    `decentpy CUDA error: cudaErrorInsufficientDriver (CUDA driver version is insufficient for CUDA
+    runtime version) at ...` with no versions and nothing to do."""
+    msg = _C.cuda_driver_problem(12080, 13000)
+    assert "the NVIDIA driver supports CUDA 12.8" in msg and "built with CUDA 13.0" in msg, msg
+    assert "update the NVIDIA driver to one that supports CUDA 13.0 or newer" in msg, msg
+    assert "use a decentpy built for CUDA 12.8 or older" in msg, msg
+    minor = _C.cuda_driver_problem(12020, 12080)
+    assert "supports CUDA 12.2" in minor and "built with CUDA 12.8" in minor and "minor version" in minor, minor
+    none = _C.cuda_driver_problem(0, 12080)
+    assert "no NVIDIA driver was found" in none and "CUDA 12.8" in none, none
+    assert _C.cuda_driver_problem(13000, 13000) == "" and _C.cuda_driver_problem(13020, 12080) == ""
+
+
+@pytest.mark.skipif(not _C.build_info()["cuda_kernels"], reason="a build without CUDA links no CUDA runtime")
+def test_the_first_cuda_call_and_the_report_check_the_driver() -> None:
+    """The real path: this extension's own CUDA runtime against the installed driver. Without a
+    driver (a CPU machine with nvcc) the first CUDA call raises the driver message; with one, it
+    works when the driver is new enough."""
+    d = _C.cuda_driver_info()
+    report = config_report()
+    row = re.search(r"CUDA driver:\s+(.*)", report).group(1)
+    if d["problem"]:
+        with pytest.raises(RuntimeError) as info:
+            _C.cuda_device_count()
+        assert str(info.value).startswith(d["problem"]), str(info.value)
+        assert "cudaErrorInsufficientDriver" in str(info.value)  # the runtime's own error follows
+        assert row == f"NOT usable here: {d['problem']}", row
+    else:
+        assert d["driver_version"] >= d["runtime_version"] > 0
+        assert _C.cuda_device_count() >= 0
+        assert row.startswith("supports CUDA "), row
