@@ -361,3 +361,62 @@ def test_the_first_cuda_call_and_the_report_check_the_driver() -> None:
         assert d["driver_version"] >= d["runtime_version"] > 0
         assert _C.cuda_device_count() >= 0
         assert row.startswith("supports CUDA "), row
+
+
+# ---- 3. comm="nccl" without a loadable libnccl ------------------------------------------------
+
+def _a_libnccl_is_loadable() -> bool:
+    return bool(torch.version.cuda or ctypes.util.find_library("nccl") or nccl_comm.nccl_library_candidates())
+
+
+@pytest.mark.skipif(_a_libnccl_is_loadable(), reason="a libnccl is installed here: it would load")
+def test_nccl_library_that_cannot_be_loaded_is_explained() -> None:
+    """DECENTPY_NCCL_LIBRARY names a file that is not there. Before: the path was dropped without a
+    word (and without NCCL at build time the loader was not compiled: 'built without CUDA'). Now
+    the loader's error names it, why dlopen refused it, every other place tried, and what to
+    install or set."""
+    code = ("from decentpy import _C\n"
+            "from decentpy.comm.nccl import nccl_library_candidates\n"
+            "try:\n    _C.nccl_load_library(nccl_library_candidates())\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    r = run_python(["-c", code], cwd=ROOT, env={"DECENTPY_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    msg = r.stdout
+    assert msg.startswith("decentpy: cannot load the NCCL library (libnccl.so.2, NCCL >= 2.14)"), msg
+    assert "dlopen /nonexistent/libnccl.so.2: /nonexistent/libnccl.so.2: cannot open shared object file" in msg
+    assert "dlopen libnccl.so.2: libnccl.so.2: cannot open shared object file" in msg  # the loader's path
+    assert "nvidia-nccl-cu" in msg and "DECENTPY_NCCL_LIBRARY" in msg and "LD_LIBRARY_PATH" in msg, msg
+
+
+@pytest.mark.skipif(_a_libnccl_is_loadable(), reason="a libnccl is installed here: it would load")
+def test_comm_nccl_raises_the_loader_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """comm='nccl' where everything but libnccl is there (an NCCL build, a GPU: both faked here) is
+    one RuntimeError carrying the loader's message; DecentralizedDataParallel checks it in its
+    local set-up, which its first collective (the agreement) raises on every rank."""
+    monkeypatch.setenv("DECENTPY_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+    monkeypatch.setattr(nccl_comm, "nccl_compiled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(RuntimeError) as info:
+        comm_select.resolve_comm("nccl")
+    msg = str(info.value)
+    assert msg.startswith("comm='nccl': decentpy's NCCL communicator is not available: decentpy: cannot load the "
+                          "NCCL library"), msg
+    assert "/nonexistent/libnccl.so.2: cannot open shared object file" in msg, msg
+
+
+def test_ddp_with_comm_nccl_fails_in_its_construction_agreement() -> None:
+    """What comm='nccl' gives here (a build or a machine without NCCL): one RuntimeError from the
+    wrapper's construction, raised by its agreement -- the first collective, which raises it on
+    every rank -- instead of later, from the communicator's selection after the parameters'
+    broadcast (before)."""
+    from functools import partial
+
+    from dist_harness import single_process_group
+
+    from decentpy.optim import optim_fn_adamw
+
+    with single_process_group("gloo"):
+        with pytest.raises(RuntimeError, match="comm='nccl': decentpy's NCCL communicator is not available: ") as info:
+            decentpy.DecentralizedDataParallel(torch.nn.Linear(4, 2), partial(optim_fn_adamw, lr=1e-3), comm="nccl")
+    frames = [entry.name for entry in info.traceback]
+    assert "agree_across_ranks" in frames and "select_communicator" not in frames, frames
