@@ -12,7 +12,9 @@ Environment:
   DECENTPY_CPU_ARCH          optional -march for all C++ files: avx2 (= x86-64-v3), avx512
                              (= x86-64-v4) or any -march value. Default none (portable): the
                              kernels are compiled for baseline, AVX2 and AVX512 and pick one at
-                             run time (torch's own choice, ATEN_CPU_CAPABILITY overrides)
+                             run time (torch's own choice, ATEN_CPU_CAPABILITY overrides, within
+                             what the CPU has). With it, the CPU flags that -march needs are
+                             recorded, and `import decentpy` refuses on a CPU without one
   DECENTPY_DEBUG=1           -O0 -g
   MAX_JOBS                   parallel compile jobs (ninja)
   NCCL_HOME / NCCL_INCLUDE_DIR  NCCL headers for decentpy's NCCL communicator (else the
@@ -367,6 +369,44 @@ def full_version(cfg):
                          "(check DECENTPY_LOCAL_VERSION / DECENTPY_CUDA_ARCHS)")
 
 
+#: the x86 instruction-set macros a -march defines -> the CPU's flag for it in /proc/cpuinfo (where
+#: Linux names it differently: SSE3 is "pni", BMI "bmi1", LZCNT "abm", SHA "sha_ni")
+ISA_MACRO_FLAGS = {
+    "__SSE3__": "pni", "__SSSE3__": "ssse3", "__SSE4_1__": "sse4_1", "__SSE4_2__": "sse4_2",
+    "__POPCNT__": "popcnt", "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c",
+    "__BMI__": "bmi1", "__BMI2__": "bmi2", "__LZCNT__": "abm", "__MOVBE__": "movbe", "__AES__": "aes",
+    "__PCLMUL__": "pclmulqdq", "__SHA__": "sha_ni", "__VAES__": "vaes", "__VPCLMULQDQ__": "vpclmulqdq",
+    "__GFNI__": "gfni", "__AVXVNNI__": "avx_vnni", "__AVX512F__": "avx512f", "__AVX512CD__": "avx512cd",
+    "__AVX512BW__": "avx512bw", "__AVX512DQ__": "avx512dq", "__AVX512VL__": "avx512vl",
+    "__AVX512IFMA__": "avx512ifma", "__AVX512VBMI__": "avx512vbmi", "__AVX512VBMI2__": "avx512_vbmi2",
+    "__AVX512VNNI__": "avx512_vnni", "__AVX512BITALG__": "avx512_bitalg",
+    "__AVX512VPOPCNTDQ__": "avx512_vpopcntdq", "__AVX512BF16__": "avx512_bf16", "__AVX512FP16__": "avx512_fp16",
+    "__AMX_TILE__": "amx_tile", "__AMX_INT8__": "amx_int8", "__AMX_BF16__": "amx_bf16",
+}
+
+
+def march_cpu_flags(cpu_arch: str, cxx: str) -> List[str]:
+    """The CPU flags (as /proc/cpuinfo names them) that code compiled with ``-march=cpu_arch`` needs,
+    from the instruction-set macros the C++ compiler ``cxx`` defines for it: ``import decentpy``
+    refuses, instead of dying with SIGILL, on a CPU without one of them (decentpy/environment.py).
+    Empty for the portable default build, and off x86 (no mapping there)."""
+    if not cpu_arch:
+        return []
+    cmd = cxx.split() + [f"-march={cpu_arch}", "-dM", "-E", "-x", "c++", os.devnull]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise SystemExit(f"decentpy: cannot run `{' '.join(cmd)}` to see what DECENTPY_CPU_ARCH={cpu_arch!r} "
+                         f"needs: {exc}")
+    if r.returncode != 0:
+        first = (r.stderr.strip().splitlines() or ["(no message)"])[0][:300]
+        raise SystemExit(f"decentpy: {cxx} rejects DECENTPY_CPU_ARCH={cpu_arch!r} (-march={cpu_arch}): {first}; "
+                         "use avx2, avx512, another -march value it accepts, or unset it (the default build "
+                         "picks AVX2/AVX-512 at run time)")
+    defined = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define ")}
+    return sorted(flag for macro, flag in ISA_MACRO_FLAGS.items() if macro in defined)
+
+
 def write_build_info(cfg):
     info = {
         "version": cfg.version,
@@ -382,6 +422,8 @@ def write_build_info(cfg):
         "cpu_arch": cfg.cpu_arch or None,
         "cxx": cfg.cxx,
         "debug": cfg.debug,
+        # what a DECENTPY_CPU_ARCH build needs of the CPU it is imported on
+        "cpu_arch_requires": march_cpu_flags(cfg.cpu_arch, cfg.cxx),
     }
     lines = ['"""Build configuration of this decentpy installation.',
              "",

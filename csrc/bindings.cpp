@@ -4,11 +4,13 @@
 
 #include <pybind11/stl.h>
 
+#include <stdexcept>
 #include <string>
 
 #include "bucket/bucket_plan.h"
 #include "bucket/flat_block.h"
 #include "cpu/mix_and_step_cpu.h"
+#include "cuda/cuda_driver.h"
 #include "ops/mix_and_step_op.h"
 #include "ops/reduce_scatter_pack.h"
 #include "kernels/update.h"
@@ -63,6 +65,9 @@ py::dict build_info() {
   d["compiler"] = compiler_string();
   // Extra: the instruction set the CPU kernels picked at run time (default/avx2/avx512).
   d["cpu_kernel_isa"] = std::string(decentpy::cpu_kernel_isa());
+  // Why that is not torch's CPU capability ("" when it is): e.g. ATEN_CPU_CAPABILITY=avx512 on a
+  // CPU without AVX-512.
+  d["cpu_kernel_isa_note"] = decentpy::cpu_kernel_isa_note();
   return d;
 }
 
@@ -197,6 +202,43 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Zero-filled flat block plus one view per tensor (strides kept when dense).");
 
   m.def("build_info", &build_info, "What this build of decentpy._C contains.");
+
+  m.def("choose_cpu_isa", [](const std::string& torch_capability, bool cpu_avx2, bool cpu_avx512) {
+    const auto c = decentpy::choose_cpu_isa_here(torch_capability, cpu_avx2, cpu_avx512);
+    return py::make_tuple(std::string(c.isa), c.note);
+  }, py::arg("torch_capability"), py::arg("cpu_avx2"), py::arg("cpu_avx512"),
+     "(isa, note): the instruction set the CPU kernels would pick for torch's capability "
+     "(\"DEFAULT\", \"AVX2\", \"AVX512\") on a CPU with those features, with this build's kernels; "
+     "note says why it is not torch's choice (\"\" when it is). cpu_kernel_isa() is this rule "
+     "applied to this CPU.");
+
+  m.def("cuda_driver_problem", &decentpy::cuda::driver_problem, py::arg("driver_version"),
+        py::arg("runtime_version"),
+        "Why a driver supporting CUDA driver_version cannot be relied on to run a CUDA runtime "
+        "runtime_version (1000 * major + 10 * minor; 0: no driver), or \"\" when it can.");
+  m.def("cuda_driver_info", []() -> py::object {
+#ifdef DECENTPY_WITH_CUDA
+    const int driver = decentpy::cuda::driver_version();
+    const int runtime = decentpy::cuda::runtime_version();
+    py::dict d;
+    d["driver_version"] = driver;
+    d["runtime_version"] = runtime;
+    d["problem"] = decentpy::cuda::driver_problem(driver, runtime);
+    return std::move(d);
+#else
+    return py::none();
+#endif
+  }, "{driver_version, runtime_version, problem} of the installed driver and the CUDA runtime "
+     "linked into this extension (None in a build without CUDA).");
+  m.def("cuda_device_count", []() -> int {
+#ifdef DECENTPY_WITH_CUDA
+    return decentpy::cuda::device_count();
+#else
+    throw std::runtime_error(
+        "decentpy._C was built without CUDA (no nvcc at build time, or DECENTPY_NO_CUDA=1)");
+#endif
+  }, "The CUDA devices this extension's own CUDA runtime sees; raises RuntimeError (the driver's and "
+     "the runtime's CUDA releases, what to do) where the driver cannot run that runtime.");
 
   // at::RecordFunctionGuard has no Python binding; the exchange launcher needs it (see
   // decentpy/comm.py: a c10d Work started under the profiler ends its RecordFunction in wait(),

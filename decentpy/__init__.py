@@ -13,59 +13,73 @@ from .version import __version__
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
-from . import _C  # noqa: E402  (the compiled extension; fails loudly when not built)
-from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
-from .comm import NonFiniteGradientError, PeerReportedError, PeerTimeoutError, PeerUnreachableError  # noqa: E402
-from .compression import Compression  # noqa: E402
-from .config import show_config  # noqa: E402
-from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
-from .join import Join, Joinable, JoinHook  # noqa: E402
-from .pipeline import AsyncPipe, PipelineError  # noqa: E402
-from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
-from .preemption import PreemptionCheckpointer  # noqa: E402
-from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
-from .sharding import OSS, ShardedDataParallel, ShardedGradScaler  # noqa: E402
-from .topology import (  # noqa: E402
-    CustomTopology,
-    Group,
-    Topology,
-    TopologyError,
-    available_topologies,
-    make_topology,
-    register_topology,
-    spectral_gap,
-)
+from .environment import load_extension, log_cpu_kernel_choice, running_the_report  # noqa: E402
 
-__all__ = [
-    "__version__",
-    "DecentralizedDataParallel",
-    "Compression",
-    "PeerTimeoutError",
-    "PeerUnreachableError",
-    "PeerReportedError",
-    "NonFiniteGradientError",
-    "PreemptionCheckpointer",
-    "Join",
-    "Joinable",
-    "JoinHook",
-    "ReduceScatterBucketer",
-    "AsyncPipe",
-    "PipelineError",
-    "OSS",
-    "ShardedDataParallel",
-    "ShardedGradScaler",
-    "OPTIM_FN_TYPE",
-    "LR_SCHEDULER_FN_TYPE",
-    "Topology",
-    "CustomTopology",
-    "Group",
-    "TopologyError",
-    "available_topologies",
-    "make_topology",
-    "register_topology",
-    "spectral_gap",
-    "optim",
-    "topo",
-    "utils",
-    "show_config",
-]
+try:
+    # Before decentpy._C is loaded: another torch, or a CPU without the instructions it was compiled
+    # for, raises an ImportError saying what to do instead of an `undefined symbol` or a SIGILL.
+    load_extension()
+except ImportError:
+    if not running_the_report():
+        raise
+    # `python -m decentpy` reports what is wrong (decentpy/__main__.py); the API needs the extension.
+    __all__ = ["__version__"]
+else:
+    from . import _C  # noqa: E402  (the compiled extension, loaded just above)
+
+    log_cpu_kernel_choice(_C)
+    from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
+    from .comm import NonFiniteGradientError, PeerReportedError, PeerTimeoutError, PeerUnreachableError  # noqa: E402
+    from .compression import Compression  # noqa: E402
+    from .config import show_config  # noqa: E402
+    from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
+    from .join import Join, Joinable, JoinHook  # noqa: E402
+    from .pipeline import AsyncPipe, PipelineError  # noqa: E402
+    from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
+    from .preemption import PreemptionCheckpointer  # noqa: E402
+    from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
+    from .sharding import OSS, ShardedDataParallel, ShardedGradScaler  # noqa: E402
+    from .topology import (  # noqa: E402
+        CustomTopology,
+        Group,
+        Topology,
+        TopologyError,
+        available_topologies,
+        make_topology,
+        register_topology,
+        spectral_gap,
+    )
+
+    __all__ = [
+        "__version__",
+        "DecentralizedDataParallel",
+        "Compression",
+        "PeerTimeoutError",
+        "PeerUnreachableError",
+        "PeerReportedError",
+        "NonFiniteGradientError",
+        "PreemptionCheckpointer",
+        "Join",
+        "Joinable",
+        "JoinHook",
+        "ReduceScatterBucketer",
+        "AsyncPipe",
+        "PipelineError",
+        "OSS",
+        "ShardedDataParallel",
+        "ShardedGradScaler",
+        "OPTIM_FN_TYPE",
+        "LR_SCHEDULER_FN_TYPE",
+        "Topology",
+        "CustomTopology",
+        "Group",
+        "TopologyError",
+        "available_topologies",
+        "make_topology",
+        "register_topology",
+        "spectral_gap",
+        "optim",
+        "topo",
+        "utils",
+        "show_config",
+    ]

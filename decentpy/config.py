@@ -6,21 +6,14 @@ import platform
 import sys
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 
+from .environment import (cpu_flags, load_extension, major_minor, missing_cpu_flags, recorded_build,
+                          torch_mismatch)
+
 __all__ = ["show_config", "config_report"]
 
 
 def _yes_no(flag: Any) -> str:
     return "yes" if flag else "no"
-
-
-def _recorded_build() -> Optional[Any]:
-    """``decentpy._build_info`` (written by setup.py at build time), or None in an unbuilt tree."""
-    try:
-        from . import _build_info
-
-        return _build_info
-    except ImportError:
-        return None
 
 
 def _version() -> str:
@@ -33,10 +26,6 @@ def _version() -> str:
         return f"{__version__} (no build recorded: decentpy/_build_info.py is missing)"
     except Exception as exc:  # pragma: no cover - only when the package is broken
         return f"unknown ({type(exc).__name__}: {exc})"
-
-
-def _major_minor(version: str) -> Tuple[str, ...]:
-    return tuple(version.split("+")[0].split(".")[:2])
 
 
 def _arch_list(raw: str) -> List[str]:
@@ -91,24 +80,58 @@ def _nccl_status(info: Dict[str, Any]) -> str:
     return "compiled, usable here" if why is None else f"compiled, not usable here: {why}"
 
 
-def _build_info() -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
-    """Return ``(build_info, None)`` or ``(None, error message)`` if the extension is unusable."""
+def _build_info() -> Tuple[Any, Optional[Dict[str, Any]], Optional[str]]:
+    """``(decentpy._C, its build_info, None)``, or ``(None, None, why the extension is unusable
+    here)``; the extension is loaded only when decentpy.environment finds nothing against it (a
+    build that would die with SIGILL is not)."""
     try:
-        from . import _C  # type: ignore[attr-defined]
-    except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        C = load_extension()
+    except ImportError as exc:
+        return None, None, str(exc)
     try:
-        info = dict(_C.build_info())
+        return C, dict(C.build_info()), None
     except Exception as exc:
-        return None, f"decentpy._C.build_info() failed: {type(exc).__name__}: {exc}"
-    return info, None
+        return None, None, f"decentpy._C.build_info() failed: {type(exc).__name__}: {exc}"
+
+
+def _cpu_arch_status(built: Any) -> str:
+    """What the build's DECENTPY_CPU_ARCH asks of the CPU, and whether this one has it."""
+    if not built.cpu_arch:
+        return "portable (DECENTPY_CPU_ARCH unset: the CPU kernels pick AVX2 or AVX-512 at run time)"
+    required = list(getattr(built, "cpu_arch_requires", None) or [])
+    head = f"-march={built.cpu_arch} (DECENTPY_CPU_ARCH)"
+    if not required:
+        return f"{head}: what it needs of the CPU was not recorded (a build of an older decentpy)"
+    flags = cpu_flags()
+    if flags is None:
+        return f"{head}, needs {', '.join(required)}: this CPU's flags are unknown (no /proc/cpuinfo)"
+    missing = missing_cpu_flags(required, flags)
+    if missing:
+        return f"{head}: NOT usable on this CPU, which lacks {', '.join(missing)} (see the extension row)"
+    return f"{head}: this CPU has the {len(required)} instruction-set flags it needs"
+
+
+def _cuda_release(version: int) -> str:
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
+def _cuda_driver_status(C: Any) -> str:
+    """The installed driver's CUDA against the runtime linked into the extension (CUDA builds)."""
+    try:
+        d = C.cuda_driver_info()
+    except Exception as exc:
+        return f"unknown: cudaDriverGetVersion failed ({type(exc).__name__}: {exc})"
+    if d["problem"]:
+        return f"NOT usable here: {d['problem']}"
+    return (f"supports CUDA {_cuda_release(d['driver_version'])}; decentpy's CUDA runtime (linked in) is "
+            f"{_cuda_release(d['runtime_version'])}")
 
 
 def config_report() -> str:
     """Build the multi-line configuration report as a string (no printing)."""
     rows: List[Tuple[str, str]] = []
     rows.append(("decentpy", _version()))
-    built = _recorded_build()
+    built = recorded_build()
 
     try:
         import torch
@@ -122,15 +145,16 @@ def config_report() -> str:
         rows.append(("torch", f"not importable ({type(exc).__name__}: {exc})"))
     if built is not None:
         against = f"torch {built.torch_version}"
-        if torch is not None and _major_minor(str(torch.__version__)) != _major_minor(str(built.torch_version)):
+        if torch is not None and torch_mismatch(str(built.torch_version), str(torch.__version__)):
             against += (f" -- MISMATCH: this is torch {torch.__version__}; decentpy._C needs torch "
-                        f"{'.'.join(_major_minor(str(built.torch_version)))}.x (rebuild, or install that torch)")
+                        f"{major_minor(str(built.torch_version))}.x (see the extension row)")
         rows.append(("compiled against", against))
+        rows.append(("CPU arch", _cpu_arch_status(built)))
 
     rows.append(("python", f"{platform.python_version()} ({sys.executable})"))
     rows.append(("platform", f"{platform.platform()} {platform.machine()}"))
 
-    info, err = _build_info()
+    C, info, err = _build_info()
     if info is None:
         rows.append(("extension", f"decentpy._C NOT available: {err}"))
     else:
@@ -140,10 +164,14 @@ def config_report() -> str:
             detail = ", ".join(x for x in (f"{isa} picked at run time" if isa else "",
                                            f"fp32 vector width {width}" if width else "") if x)
             cpu += f" ({detail})" if detail else ""
+            if info.get("cpu_kernel_isa_note"):
+                cpu += f"; {info['cpu_kernel_isa_note']}"
         else:
             cpu = "not compiled"
         rows.append(("CPU kernels", cpu))
         rows.append(("CUDA kernels", _cuda_status(info, torch)))
+        if info.get("cuda_kernels"):
+            rows.append(("CUDA driver", _cuda_driver_status(C)))
         rows.append(("NCCL communicator", _nccl_status(info)))
         rows.append(("OpenMP", _yes_no(info.get("openmp"))))
         if info.get("compiler"):
@@ -178,7 +206,8 @@ def config_report() -> str:
 
     width_col = max(len(k) for k, _ in rows)
     lines = ["decentpy configuration"]
-    lines += [f"  {k + ':':<{width_col + 1}} {v}" for k, v in rows]
+    for k, v in rows:  # a value of several lines (several problems) keeps its column
+        lines.append(f"  {k + ':':<{width_col + 1}} " + v.replace("\n", "\n" + " " * (width_col + 4)))
     return "\n".join(lines) + "\n"
 
 
@@ -191,9 +220,13 @@ def show_config(file: Optional[TextIO] = None) -> str:
     ``decentpy._C`` what was compiled and whether it can run on this machine, and why not: the
     CPU kernels (and the vector ISA picked at run time), the CUDA kernels (their SASS/PTX archs,
     checked against torch's CUDA and the visible devices, e.g. "compiled (sm_80, sm_90, PTX
-    compute_90), not usable here: torch 2.13.0+cpu is a CPU build"), decentpy's NCCL communicator;
-    then OpenMP, torch's intra-op thread count, the CUDA devices and torch.distributed's backends.
-    If ``decentpy._C`` cannot be imported, the import error is reported instead of raised.
+    compute_90), not usable here: torch 2.13.0+cpu is a CPU build"), the NVIDIA driver's CUDA
+    against the CUDA runtime linked into the extension, decentpy's NCCL communicator; then OpenMP,
+    torch's intra-op thread count, the CUDA devices and torch.distributed's backends. The build's
+    DECENTPY_CPU_ARCH is checked against this CPU's flags, and the CPU kernels' row says when they
+    do not run the instruction set torch chose (ATEN_CPU_CAPABILITY asking for one the CPU lacks).
+    If ``decentpy._C`` cannot be used here (another torch, a CPU without its instructions, a failed
+    load), why and what to do is reported instead of raised; it is then not loaded.
 
     Args:
         file: where to print; defaults to ``sys.stdout``.

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
 from .comm import CommGroup, agree_across_ranks, default_timeout
-from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, select_communicator
+from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
 from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node
 from .compression import Compression, resolve_compression
 from .engine.bucket import Bucket, BucketPlan
@@ -192,6 +192,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._param_names = [n for n, _ in named]
             self._params = [p for _, p in named]
             self._check_device()
+            if comm == "nccl":  # libnccl and the GPU, checked here: the agreement below raises on every rank
+                resolve_comm(comm, self._params[0].device, self._group)
             self._check_dense_gradients()
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._strategy: GossipStrategy = strategy(

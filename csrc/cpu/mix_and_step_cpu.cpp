@@ -1,7 +1,8 @@
 // CPU fused mix-and-step: baseline-ISA variant plus the run-time ISA dispatcher.
 // The AVX2 / AVX512 variants are the same body (mix_and_step_cpu_impl.h) compiled in
 // mix_and_step_cpu_avx2.cpp / mix_and_step_cpu_avx512.cpp under a GCC target pragma, so the
-// package needs no per-file compiler flags and never runs AVX code on a CPU without it.
+// package needs no per-file compiler flags and never runs AVX code on a CPU without it, even when
+// ATEN_CPU_CAPABILITY asks for it (choose_cpu_isa).
 #include "cpu/mix_and_step_cpu.h"
 
 #include <ATen/Version.h>
@@ -19,23 +20,63 @@ namespace {
 
 enum class Isa { Default, Avx2, Avx512 };
 
-Isa pick_isa() {
+Isa isa_of(const char* name) {
+  const std::string n = name;
+  return n == "avx512" ? Isa::Avx512 : n == "avx2" ? Isa::Avx2 : Isa::Default;
+}
+
+CpuIsaChoice pick() {
 #if defined(__x86_64__) || defined(_M_X64)
-  // Follow torch's own choice ("DEFAULT", "AVX2", "AVX512"; honours ATEN_CPU_CAPABILITY), and
-  // check the CPU ourselves as well.
-  const std::string cap = at::get_cpu_capability();
-  if (cap == "AVX512" && cpu_detail::isa_avx512::available()) return Isa::Avx512;
-  if ((cap == "AVX512" || cap == "AVX2") && cpu_detail::isa_avx2::available()) return Isa::Avx2;
+  return choose_cpu_isa_here(at::get_cpu_capability(), cpu_detail::isa_avx2::cpu_supports(),
+                             cpu_detail::isa_avx512::cpu_supports());
+#else
+  return {"default", ""};
 #endif
-  return Isa::Default;
+}
+
+const CpuIsaChoice& choice() {
+  static const CpuIsaChoice chosen = pick();
+  return chosen;
 }
 
 Isa isa() {
-  static const Isa chosen = pick_isa();
+  static const Isa chosen = isa_of(choice().isa);
   return chosen;
 }
 
 }  // namespace
+
+CpuIsaChoice choose_cpu_isa(const std::string& torch_capability, bool variants_compiled, bool cpu_avx2,
+                            bool cpu_avx512) {
+  const bool want512 = torch_capability == "AVX512";
+  if (!want512 && torch_capability != "AVX2") return {"default", ""};
+  if (variants_compiled && want512 && cpu_avx512) return {"avx512", ""};
+  if (variants_compiled && cpu_avx2 && !want512) return {"avx2", ""};
+  const char* isa = variants_compiled && cpu_avx2 ? "avx2" : "default";
+  std::string why;
+  if (!variants_compiled) {
+    why = "this build has no AVX2/AVX-512 kernels (GCC on x86-64 compiles them)";
+  } else if (want512 && cpu_avx2) {
+    why = "this CPU lacks AVX-512 (avx512f, avx512bw, avx512vl, avx512dq)";
+  } else {
+    why = std::string("this CPU lacks ") + (want512 ? "AVX-512 and " : "") + "AVX2 (avx2, fma)";
+  }
+  std::string note = "torch's CPU capability is " + torch_capability + ", but " + why +
+                     ": decentpy's CPU kernels use " +
+                     (std::string(isa) == "avx2" ? "AVX2" : "the baseline instructions");
+  if (variants_compiled) {
+    note += ". ATEN_CPU_CAPABILITY sets torch's capability without asking the CPU, and torch's own kernels "
+            "for " + torch_capability + " may stop the process (SIGILL): unset ATEN_CPU_CAPABILITY";
+  }
+  return {isa, note};
+}
+
+CpuIsaChoice choose_cpu_isa_here(const std::string& torch_capability, bool cpu_avx2, bool cpu_avx512) {
+  const bool compiled = cpu_detail::isa_avx2::compiled() && cpu_detail::isa_avx512::compiled();
+  return choose_cpu_isa(torch_capability, compiled, cpu_avx2, cpu_avx512);
+}
+
+std::string cpu_kernel_isa_note() { return choice().note; }
 
 void mix_and_step_cpu(const MixStepArgs& args) {
   switch (isa()) {
@@ -61,12 +102,6 @@ int cpu_kernel_vector_width() {
   }
 }
 
-const char* cpu_kernel_isa() {
-  switch (isa()) {
-    case Isa::Avx512: return "avx512";
-    case Isa::Avx2: return "avx2";
-    default: return "default";
-  }
-}
+const char* cpu_kernel_isa() { return choice().isa; }
 
 }  // namespace decentpy

@@ -122,7 +122,8 @@ namespace decentpy {
 namespace cpu_detail {
 namespace DECENTPY_CPU_NS {
 #if defined(DECENTPY_VARIANT_ENABLED)
-bool available() {
+bool compiled() { return true; }
+bool cpu_supports() {
   __builtin_cpu_init();
   bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #if defined(DECENTPY_ISA_AVX512)
@@ -132,7 +133,8 @@ bool available() {
   return ok;
 }
 #else
-bool available() { return false; }
+bool compiled() { return false; }
+bool cpu_supports() { return false; }
 void mix_and_step_entry(const MixStepArgs&) {}
 void scale_copy_entry(const ScaleCopyArgs&) {}
 int vec_width() { return 0; }

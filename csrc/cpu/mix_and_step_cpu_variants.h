@@ -6,13 +6,15 @@
 namespace decentpy {
 namespace cpu_detail {
 namespace isa_avx2 {
-bool available();  // compiled in and supported by this CPU
+bool compiled();      // this build has the variant (GCC on x86-64)
+bool cpu_supports();  // this CPU has its instructions (false where the variant is not compiled)
 void mix_and_step_entry(const MixStepArgs& args);
 void scale_copy_entry(const ScaleCopyArgs& args);
 int vec_width();  // fp32 lanes of at::vec::Vectorized<float> in this variant
 }  // namespace isa_avx2
 namespace isa_avx512 {
-bool available();
+bool compiled();
+bool cpu_supports();
 void mix_and_step_entry(const MixStepArgs& args);
 void scale_copy_entry(const ScaleCopyArgs& args);
 int vec_width();

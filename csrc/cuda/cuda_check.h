@@ -3,6 +3,9 @@
 // DECENTPY_CUDA_CHECK(expr) turns any cudaError_t other than cudaSuccess into a thrown
 // std::runtime_error naming the expression, file, line and cudaGetErrorString; the launchers run
 // inside a pybind call, whose binding layer converts the exception into a Python RuntimeError.
+// Every CUDA error decentpy raises passes here, the first CUDA call of a process included: an
+// error that a driver too old for the linked CUDA runtime causes is explained first
+// (cuda_driver.h: the driver's CUDA release, the runtime's, what to do).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,12 +13,27 @@
 #include <stdexcept>
 #include <string>
 
+#include "cuda/cuda_driver.h"
+
 namespace decentpy {
 namespace cuda {
 
+// The errors the runtime returns when the driver is older than it (or absent).
+inline bool is_driver_error(cudaError_t err) {
+  return err == cudaErrorInsufficientDriver || err == cudaErrorCallRequiresNewerDriver ||
+         err == cudaErrorUnsupportedPtxVersion;
+}
+
 [[noreturn]] inline void throw_cuda_error(cudaError_t err, const char* expr, const char* file,
                                           int line) {
-  std::string msg = "decentpy CUDA error: ";
+  std::string msg;
+  int driver = 0;
+  // Not checked by DECENTPY_CUDA_CHECK (this is its error path): on failure no explanation is added.
+  if (is_driver_error(err) && cudaDriverGetVersion(&driver) == cudaSuccess) {
+    msg = driver_problem(driver, CUDART_VERSION);
+    if (!msg.empty()) msg += ". ";
+  }
+  msg += "decentpy CUDA error: ";
   msg += cudaGetErrorName(err);
   msg += " (";
   msg += cudaGetErrorString(err);

@@ -1,10 +1,13 @@
-// dlopen/dlsym binding of libnccl (see nccl_api.h). Compiled to nothing without NCCL support.
+// The entry points of the libnccl that nccl_loader.cpp opens (see nccl_api.h). Compiled to nothing
+// without NCCL support.
 #include "nccl/nccl_api.h"
+#include "nccl/nccl_loader.h"
 
 #ifdef DECENTPY_HAVE_NCCL_COMM
 
 #include <dlfcn.h>
 
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -63,67 +66,20 @@ std::string resolve(void* h, NcclApi& a) {
   bind(h, "ncclRecv", a.Recv, true, missing);
   bind(h, "ncclAllReduce", a.AllReduce, true, missing);
   if (!missing.empty()) return "missing symbol(s) " + missing + " (NCCL >= 2.14 is required)";
-  int v = 0;
-  if (a.GetVersion(&v) != ncclSuccess) return "ncclGetVersion failed";
-  if (v < NCCL_VERSION(2, 14, 0)) {
-    return "NCCL version " + std::to_string(v) + " is too old (>= 2.14 is required)";
-  }
-  a.version = v;
-  return "";
-}
-
-std::string loaded_path(void* h, const std::string& fallback) {
-  // dladdr of a resolved symbol names the file actually loaded.
-  void* sym = dlsym(h, "ncclGetVersion");
-  Dl_info info;
-  if (sym && dladdr(sym, &info) && info.dli_fname) return info.dli_fname;
-  return fallback;
-}
-
-// Tries one dlopen; on success (usable library) installs it as g_api. Appends to `log`.
-bool try_open(const std::string& name, int flags, const char* how, std::string& log) {
-  dlerror();
-  void* h = dlopen(name.c_str(), flags);
-  if (!h) {
-    if (!(flags & RTLD_NOLOAD)) {
-      const char* e = dlerror();
-      log += "\n  " + std::string(how) + " " + name + ": " + (e ? e : "dlopen failed");
-    }
-    return false;
-  }
-  auto* a = new NcclApi();
-  const std::string why = resolve(h, *a);
-  if (!why.empty()) {
-    log += "\n  " + std::string(how) + " " + name + ": " + why;
-    delete a;
-    dlclose(h);
-    return false;
-  }
-  a->handle = h;
-  a->path = loaded_path(h, name);
-  g_api = a;
-  return true;
+  return check_version(h, &a.version);
 }
 
 void load_locked(const std::vector<std::string>& candidates) {
   if (g_api) return;
-  std::string log;
-  // 1. The libnccl.so.2 already in the process (torch's CUDA build loads one): share it.
-  for (const char* n : {"libnccl.so.2", "libnccl.so"}) {
-    if (try_open(n, RTLD_NOW | RTLD_NOLOAD, "already loaded", log)) return;
-  }
-  // 2. The candidates found by the Python side (nvidia-nccl wheel, NCCL_HOME, ...).
-  for (const auto& c : candidates) {
-    if (!c.empty() && try_open(c, RTLD_NOW | RTLD_LOCAL, "dlopen", log)) return;
-  }
-  // 3. The dynamic loader's search path.
-  for (const char* n : {"libnccl.so.2", "libnccl.so"}) {
-    if (try_open(n, RTLD_NOW | RTLD_LOCAL, "dlopen", log)) return;
-  }
-  throw std::runtime_error(
-      "decentpy: cannot load the NCCL library (libnccl.so.2). Install the nvidia-nccl-cu12 / "
-      "nvidia-nccl-cu13 wheel (a dependency of CUDA builds of torch), or put libnccl.so.2 on "
-      "LD_LIBRARY_PATH. Tried:" + (log.empty() ? std::string(" nothing") : log));
+  auto a = std::make_unique<NcclApi>();
+  // The check binds the entry points: after a success `a` holds those of the library returned.
+  OpenedLibrary lib = open_library(candidates, [&a](void* h) {
+    *a = NcclApi();
+    return resolve(h, *a);
+  });
+  a->handle = lib.handle;
+  a->path = lib.path;
+  g_api = a.release();
 }
 
 }  // namespace

@@ -2,9 +2,11 @@
 //
 // Compiles in every configuration. Without CUDA + NCCL support, nccl_available() is False,
 // nccl_info() says why, and NcclCommunicator / nccl_get_unique_id raise a RuntimeError naming
-// the reason. With it, tensors are validated here (CUDA, the communicator's device, contiguous,
-// supported dtype) and the compute stream is torch's current stream of that device, taken from
-// the device guard (no CUDA headers needed in this file).
+// the reason; nccl_load_library still finds and loads libnccl (nccl_loader.h needs no nccl.h), so
+// its error -- every file tried, what to install or set -- is the same in every build. With it,
+// tensors are validated here (CUDA, the communicator's device, contiguous, supported dtype) and
+// the compute stream is torch's current stream of that device, taken from the device guard (no
+// CUDA headers needed in this file).
 #include <torch/extension.h>
 
 #include <ATen/MemoryOverlap.h>
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "nccl/nccl_communicator.h"
+#include "nccl/nccl_loader.h"
 
 namespace py = pybind11;
 
@@ -229,9 +232,14 @@ void bind_nccl(py::module& m) {
       }, "The communicator's cudaStream_t as an int (torch.cuda.ExternalStream(stream)).");
 #else
   const std::string reason = unavailable_reason();
-  m.def("nccl_load_library", [reason](py::args, py::kwargs) -> py::object {
-    throw std::runtime_error(reason);
-  });
+  m.def("nccl_load_library", [](const std::vector<std::string>& candidates) {
+    py::gil_scoped_release nogil;
+    int version = 0;
+    return nccl::open_library(candidates, [&version](void* h) { return nccl::check_version(h, &version); }).path;
+  }, py::arg("candidates") = std::vector<std::string>(),
+     "Without the communicator compiled in: dlopen a usable libnccl as an NCCL build would (the copy "
+     "already loaded, the candidates, the loader's search path) and return its file, or raise "
+     "RuntimeError listing every attempt. The communicator itself still needs an NCCL build.");
   m.def("nccl_get_unique_id", [reason](py::args, py::kwargs) -> py::object {
     throw std::runtime_error(reason);
   });

@@ -63,20 +63,23 @@ def nccl_compiled() -> bool:
 def nccl_library_candidates() -> List[str]:
     """Paths of libnccl.so.2 to try (after the copy torch already loaded, before the loader's
     search path): ``DECENTPY_NCCL_LIBRARY``, ``NCCL_HOME``/``NCCL_ROOT``, then the
-    nvidia-nccl-cu13/-cu12 wheel next to torch or on ``sys.path``."""
-    out: List[str] = []
+    nvidia-nccl-cu13/-cu12 wheel next to torch or on ``sys.path``. The paths the environment names
+    are kept even when no file is there, so that the loader's error names them and why; of the
+    wheel's places only those that exist."""
+    named: List[str] = []
     explicit = os.environ.get("DECENTPY_NCCL_LIBRARY", "").strip()
     if explicit:
-        out.append(explicit)
+        named.append(explicit)
     for var in ("NCCL_HOME", "NCCL_ROOT"):
         home = os.environ.get(var, "").strip()
         if home:
-            out += [os.path.join(home, sub, "libnccl.so.2") for sub in ("lib", "lib64")]
+            paths = [os.path.join(home, sub, "libnccl.so.2") for sub in ("lib", "lib64")]
+            named += [p for p in paths if os.path.isfile(p)] or paths[:1]
     bases = [os.path.dirname(os.path.dirname(torch.__file__))] + [p for p in sys.path if p]
-    out += [os.path.join(b, "nvidia", "nccl", "lib", "libnccl.so.2") for b in bases]
+    wheel = [os.path.join(b, "nvidia", "nccl", "lib", "libnccl.so.2") for b in bases]
     seen, result = set(), []
-    for p in out:
-        if p not in seen and os.path.isfile(p):
+    for p in named + [w for w in wheel if os.path.isfile(w)]:
+        if p not in seen:
             seen.add(p)
             result.append(p)
     return result
