@@ -71,7 +71,7 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 200 -o addopts="-ra")
 if want tests; then
   # Issue 40 on the image's own CXX: the configuration report, the crash tests (refusals with
   # integers in their message), the toolchain tests (a static-libstdc++ driver), the kernels' CPU tests.
-  TAIL=12 step tests_build 150 "${PYTEST[@]}" tests/test_config_report.py tests/test_kernels_cpu.py \
+  TAIL=12 step tests_build 150 "${PYTEST[@]}" tests/test_config_report.py tests/test_build_env.py tests/test_kernels_cpu.py \
     tests/test_build_toolchain.py
 fi
 
