@@ -11,13 +11,16 @@ that the optimizer step is a large part of the iteration. In one run, timed with
 - ``fwd+bwd``: forward and backward alone; ``step``: the fused AdamW step alone;
 - ``decentpy``: ``DecentralizedDataParallel(topology='complete')`` in a world of one process: the
   forward and backward, with the fused step run bucket by bucket inside the backward; with the
-  default non-finite check (a norm per bucket) and with ``nonfinite='ignore'``.
+  default non-finite check (a norm per bucket) and with ``nonfinite='ignore'``; with
+  ``--ablations`` also the default with each part of its path switched off in turn (the norm
+  taken while the gradients are copied in, the deferred skip verdicts, the release of consumed
+  gradients), and with all three off.
 
 Overhead = decentpy - torch: what the hooks, bucket bookkeeping and launches cost beyond the work
 torch does, as a fraction of torch's iteration (target < 5%) and of its step. The host
 synchronisations of a decentpy backward are counted with torch's sync debug mode (target: none).
 
-    python -m bench.bench_overhead_cuda [--width 4096] [--layers 6] [--batch 64] [--runs 50]
+    python -m bench.bench_overhead_cuda [--width 4096] [--layers 6] [--batch 64] [--runs 50] [--ablations]
 
 Exits 0 with "no CUDA device, skipping" when there is no GPU.
 """
@@ -79,6 +82,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--bucket-mib", type=float, default=25.0)
     ap.add_argument("--out-dir", type=Path, default=Path("bench/out"))
+    ap.add_argument("--ablations", action="store_true",
+                    help="also time nonfinite='skip' with each part of its path switched off in turn: the norm taken "
+                         "while copying gradients in, the deferred skip verdicts, the release of consumed gradients")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 5 iterations of each (torch profiler): the kernels by GPU time and the host "
                          "calls by CPU time, into <out-dir>/bench_overhead_cuda_profile.txt")
@@ -88,6 +94,8 @@ def main() -> int:
         return 0
 
     from decentpy import DecentralizedDataParallel
+    from decentpy.engine.bucket import Bucket
+    from decentpy.engine.gossip import GossipStrategy
     from decentpy.optim import optim_fn_adamw
 
     machine = report_machine()
@@ -129,8 +137,17 @@ def main() -> int:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     results: Dict[str, Dict[str, float]] = {}
+    # (setting, nonfinite, the norm from the copies, deferred verdicts, release of consumed gradients)
+    settings = [("skip", "skip", True, True, True), ("ignore", "ignore", True, True, True)]
+    if args.ablations:
+        settings += [("skip, norm by a second pass", "skip", False, True, True),
+                     ("skip, verdicts read first", "skip", True, False, True),
+                     ("skip, gradients kept (added in place)", "skip", True, True, False),
+                     ("skip, none of the three (the earlier path)", "skip", False, False, False)]
     try:
-        for nonfinite in ("skip", "ignore"):
+        for setting, nonfinite, copies, defer, release in settings:
+            GossipStrategy.norm_from_copies, GossipStrategy.defers_verdicts = copies, defer
+            Bucket.release_consumed_grads = release
             model = make_model(args.width, args.layers)
             ddp = DecentralizedDataParallel(model, lambda named: optim_fn_adamw(named, lr=1e-4, weight_decay=0.01),
                                             topology="complete", bucket_size_in_mb=args.bucket_mib,
@@ -141,23 +158,24 @@ def main() -> int:
 
             t = time_ms(ours, args.runs, args.warmup)
             syncs = [syncs_in(ours) for _ in range(5)]
-            if args.profile and nonfinite == "skip":
+            if args.profile and setting == "skip":
                 profiles.append(profile("decentpy", ours))
-            results[nonfinite] = {"ms": t, "syncs": max(syncs[1:]), "buckets": len(ddp.buckets)}
+            results[setting] = {"ms": t, "syncs": max(syncs[1:]), "buckets": len(ddp.buckets)}
             ddp.close()
             del ddp, model
             torch.cuda.empty_cache()
     finally:
+        GossipStrategy.norm_from_copies = GossipStrategy.defers_verdicts = Bucket.release_consumed_grads = True
         dist.destroy_process_group()
     t_ours, buckets = results["skip"]["ms"], int(results["skip"]["buckets"])
 
     over = t_ours - t_torch
     rows: List[Dict[str, object]] = []
-    for nonfinite, r in results.items():
+    for setting, r in results.items():
         o = r["ms"] - t_torch
         rows.append({"gpu": gpu, "torch": torch.__version__, "cpu": machine.get("cpu", ""),
                      "params_m": round(nparams / 1e6, 1), "batch": args.batch, "buckets": buckets,
-                     "nonfinite": nonfinite, "torch_iter_ms": t_torch, "fwd_bwd_ms": t_fb,
+                     "setting": setting, "torch_iter_ms": t_torch, "fwd_bwd_ms": t_fb,
                      "fused_adamw_step_ms": t_step, "torch_iter_zero_grad_ms": t_torch_zero,
                      "decentpy_iter_ms": r["ms"], "overhead_ms": o,
                      "overhead_of_iter": o / t_torch, "overhead_of_step": o / t_step,
@@ -168,9 +186,9 @@ def main() -> int:
     print(f"{'  fwd+bwd alone':40} {t_fb:9.3f} ms")
     print(f"{'  fused AdamW step alone':40} {t_step:9.3f} ms")
     print(f"{'torch, with zero_grad() after the step':40} {t_torch_zero:9.3f} ms")
-    for nonfinite, r in results.items():
+    for setting, r in results.items():
         o = r["ms"] - t_torch
-        print(f"{'decentpy, nonfinite=' + repr(nonfinite):40} {r['ms']:9.3f} ms   overhead {o:+.3f} ms = "
+        print(f"{'decentpy, ' + setting:48} {r['ms']:9.3f} ms   overhead {o:+.3f} ms = "
               f"{100 * o / t_torch:+.1f}% of torch's iteration, {100 * o / t_step:+.1f}% of its step; "
               f"{int(r['syncs'])} host sync(s) per iteration ({buckets} buckets); "
               f"{100 * (r['ms'] - t_torch_zero) / t_torch_zero:+.1f}% of torch's loop with zero_grad()")

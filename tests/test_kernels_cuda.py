@@ -680,14 +680,15 @@ def test_scale_copy_alpha_one_is_exact_copy(dtype):
 def test_scale_copy_sumsq(dtype, numel, offsets):
     """The copy of a gradient into its bucket with its squared norm in the same pass: an exact
     copy; every slot written (poisoned before); the slots' sum against float64; the same bits on
-    a second run (a fixed reduction order)."""
+    a second run into the same buffers (a fixed reduction order; the split into blocks depends on
+    the buffers' alignment, so another destination may sum in another order)."""
     torch.manual_seed(numel + 1)
     src = _buffer(numel, dtype, offsets[1], _randn(3.0))
     dst = _buffer(numel, dtype, offsets[0], lambda n: torch.full((n,), float("nan"), device=DEV))
     sumsq = torch.full((_C.NORM_SLOTS,), float("nan"), device=DEV)
     _C.scale_copy_(dst, src, 1.0, sumsq)
     again = torch.full_like(sumsq, float("nan"))
-    _C.scale_copy_(torch.empty_like(src), src, 1.0, again)
+    _C.scale_copy_(dst, src, 1.0, again)
     torch.cuda.synchronize()
     assert torch.equal(dst, src)
     assert torch.isfinite(sumsq).all()

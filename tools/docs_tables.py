@@ -32,13 +32,16 @@ TABLES: Dict[str, str] = {
                           "send pass, median of 20 runs (CUDA events) after 5, GB/s = bytes read + written / time, "
                           "'% of copy' against dst.copy_(src) of the same bytes in the same run; 'vs torch': torch's "
                           "mix (mul_/add_) + torch.optim fused or foreach step + send (mul) on the same flat bucket. "
-                          "NVIDIA H200 (132 SMs), torch 2.11.0+cu130, decentpy built for sm_90, 2026-11-26.",
+                          "scale_copy+norm: the copy of a gradient with its squared norm, against torch's copy_ then vector_norm; "
+                          "group_reduce: the int8 group reduction of compressed gossip (4 members; no torch counterpart). "
+                          "NVIDIA H200 (132 SMs), torch 2.11.0+cu130, decentpy built for sm_90, 2026-11-27.",
     "bench_overhead_cuda": "`python -m bench.bench_overhead_cuda` (bench/bench_overhead_cuda.py, in "
-                           "tools/gpu_session.sh): 6 x Linear(4096, 4096) = 100.7M parameters, batch 64, MSE, AdamW, "
-                           "world size 1 (topology='complete', 6 buckets), median of 50 iterations timed with CUDA "
-                           "events; host syncs in the backward counted with torch's sync debug mode. Two runs, each "
-                           "on a fresh NVIDIA H200 machine, torch 2.11.0+cu130, 2026-11-26 (the skip verdicts read "
-                           "back without a wait).",
+                           "tools/gpu_session.sh) and, for the A/B rows, the same model and timing with one part of "
+                           "the path switched off at a time (now `--ablations`): 6 x Linear(4096, 4096) = 100.7M "
+                           "parameters, batch 64, MSE, AdamW, world size 1 (6 buckets), CUDA events, median of 50 "
+                           "(A/B: 30) iterations; 'torch iteration' keeps its gradients (autograd adds into them), "
+                           "'with zero_grad()' is the usual loop. Two NVIDIA H200 machines, torch 2.11.0+cu130, "
+                           "2026-11-27: bench 1 and 2 on the first, A/B on the second.",
     "bench_train": "`make bench-train` (bench/bench_train.py): AdamW, gloo, 1 torch thread per worker, median step "
                    "time over 32 steps (CNN rows: 48), max over ranks; decent-dp 0.2.3 and torch DDP in the same "
                    "run. Intel Xeon, 2 cores shared by the 4 or 8 workers, torch 2.13.0+cpu.",

@@ -14,7 +14,7 @@ import copy
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -87,6 +87,10 @@ class Bucket:
     # the squared norms of the gradients copied in this iteration (see adopt_grad)
     consumed: bool = False
     norm_partials: Optional[Tensor] = None  # [len(params), kernels.NORM_SLOTS] float32, or None
+    partial_rows: List[Tensor] = field(default_factory=list)  # its rows, one per parameter
+    #: release consumed gradients before the next backward (see reset_iteration); off only to
+    #: measure what it saves (bench/bench_overhead_cuda.py --ablations)
+    release_consumed_grads: ClassVar[bool] = True
     partials_filled: int = 0          # slots whose row holds this iteration's gradient (bit mask)
     # what the optimizer and scheduler looked like when created (see modified_by_user)
     fresh_groups: List[Dict[str, Any]] = field(default_factory=list)
@@ -113,7 +117,7 @@ class Bucket:
         taking its norm in the same pass when asked to."""
         self.stepped = None
         self.partials_filled = 0
-        if self.consumed:
+        if self.consumed and self.release_consumed_grads:
             for p in self.params:
                 p.grad = None
             self.consumed = False
@@ -124,6 +128,7 @@ class Bucket:
         if self.norm_partials is None:
             self.norm_partials = torch.zeros(len(self.params), kernels.NORM_SLOTS, dtype=torch.float32,
                                              device=self.grad_block.device)
+            self.partial_rows = list(self.norm_partials.unbind(0))
 
     def copied_grad_norm(self) -> Optional[Tensor]:
         """The whole block's gradient norm (a one-element float32 tensor on its device) when every
@@ -266,10 +271,10 @@ class Bucket:
         elif g.data_ptr() != view.data_ptr() or g.stride() != view.stride():
             if g.is_sparse:
                 raise RuntimeError(f"parameter '{self.names[slot]}' got a sparse gradient; decentpy needs dense ones")
-            if partials is not None and g.stride() == view.stride() and g.dtype == view.dtype and \
-                    torch._prims_common.is_non_overlapping_and_dense_or_false(g):
-                # one pass: the copy and the gradient's squared norm (the bucket's norm needs no second read)
-                kernels.scale_copy(kernels.flat_alias(view), kernels.flat_alias(g), 1.0, sumsq=partials[slot])
+            if partials is not None and g.dtype == view.dtype and g.is_contiguous() and view.is_contiguous():
+                # one pass: the copy and the gradient's squared norm (the bucket's norm needs no second read);
+                # cheap on the host too (this runs for every parameter inside the backward)
+                kernels.scale_copy(view.view(-1), g.view(-1), 1.0, sumsq=self.partial_rows[slot])
                 self.partials_filled |= 1 << slot
             else:
                 view.copy_(g)
