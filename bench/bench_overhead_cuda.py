@@ -146,7 +146,7 @@ def main() -> int:
                      ("skip, none of the three (the earlier path)", "skip", False, False, False)]
     try:
         for setting, nonfinite, copies, defer, release in settings:
-            GossipStrategy.norm_from_copies, GossipStrategy.defers_verdicts = copies, defer
+            Bucket.norm_while_copying, GossipStrategy.defers_verdicts = copies, defer
             Bucket.release_consumed_grads = release
             model = make_model(args.width, args.layers)
             ddp = DecentralizedDataParallel(model, lambda named: optim_fn_adamw(named, lr=1e-4, weight_decay=0.01),
@@ -165,7 +165,7 @@ def main() -> int:
             del ddp, model
             torch.cuda.empty_cache()
     finally:
-        GossipStrategy.norm_from_copies = GossipStrategy.defers_verdicts = Bucket.release_consumed_grads = True
+        Bucket.norm_while_copying = GossipStrategy.defers_verdicts = Bucket.release_consumed_grads = True
         dist.destroy_process_group()
     t_ours, buckets = results["skip"]["ms"], int(results["skip"]["buckets"])
 

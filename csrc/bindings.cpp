@@ -88,7 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<GroupHyper>(m, "GroupHyper",
                          "Hyper-parameters of one parameter group for one step (kernels/mix_and_step.h).")
       .def(py::init([](float lr, float weight_decay, float momentum, float dampening, bool nesterov,
-                       float beta1, float beta2, float eps, int64_t bias_step, int32_t accum_iter) {
+                       float beta1, float beta2, float eps, int64_t bias_step, int32_t accum_iter,
+                       bool no_update) {
              GroupHyper h;
              h.lr = lr;
              h.weight_decay = weight_decay;
@@ -100,12 +101,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              h.eps = eps;
              h.bias_step = bias_step;
              h.accum_iter = accum_iter;
+             h.no_update = no_update ? 1 : 0;
              return h;
            }),
            py::kw_only(), py::arg("lr") = 0.f, py::arg("weight_decay") = 0.f, py::arg("momentum") = 0.f,
            py::arg("dampening") = 0.f, py::arg("nesterov") = false, py::arg("beta1") = 0.9f,
            py::arg("beta2") = 0.999f, py::arg("eps") = 1e-8f, py::arg("bias_step") = 1,
-           py::arg("accum_iter") = 1)
+           py::arg("accum_iter") = 1, py::arg("no_update") = false)
       .def_readwrite("lr", &GroupHyper::lr)
       .def_readwrite("weight_decay", &GroupHyper::weight_decay)
       .def_readwrite("momentum", &GroupHyper::momentum)
@@ -117,6 +119,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("eps", &GroupHyper::eps)
       .def_readwrite("bias_step", &GroupHyper::bias_step)
       .def_readwrite("accum_iter", &GroupHyper::accum_iter)
+      .def_property("no_update", [](const GroupHyper& h) { return h.no_update != 0; },
+                    [](GroupHyper& h, bool v) { h.no_update = v ? 1 : 0; })
       .def("__repr__", [](const GroupHyper& h) {
         return "GroupHyper(lr=" + std::to_string(h.lr) + ", weight_decay=" + std::to_string(h.weight_decay) +
                ", momentum=" + std::to_string(h.momentum) + ", bias_step=" + std::to_string(h.bias_step) + ", ...)";

@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .comm import CommGroup, agree_across_ranks, default_timeout
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
-from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node
+from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, ownership
 from .compression import Compression, resolve_compression
 from .engine.bucket import Bucket, BucketPlan
 from .engine.choco import COMPRESSED_STRATEGIES, CompressedGossip
@@ -410,6 +410,16 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._module_hooks = []
         self._strategy.close()
         self._closed = True
+
+    def allow_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Let a torch optimizer of the user's step parameters that this wrapper also steps.
+
+        The wrapper steps every parameter inside ``backward()`` (with the optimizer of its
+        ``optim_fn``), so a torch optimizer's ``step()`` over them after the backward -- torch DDP's
+        usual loop -- would apply its weight decay and moment updates a second time; it raises a
+        RuntimeError naming the parameters instead. Call this for an optimizer that is meant to step
+        some of them again (a second optimizer on purpose)."""
+        ownership.allow(optimizer)
 
     def __enter__(self) -> "DecentralizedDataParallel":
         return self

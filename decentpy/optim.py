@@ -49,7 +49,9 @@ __all__ = [
 ]
 
 
-MAX_GROUPS_PER_BUCKET = kernels.MAX_GROUPS  # parameter groups one bucket's kernel pass can mix
+#: parameter groups one bucket's kernel pass can mix: the kernel's limit, less the group of the
+#: parameters without a gradient (see FusedOptimizer.bucket_step)
+MAX_GROUPS_PER_BUCKET = kernels.MAX_GROUPS - 1
 
 
 def _step_one_tensor(kind: OptKind, p: Tensor, grad: Tensor, states: Sequence[Tensor], hyper: "kernels.GroupHyper",
@@ -249,6 +251,7 @@ class FusedOptimizer(Optimizer):
         zero_grad: bool = False,
         compressed: Optional["CompressedPass"] = None,
         prev_skip: Optional[Tensor] = None,
+        no_update_group: bool = False,
     ) -> None:
         """Mix, step and fill the send buffer for one bucket in one kernel pass.
 
@@ -261,6 +264,8 @@ class FusedOptimizer(Optimizer):
         ``prev_skip``: the previous update's outcome is still on the device (a one-element bool
         tensor there, true when it was skipped; see :meth:`defers_verdict`): this step counts it as
         taken, and the kernel takes the bias corrections of one step fewer when it was not.
+        ``no_update_group``: ``segments`` names one group more than the optimizer has, whose
+        elements (parameters without a gradient) are not updated.
         """
         states = self._ensure_flat_state(params, offsets, param_block.numel(), param_block.device)
         assert self._shared_step is not None
@@ -269,21 +274,28 @@ class FusedOptimizer(Optimizer):
         if prev_skip is not None and not skip_update:
             step += 1
             alt_bias = [int(h.bias_step) for h in self.group_hypers(step - 1)]
+            if no_update_group:
+                alt_bias.append(alt_bias[0])
         else:
             prev_skip = None
         momentum_init, accum_boundary = self._flags(step)
+        hypers = self.group_hypers(max(step, 1))
+        if no_update_group:
+            frozen = self._hyper(self.param_groups[0], max(step, 1))
+            frozen.no_update = True
+            hypers.append(frozen)
         if compressed is not None:  # compressed gossip: comm / send are the compressed pass's own buffers
             assert prev_skip is None, "internal error: compressed gossip does not defer the skip verdict"
             c = compressed
             kernels.compressed_step(self.kind, c.compressor, param_block, grad_block, states, segments,
-                                    self.group_hypers(max(step, 1)), q_recv=c.q_recv, peer_copy=c.peer_copy,
+                                    hypers, q_recv=c.q_recv, peer_copy=c.peer_copy,
                                     self_copy_mix=c.self_copy_mix, choco_mix=c.choco_mix, q_send=c.q_send,
                                     self_copy_next=c.self_copy_next, grad_scale=grads.factor, grad_norm=grads.norm,
                                     scaler_scale=grads.scale, clip_norm=grads.clip,
                                     decoupled_weight_decay=self.decoupled_weight_decay, momentum_init=momentum_init,
                                     accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad)
             return
-        kernels.fused_step(self.kind, param_block, grad_block, states, segments, self.group_hypers(max(step, 1)),
+        kernels.fused_step(self.kind, param_block, grad_block, states, segments, hypers,
                            comm=comm, send=send, mix_a=mix_a, mix_b=mix_b, send_scale=send_scale,
                            grad_scale=grads.factor, grad_norm=grads.norm, scaler_scale=grads.scale,
                            clip_norm=grads.clip, decoupled_weight_decay=self.decoupled_weight_decay,

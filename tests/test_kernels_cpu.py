@@ -427,6 +427,36 @@ def test_matches_torch_adamw_one_step():
     torch.testing.assert_close(st[1], opt.state[tp]["exp_avg_sq"])
 
 
+@pytest.mark.parametrize("kind", [SGD, ADAM, ACCUM])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_no_update_group_is_mixed_and_sent_only(kind, dtype):
+    """Elements of a group with no_update (parameters without a gradient) are mixed and sent, their
+    gradient zeroed, but neither the parameter nor the state is updated; the other elements equal
+    a pass over them alone."""
+    n, cut = 1003, 517
+    torch.manual_seed(1)
+    p, c, g = (torch.randn(n).to(dtype) for _ in range(3))
+    states = [torch.rand(n) * 0.1 for _ in range(n_states(kind, True))]
+    frozen = group(lr=0.05, wd=0.1, momentum=0.9, step=3, accum_iter=2)
+    frozen.no_update = True
+    kw = dict(kind=kind, mix_a=0.25, mix_b=0.75, send_scale=1.0, decoupled_weight_decay=True, accum_boundary=True)
+    pk, gk, sk, send = p.clone(), g.clone(), [s.clone() for s in states], torch.empty(n, dtype=dtype)
+    _C.mix_and_step(param=pk, grad=gk, states=sk, comm=c, send=send, zero_grad=True,
+                    segments=seg_tensor([(0, cut, 0), (cut, n, 1)]),
+                    groups=[group(lr=0.05, wd=0.1, momentum=0.9, step=3, accum_iter=2), frozen], **kw)
+    # the first part against the same pass over it alone
+    pa, sa = p[:cut].clone(), [s[:cut].clone() for s in states]
+    _C.mix_and_step(param=pa, grad=g[:cut].clone(), states=sa, comm=c[:cut], segments=seg_tensor([(0, cut, 0)]),
+                    groups=[group(lr=0.05, wd=0.1, momentum=0.9, step=3, accum_iter=2)], **kw)
+    assert torch.equal(pk[:cut], pa) and all(torch.equal(a[:cut], b) for a, b in zip(sk, sa))
+    # the rest: mixed only, state untouched, gradient zeroed, send = p as stored
+    mixed = (0.25 * p[cut:].double() + 0.75 * c[cut:].double()).to(dtype)
+    torch.testing.assert_close(pk[cut:].double(), mixed.double(), rtol=1e-2 if dtype != torch.float32 else 1e-6,
+                               atol=1e-3 if dtype != torch.float32 else 1e-7)
+    assert all(torch.equal(a[cut:], b[cut:]) for a, b in zip(sk, states))
+    assert not gk.any() and torch.equal(send, pk)
+
+
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_deferred_verdict_picks_the_bias_step(decoupled):
     """prev_skip (a flag the kernel reads): false -> the groups' own bias steps, true -> the

@@ -700,6 +700,35 @@ def test_scale_copy_sumsq(dtype, numel, offsets):
         assert not torch.isfinite(sumsq.sum())
 
 
+@pytest.mark.parametrize("kind", ["SGD", "ADAM", "ACCUM_ADAM"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_no_update_group_matches_cpu(kind, dtype):
+    """Segments of a no_update group (parameters without a gradient) on the GPU: the same result as
+    the CPU kernel (bit for bit in fp32), their parameters mixed only and state untouched."""
+    n, cut = 1000003, 400037
+    torch.manual_seed(3)
+    p, c, g = (torch.randn(n).to(dtype) for _ in range(3))
+    nst = {"SGD": 1, "ADAM": 2, "ACCUM_ADAM": 3}[kind]
+    states = [torch.rand(n) * 0.1 for _ in range(nst)]
+    live = _C.GroupHyper(lr=0.05, weight_decay=0.1, momentum=0.9, bias_step=3, accum_iter=2)
+    frozen = _C.GroupHyper(lr=0.05, weight_decay=0.1, momentum=0.9, bias_step=3, accum_iter=2, no_update=True)
+    outs = []
+    for dev in ("cpu", DEV):
+        pk, gk, sk = p.clone().to(dev), g.clone().to(dev), [s.clone().to(dev) for s in states]
+        _C.mix_and_step(kind=getattr(_C.OptKind, kind), param=pk, grad=gk, states=sk, comm=c.to(dev),
+                        segments=torch.tensor([[0, cut, 0], [cut, n, 1]], device=dev), groups=[live, frozen],
+                        mix_a=0.25, mix_b=0.75, decoupled_weight_decay=True, accum_boundary=True, zero_grad=True)
+        outs.append([pk.cpu()] + [s.cpu() for s in sk])
+    torch.cuda.synchronize()
+    for a, b in zip(*outs):
+        if dtype == torch.float32:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-2, atol=1e-3)
+    for a, s in zip(outs[1][1:], states):
+        assert torch.equal(a[cut:], s[cut:])
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_deferred_verdict_matches_cpu(dtype):
     """The flag in device memory picks the bias corrections as the CPU kernel does with the same

@@ -189,6 +189,7 @@ void run_piece(const Launch& L, const StepConstants& h, int64_t lo, int64_t hi) 
 template <typename T, bool Comm, bool Send>
 void dispatch_piece(const Launch& L, const StepConstants& h, int64_t lo, int64_t hi) {
   constexpr int kSgdMask = kHasMomentum | kNesterov | kMomentumInit;
+  if (h.flags & kNoUpdate) return run_piece<T, OptKind::None, 0, Comm, Send>(L, h, lo, hi);
   switch (L.A.kind) {
     case OptKind::SGD:
       switch (h.flags & kSgdMask) {

@@ -27,7 +27,7 @@
 //               mt = b1*M + (1-b1)*g;  vt = b2*V + (1-b2)*g*g
 //               p -= lr / (1 - b1^k) * mt / (sqrt(vt) / sqrt(1 - b2^k) + eps)
 //               if accum_boundary: M = b1*M + (1-b1)*acc; V = b2*V + (1-b2)*acc*acc; acc = 0
-//   None:       no update (mix and send only).
+//   None:       no update (mix and send only); also the elements of a group with no_update set.
 //
 // Compressed gossip (compressor != None; CHOCO-style, kernels/compress.h has the arithmetic). The
 // plain comm / send buffers are then unused (null) and param is fp32. Per element i, in blocks of
@@ -88,6 +88,9 @@ struct GroupHyper {
   float eps = 1e-8f;
   int64_t bias_step = 1;   // k >= 1 of the bias corrections 1 - beta^k (AccumAdam: ceil(t / A))
   int32_t accum_iter = 1;  // AccumAdam: A
+  // The group's elements got no gradient this step: mixed and sent, never updated (no weight
+  // decay, optimizer state untouched), as torch's optimizers skip a parameter whose .grad is None.
+  int32_t no_update = 0;
 };
 
 // One contiguous run of elements [begin, end) that uses hyper-parameters groups[group].

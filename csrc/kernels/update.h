@@ -39,6 +39,7 @@ enum UpdateFlags : int32_t {
   kMomentumInit = 4, // SGD: the first step initialises the buffer with g
   kDecoupled = 8,    // AdamW / AccumAdamW: p *= 1 - lr * wd instead of g += wd * p
   kBoundary = 16,    // AccumAdam: this step closes an accumulation block (writes M, V)
+  kNoUpdate = 32,    // the group got no gradient this step: p and the state stay as they are
 };
 
 // Per-group constants of one step, derived once on the host from GroupHyper (see derive_step).
@@ -95,6 +96,7 @@ inline StepConstants derive_step(const MixStepArgs& a, const GroupHyper& g) {
   }
   if (a.decoupled_weight_decay) f |= kDecoupled;
   if (a.kind == OptKind::AccumAdam && a.accum_boundary) f |= kBoundary;
+  if (g.no_update) f |= kNoUpdate;
   c.flags = f;
   return c;
 }
@@ -176,6 +178,7 @@ DECENTPY_HD V mix(const V& a, const V& b, const V& p, const V& c) {
 template <OptKind K, class M, class V>
 DECENTPY_HD void update(const StepConstants& h, int32_t flags, const V& gs, V& p, V g, V& m, V& v,
                         V& acc) {
+  if (flags & kNoUpdate) return;  // (the CPU kernels route such a group to the None path instead)
   g = g * gs;
   if constexpr (K == OptKind::SGD) {
     g = M::fma(M::splat(h.wd), p, g);

@@ -74,7 +74,8 @@ class ElasticStrategy:
             grads = self.grad_args(b, reduction) if local_step else UNSCALED
         except PeerTimeoutError:
             return  # node_failed: the node's own collective failed
-        b.step(None, 1.0, 0.0, None, grads, local_step)
+        b.step(None, 1.0, 0.0, None, grads, local_step,
+               no_update=self.without_gradient(b, local_step))  # type: ignore[attr-defined]
         b.comm_valid = False
         b.skip_mix = True
         self.stepped(b)

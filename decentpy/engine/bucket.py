@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from .. import kernels
+from . import ownership
 from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs
 from ..optim import MAX_GROUPS_PER_BUCKET, FusedOptimizer, mark_stepped
 
@@ -88,9 +89,13 @@ class Bucket:
     consumed: bool = False
     norm_partials: Optional[Tensor] = None  # [len(params), kernels.NORM_SLOTS] float32, or None
     partial_rows: List[Tensor] = field(default_factory=list)  # its rows, one per parameter
-    #: release consumed gradients before the next backward (see reset_iteration); off only to
-    #: measure what it saves (bench/bench_overhead_cuda.py --ablations)
+    no_grad_slots: int = 0            # parameters that got no gradient this iteration (bit mask)
+    _no_update_segments: Dict[int, Tensor] = field(default_factory=dict)  # segment tables by that mask
+    #: release consumed gradients before the next backward (see reset_iteration), and take the norm
+    #: while copying them in (see track_grad_norms); off only to measure what each saves
+    #: (bench/bench_overhead_cuda.py --ablations)
     release_consumed_grads: ClassVar[bool] = True
+    norm_while_copying: ClassVar[bool] = True
     partials_filled: int = 0          # slots whose row holds this iteration's gradient (bit mask)
     # what the optimizer and scheduler looked like when created (see modified_by_user)
     fresh_groups: List[Dict[str, Any]] = field(default_factory=list)
@@ -117,6 +122,7 @@ class Bucket:
         taking its norm in the same pass when asked to."""
         self.stepped = None
         self.partials_filled = 0
+        self.no_grad_slots = 0
         if self.consumed and self.release_consumed_grads:
             for p in self.params:
                 p.grad = None
@@ -141,7 +147,7 @@ class Bucket:
     @torch.no_grad()
     def step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send_scale: Optional[float],
              grads: GradArgs, local_step: bool, compressed: Optional[Any] = None,
-             prev_skip: Optional[Tensor] = None) -> None:
+             prev_skip: Optional[Tensor] = None, no_update: int = 0) -> None:
         """Mix ``recv`` into ``[lo, hi)`` (``p <- mix_a p + mix_b recv``; none when ``recv`` is None),
         take the local optimizer step on ``grad`` (unless ``local_step`` is False: a joined worker,
         or a shard of padding only), zero the gradient, and, with ``send_scale``, write
@@ -150,7 +156,9 @@ class Bucket:
         ``grad_block`` first (:meth:`adopt_grads`). ``compressed``: a
         :class:`~decentpy.optim.CompressedPass` (compressed gossip; ``recv`` is then None and
         ``send_scale`` None: the pass's own buffers carry the exchange). ``prev_skip``: the last
-        update's outcome is only on the device (see ``FusedOptimizer.bucket_step``)."""
+        update's outcome is only on the device (see ``FusedOptimizer.bucket_step``). ``no_update``:
+        a bit mask of parameters (of a whole bucket) that got no gradient: mixed and sent, but not
+        updated, as torch's optimizers skip a parameter whose ``.grad`` is None."""
         send = self.comm if send_scale is not None else None
         scale = 1.0 if send_scale is None else send_scale
         if not self.params_are_views:
@@ -159,13 +167,14 @@ class Bucket:
             _follow(self.state_optimizer, self.optimizer)
         if not self.pieces:  # alignment padding only: nothing to update
             local_step, grads = False, UNSCALED
+        no_update = no_update if self.whole and local_step else 0
         if self.fused:
             # zero_grad: the kernel zeroes the gradient in the same pass (also when the update is skipped,
             # so the next iteration never sees skipped, non-finite gradients): no separate zero_() pass.
             self.state_optimizer.bucket_step(self.pieces, self.piece_offsets,  # type: ignore[attr-defined]
-                                             self.param, self.grad, self.segments, recv, send, mix_a, mix_b,
-                                             scale, grads if local_step else UNSCALED, not local_step, zero_grad=True,
-                                             prev_skip=prev_skip,
+                                             self.param, self.grad, self.segments_without(no_update), recv, send,
+                                             mix_a, mix_b, scale, grads if local_step else UNSCALED, not local_step,
+                                             zero_grad=True, prev_skip=prev_skip, no_update_group=bool(no_update),
                                              **({"compressed": compressed} if compressed is not None else {}))
             if self.whole and not self.params_are_views:
                 self.scatter_params()
@@ -175,11 +184,24 @@ class Bucket:
         if compressed is not None or prev_skip is not None:
             raise RuntimeError(f"internal error: bucket {self.index} is not fused but compressed gossip or a "
                                "deferred verdict needs the fused kernel")
-        self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step)
+        self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step, no_update)
         self.consumed = True
 
+    def segments_without(self, no_update: int) -> Optional[Tensor]:
+        """The kernel's segment table with the parameters of the ``no_update`` mask in the extra
+        group that is not updated (cached per mask: the same parameters usually go without a
+        gradient every iteration, and a new table is a copy to the device)."""
+        if not no_update:
+            return self.segments
+        table = self._no_update_segments.get(no_update)
+        if table is None:
+            table = _segments_for(self.state_optimizer, self.pieces, self.piece_offsets, self.hi - self.lo,
+                                  self.param.device, no_update)
+            self._no_update_segments[no_update] = table
+        return table
+
     def _generic_step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send: Optional[Tensor],
-                      send_scale: float, grads: GradArgs, local_step: bool) -> None:
+                      send_scale: float, grads: GradArgs, local_step: bool, no_update: int = 0) -> None:
         """Optimizers the kernel does not implement: a separate mix, then their own ``step()``."""
         param, grad = self.param, self.grad
         follow = self.whole and not self.params_are_views  # the optimizer steps the separate parameters
@@ -199,7 +221,14 @@ class Bucket:
             if not skip:
                 if factor != 1.0:
                     grad.mul_(factor)
-                self.state_optimizer.step()
+                without = [p for i, p in enumerate(self.params) if no_update >> i & 1]
+                for p in without:  # torch's optimizers skip a parameter whose .grad is None
+                    p.grad = None
+                try:
+                    self.state_optimizer.step()
+                finally:
+                    for p in without:
+                        p.grad = self.grad_views[self.params.index(p)]
                 if follow:
                     self.gather_params()
             self.stepped = skip
@@ -264,6 +293,7 @@ class Bucket:
             return
         partials = self.norm_partials
         if g is None:
+            self.no_grad_slots |= 1 << slot
             view.zero_()
             if partials is not None:
                 partials[slot].zero_()
@@ -366,8 +396,10 @@ def carry_over_state(old: Sequence[Bucket], optimizer: Optimizer, scheduler: Opt
 
 
 def _segments_for(optimizer: Optimizer, params: Sequence[Tensor], offsets: Sequence[int], total: int,
-                  device: torch.device) -> Tensor:
-    """Runs of consecutive parameters sharing an optimizer param group, covering [0, total)."""
+                  device: torch.device, no_update: int = 0) -> Tensor:
+    """Runs of consecutive parameters sharing an optimizer param group, covering [0, total); the
+    parameters of the ``no_update`` bit mask in one more group after the optimizer's (see
+    ``FusedOptimizer.bucket_step``'s ``no_update_group``)."""
     group_of = {}
     for gi, g in enumerate(optimizer.param_groups):
         for p in g["params"]:
@@ -376,13 +408,13 @@ def _segments_for(optimizer: Optimizer, params: Sequence[Tensor], offsets: Seque
     for i, p in enumerate(params):
         begin = offsets[i]
         end = offsets[i + 1] if i + 1 < len(params) else total
-        gi = group_of[id(p)]
+        gi = len(optimizer.param_groups) if no_update >> i & 1 else group_of[id(p)]
         if rows and rows[-1][2] == gi:
             rows[-1][1] = end
         else:
             rows.append([begin, end, gi])
     table = torch.tensor(rows, dtype=torch.int64)
-    kernels.check_segments(table, total, len(optimizer.param_groups))  # the GPU kernel trusts it
+    kernels.check_segments(table, total, len(optimizer.param_groups) + (1 if no_update else 0))  # the GPU kernel trusts it
     return table.to(device)
 
 
@@ -526,6 +558,8 @@ def make_bucket(index: int, flat: FlatParams, names: List[str], optimizer: Optim
         # region instead of fragmenting the heap.
         opt.prepare_bucket_state(part.pieces, part.piece_offsets, part.hi - part.lo,  # type: ignore[attr-defined]
                                  flat.block.device)
+    ownership.own(optimizer)  # its steps are the in-backward steps (see ownership)
+    ownership.own(opt)
     bucket = Bucket(index=index, params=params, names=names, offsets=offsets, param_block=flat.block,
                     grad_block=grad_block, param_views=flat.views, grad_views=grad_views, optimizer=optimizer,
                     scheduler=scheduler, params_are_views=flat.as_views, lo=part.lo, hi=part.hi, whole=part.whole,

@@ -185,7 +185,7 @@ class CompressedGossip(GossipStrategy):
         grads = self.grad_args(b, reduction) if local_step else UNSCALED
         b.step(None, 1.0, 0.0, None, grads, local_step,
                compressed=CompressedPass(self.compression.compressor, q_recv, peer_copy, self_mix, gw, q_send,
-                                         self_next))
+                                         self_next), no_update=self.without_gradient(b, local_step))
         b.comm_valid = False
         b.skip_mix = False
         assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"

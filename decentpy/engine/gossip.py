@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -52,9 +52,10 @@ class GossipStrategy(BucketStrategy):
     pad_multiple = 1
     #: each exchange carries this rank's whole model (decent-dp's ``pre_average_hook`` can see it)
     exchanges_whole_model = True
-    #: the step's gradient is the bucket's own block: its norm can be taken while the gradients are
-    #: copied in (node strategies step a reduced gradient and take its norm after the reduction)
-    norm_from_copies = True
+    #: the step's gradient is this rank's own, in the bucket's block: its norm can be taken while the
+    #: gradients are copied in, and a parameter without one is not updated (node strategies step
+    #: the node's reduced gradient, and take its norm after the reduction)
+    local_gradients = True
     #: a backward may step before the host has read the last iteration's skip verdicts (see
     #: :meth:`begin_backward`); compressed gossip and elastic strategies always read them first
     defers_verdicts = True
@@ -87,6 +88,7 @@ class GossipStrategy(BucketStrategy):
         # the part of it whose outcome this iteration's steps read on the device (begin_backward)
         self._deferred: Optional[Tuple[SkipVerdict, List[Tuple[Bucket, Optional[bool]]], int]] = None
         self._prev_skip: Dict[int, Tensor] = {}  # bucket index -> its deferred skip flag (device)
+        self._warned_no_grad: Set[str] = set()  # parameter names already reported without a gradient
         self.adaptive_factor = 1.0          # p <- (1-f) p + f mix(p)
         self.layout = BucketLayout(params, names, optim_fn, scheduler_fn, bucket_cap_bytes, param_as_bucket_view,
                                    group, self.pad_multiple, self.shard_of)
@@ -115,7 +117,9 @@ class GossipStrategy(BucketStrategy):
         """Collective set-up of the strategy's own groups, if any (every rank, at construction)."""
 
     def close(self) -> None:
-        """Release what :meth:`connect` created."""
+        """Release what :meth:`connect` created, and the claim on the parameters (a torch optimizer
+        may step them again)."""
+        self.layout.release()
 
     def module_hooks(self, model: nn.Module) -> List[Any]:
         """Hooks the strategy needs on the wrapped model (handles, removed by the wrapper's close)."""
@@ -136,7 +140,8 @@ class GossipStrategy(BucketStrategy):
                 "iteration (which fixes the bucket layout) before it runs out of data")
         self.wait_params()
         self.layout.moved_check()
-        track = self.norm_from_copies and self.grad_scaling.active and self.layout.final
+        track = (self.local_gradients and self.grad_scaling.active and self.layout.final
+                 and Bucket.norm_while_copying)
         for b in self.buckets:
             b.reset_iteration()
             if track and b.whole and b.grad.dtype in kernels.KERNEL_DTYPES:
@@ -263,7 +268,8 @@ class GossipStrategy(BucketStrategy):
             recv = b.comm
             a, c = received.mix_coefficients(self.adaptive_factor)
         grads = self.grad_args(b, reduction) if local_step else UNSCALED
-        b.step(recv, a, c, nxt.send_scale(), grads, local_step, prev_skip=self._prev_skip.get(b.index))
+        b.step(recv, a, c, nxt.send_scale(), grads, local_step, prev_skip=self._prev_skip.get(b.index),
+               no_update=self.without_gradient(b, local_step))
         b.comm_valid = False
         b.skip_mix = False
         assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
@@ -272,9 +278,25 @@ class GossipStrategy(BucketStrategy):
             b.work.step = self.step  # for a failure's message
         self.stepped(b)
 
+    def without_gradient(self, b: Bucket, local_step: bool) -> int:
+        """The parameters of ``b`` that got no gradient this iteration (a bit mask): they are mixed and
+        sent but not updated -- no weight decay, optimizer state untouched -- as torch's optimizers
+        skip a parameter whose ``.grad`` is None. Said once per parameter, at WARNING. Only where
+        the step's gradient is this rank's own (a node strategy steps the node's reduction)."""
+        mask = b.no_grad_slots if self.local_gradients and local_step else 0
+        if mask:
+            new = [n for i, n in enumerate(b.names) if mask >> i & 1 and n not in self._warned_no_grad]
+            if new:
+                self._warned_no_grad.update(new)
+                logger.warning("rank %d: parameter(s) %s got no gradient at step %d: not updated (no weight decay, "
+                               "optimizer state untouched) while they get none, as torch's optimizers skip a "
+                               "parameter whose .grad is None; the gossip mix still averages them with the peers",
+                               self.group.to_global(self.rank), ", ".join(repr(n) for n in new), self.step)
+        return mask
+
     def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:
         """How the kernel scales the bucket's gradient (its norm taken on the device, if needed)."""
-        norm = b.copied_grad_norm() if self.norm_from_copies else None
+        norm = b.copied_grad_norm() if self.local_gradients else None
         return self.grad_scaling.bucket_args(b.index, b.grad, norm=norm)
 
     def stepped(self, b: Bucket) -> None:

@@ -20,6 +20,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from ..comm import CommGroup, first_difference_across_ranks
 from ..host_memory import release_free_host_memory
 from ..optim import fuse_torch_optimizer
+from . import ownership
 from .bucket import Bucket, BucketPlan, carry_over_state, check_optimizer, flatten_params, make_bucket
 from .strategy import Readiness
 
@@ -42,6 +43,8 @@ class BucketLayout:
         ``pad_multiple``; ``shard_of(numel)`` is the part of it this rank steps)."""
         self.params = params
         self.names = names
+        # decentpy steps these inside the backward: a torch optimizer's step() on them is refused
+        self.claim = ownership.claim(params, names)
         self.optim_fn = optim_fn
         self.scheduler_fn = scheduler_fn
         self.bucket_cap_bytes = bucket_cap_bytes
@@ -82,6 +85,10 @@ class BucketLayout:
                     f"device changed after the first training iteration (model.to(), .double(), .half(), or a "
                     f"new .data); move or cast the model before wrapping it, or before its first training "
                     f"iteration")
+
+    def release(self) -> None:
+        """The wrapper is closed: its parameters are no longer stepped inside the backward."""
+        ownership.release(self.claim)
 
     def settle(self, traced: Sequence[int]) -> None:
         """After the first backward: keep the construction layout unless the traced order differs."""

@@ -120,7 +120,7 @@ class NodeGossip(GossipStrategy):
         return GossipSetup(t, shard_topology(t, local_world_size), node)
 
     exchanges_whole_model = False  # shards or node means
-    norm_from_copies = False       # the step's gradient is the node's reduction
+    local_gradients = False        # the step's gradient is the node's reduction
     _deferred: Optional[Tuple[Bucket, bool, Optional[Any]]] = None  # a bucket whose reduction is in flight
 
     @property
@@ -134,6 +134,7 @@ class NodeGossip(GossipStrategy):
 
     def close(self) -> None:
         self.node.close()
+        super().close()
 
     @abc.abstractmethod
     def start_reduction(self, b: Bucket) -> Optional[Any]:
