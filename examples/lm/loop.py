@@ -29,17 +29,24 @@ time only, the largest over the ranks: evaluations are not counted, but the exch
 flight when one begins are finished inside the training time (``ddp.wait()``), so an arm that
 overlaps its communication is not credited with the last one.
 
-Bytes sent per worker (the mean over the ranks), by ``bytes_source``:
+Bytes sent per worker (the mean over the ranks), one definition for every arm, decentpy's own
+(``DecentralizedDataParallel.bytes_sent``): the payload a worker sends to a peer, and for an
+all-reduce the buffer it contributes. On the wire an all-reduce over m workers moves about
+2 (m - 1) / m times its contribution per worker (a ring: 1.5x at m = 4; 1x for a pair), so torch
+DDP's wire bytes at n workers are 2 (n - 1) / n times its column, as are those of decentpy's and
+decent-dp's groups of more than two; the throttled-link wall times show what that costs. By
+``bytes_source``:
 
 - ``decentpy.stats``: ``ddp.stats()["bytes_sent"]`` (``ddp.bytes_sent`` where the wrapper has no
-  ``stats()``): the payload its exchanges put on the wire.
-- ``ring-allreduce(gradients)``: torch DDP, computed: each step all-reduces every gradient, and a
-  ring all-reduce of B bytes sends 2 (n - 1) / n * B per worker.
-- ``ring-allreduce(powersgd)``: the same formula over the elements PowerSGD all-reduces, counted in
-  its hook: the whole bucket in its plain steps, then its P and Q factors and the uncompressed
-  tensors (``PowerSGDState.total_numel_after_compression``).
-- ``ring-allreduce(decent-dp edges)``: decent-dp all-reduces all its parameters within the step's
-  group of m ranks each step: 2 (m - 1) / m * parameter bytes, summed over the steps.
+  ``stats()``). It counts the gossip exchanges; with ``intra_node="shard"`` or ``"allreduce"`` the
+  reduce-scatter / all-gather / all-reduce inside a node are not in it (they run on the node's
+  process group, not through the communicator that counts).
+- ``allreduce(gradients)``: torch DDP, computed: every step all-reduces every fp32 gradient.
+- ``allreduce(powersgd)``: counted in PowerSGD's hook: the whole bucket in its plain steps, then
+  the P and Q factors and the tensors it leaves uncompressed
+  (``PowerSGDState.total_numel_after_compression``).
+- ``allreduce(decent-dp)``: decent-dp all-reduces every parameter within each step's group (when
+  the group has another worker), as its hooks launch them.
 """
 
 from __future__ import annotations
@@ -165,11 +172,6 @@ def _adamw_groups(named: Sequence[Tuple[str, Tensor]], weight_decay: float) -> L
     return split_decay_groups(list(named), weight_decay)
 
 
-def _ring_factor(m: int) -> float:
-    """Share of a buffer a ring all-reduce over m ranks sends per rank."""
-    return 2.0 * (m - 1) / m if m > 1 else 0.0
-
-
 @torch.no_grad()
 def _generic_consensus(params: Sequence[Tensor], world: int) -> float:
     """sqrt(1/n * sum_i ||x_i - mean||^2) over the ranks (decentpy's definition), for frameworks
@@ -230,7 +232,6 @@ class _DDPArm(_Arm):
         from torch.nn.parallel import DistributedDataParallel
 
         super().__init__(model)
-        n = dist.get_world_size()
         kw: Dict[str, Any] = {"device_ids": [device.index]} if device.type == "cuda" else {}
         self.elems = 0.0  # elements all-reduced so far (PowerSGD: counted in the hook)
         self.param_elems = sum(p.numel() for p in model.parameters())
@@ -252,11 +253,10 @@ class _DDPArm(_Arm):
                 return fut
 
             self.net.register_comm_hook(state, counted)
-            self.bytes_source = "ring-allreduce(powersgd)"
+            self.bytes_source = "allreduce(powersgd)"
         else:
-            self.bytes_source = "ring-allreduce(gradients)"
+            self.bytes_source = "allreduce(gradients)"
         self.powersgd = spec.mode == "ddp-powersgd"
-        self.factor = _ring_factor(n)
         self.steps = 0
         self.opt = torch.optim.AdamW(_adamw_groups(list(model.named_parameters()), spec.weight_decay), lr=cfg.lr,
                                      betas=BETAS, eps=EPS)
@@ -274,7 +274,7 @@ class _DDPArm(_Arm):
 
     def bytes_sent(self) -> float:
         elems = self.elems if self.powersgd else self.param_elems * self.steps
-        return elems * 4 * self.factor  # fp32 gradients
+        return elems * 4.0  # fp32 gradients
 
     def lr(self) -> float:
         return float(self.opt.param_groups[0]["lr"])
@@ -332,7 +332,7 @@ class _DecentpyArm(_Arm):
 
 
 class _DecentDPArm(_Arm):
-    bytes_source = "ring-allreduce(decent-dp edges)"
+    bytes_source = "allreduce(decent-dp)"
 
     def __init__(self, model: nn.Module, spec: RunSpec, cfg: ModelConfig, sched: Schedule, lws: int) -> None:
         try:
@@ -365,7 +365,7 @@ class _DecentDPArm(_Arm):
         self.steps += 1
         i = self.steps
         for k in ((1, 3) if i == 2 else () if i == 1 else (i + 1,)):
-            self.sent += self.param_bytes * _ring_factor(len(self.ddp._topo.get_edge(k).ranks))
+            self.sent += self.param_bytes if len(self.ddp._topo.get_edge(k).ranks) > 1 else 0.0
         return loss.detach()
 
     def bytes_sent(self) -> float:
