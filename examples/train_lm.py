@@ -59,8 +59,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--mode", default="decentpy", choices=loop.MODES,
                    help="torch DDP, DDP with PowerSGD, decentpy, or the decent-dp package")
-    p.add_argument("--topology", default="ring", help="gossip topology (decentpy, decent-dp): e.g. complete, ring, "
-                   "one-peer-exp, alternating-exp-ring (decentpy.available_topologies())")
+    p.add_argument("--topology", default=None, help="gossip topology (decentpy, decent-dp; default ring): e.g. "
+                   "complete, ring, one-peer-exp, alternating-exp-ring (decentpy.available_topologies())")
     p.add_argument("--compression", default="none", choices=["none", "int8"], help="compressed gossip (decentpy)")
     p.add_argument("--intra-node", default="gossip", choices=list(loop.INTRA_NODE),
                    help="what the workers of a node do together (decentpy)")
@@ -96,6 +96,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.log_every < 0:
         p.error(f"--log-every must be >= 0, got {args.log_every}")
+    if args.mode.startswith("ddp") and args.topology is not None:
+        p.error(f"--topology {args.topology}: torch DDP all-reduces; --topology is for --mode decentpy or decent-dp")
+    if args.mode != "decentpy" and (args.compression != "none" or args.intra_node != "gossip"):
+        p.error(f"--compression {args.compression} / --intra-node {args.intra_node} are decentpy's options; "
+                f"--mode {args.mode} takes neither (use --mode decentpy)")
+    args.topology = args.topology or "ring"
     return args
 
 

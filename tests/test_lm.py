@@ -192,6 +192,21 @@ def test_schedule_evaluates_at_least_eight_times_and_spends_the_budget() -> None
     assert len(s.eval_steps) == 9 and 1 <= s.warmup < s.steps
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--mode", "ddp", "--topology", "ring"], "--topology is for --mode decentpy or decent-dp"),
+    (["--mode", "decent-dp", "--compression", "int8"], "--mode decent-dp takes neither"),
+    (["--tokens", "2x"], "'2x' is not a count"),
+    (["--evals", "0"], "--evals must be >= 1, got 0"),
+])
+def test_the_command_line_refuses_what_a_mode_cannot_do(argv: Any, message: str, capsys: Any) -> None:
+    import examples.train_lm as T
+
+    with pytest.raises(SystemExit):
+        T.parse_args(argv)
+    assert message in capsys.readouterr().err
+    assert T.parse_args(["--tokens", "2M"]).tokens == 2_000_000 and T.parse_args([]).topology == "ring"
+
+
 def test_tensorboard_missing_is_one_clear_message(monkeypatch: Any) -> None:
     import examples.train_lm as T
 
