@@ -77,10 +77,12 @@ $(DEPS_STAMP): | $(PY)
 
 # scipy is for the bench only (the runtime model's calibration, tools/runtime_model/fit.py), which the
 # tests import; python-etcd is the client torch's EtcdStore is written for (the elastic tests with an
-# etcd rendezvous; they skip where the etcd server itself is not installed). Its own stamp: a venv
-# made before it gets these without rebuilding the extension.
+# etcd rendezvous; they skip where the etcd server itself is not installed); tensorboard is what
+# examples/train_lm.py --tensorboard writes for (torch.utils.tensorboard needs it; without it that
+# option stops with a message and its test leaves it out). Its own stamp: a venv made before it gets
+# these without rebuilding the extension.
 $(BENCH_DEPS_STAMP): $(DEPS_STAMP)
-	$(PIP) install $(PIP_Q) scipy python-etcd
+	$(PIP) install $(PIP_Q) scipy python-etcd tensorboard
 	@touch $@
 
 # The docs' tools (Sphinx, MyST, furo, matplotlib for the topology pictures); none pulls torch. Its own
