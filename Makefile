@@ -18,6 +18,9 @@
 #   make bench-faults       elastic gossip under SIGKILLs + replacements vs the same run without faults, torch DDP
 #                           with torchrun restarts + checkpoints, torchft if BENCH_TORCHFT_PATH=dir (CSV, plot)
 #   make bench-elastic      the per-step cost of ElasticGossip against plain DecentralizedDataParallel, no faults
+#   make bench-lm           a byte-level transformer LM on the stdlib's source: held-out loss against tokens, wall
+#                           time and bytes, for torch DDP, decent-dp and decentpy's modes, on loopback and behind
+#                           100 Mbit/s links (root; BENCH_ARGS="--arms ... --links loopback,1000,100 --seeds 0,1")
 #   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
 #   make wheel   build a wheel into dist/ (e.g. decentpy-0.1.0+cu130.torch213.sm80.sm90-...whl);
@@ -140,7 +143,7 @@ bench: $(BUILD_STAMP)
 	$(PY) -m bench.bench_kernels $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults bench-elastic runtime-model
+.PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults bench-elastic bench-lm runtime-model
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) -m bench.bench_train $(BENCH_ARGS)
@@ -174,6 +177,10 @@ bench-faults: $(BUILD_STAMP)
 bench-elastic: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) -m bench.bench_elastic $(BENCH_ARGS)
+
+bench-lm: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
+	$(PIP) install $(PIP_Q) matplotlib
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_lm $(BENCH_ARGS)
 
 runtime-model: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib

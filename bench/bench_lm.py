@@ -1,0 +1,312 @@
+"""A byte-level transformer LM on real text, every mode, on loopback and behind throttled links.
+
+Each arm (torch DDP, DDP + PowerSGD, decent-dp 0.2.3, decentpy's topologies, int8, sharded int8)
+trains the same model (``examples/lm``: the Python standard library's own source, byte-level, a
+fixed held-out split) from the same initial weights with the same AdamW warm-up + cosine schedule,
+global batch and token budget, on 4 worker processes (two simulated nodes of 2 on a throttled
+link: :mod:`bench.common.netlink`), and is evaluated at least 8 times: held-out bits per byte of
+the averaged model (``global_avg()`` first, as a user would evaluate) and the mean of the
+workers' own models, against tokens, wall time and bytes sent. The training loop is the
+example's own (:func:`examples.lm.loop.run_arm`): one implementation.
+
+Outputs (``--out``, default bench/out): ``bench_lm.csv`` (one row per arm, link, seed and
+evaluation), ``bench_lm_summary.csv`` (per arm and link: final loss, mean of the seeds, against
+torch DDP's; the time to the link's target loss -- DDP's held-out loss at its first evaluation at
+or after 75% of the budget -- and its ratio to DDP's), and three plots: loss against tokens,
+against wall time (one panel per link) and against bytes sent. ``--docs`` also copies the CSVs
+and plots into docs/ (the Benchmarks page is generated from them).
+
+    python -m bench.bench_lm [--arms ddp,aer,...] [--links loopback,100] [--seeds 0] [--tokens N]
+        [--preset small|wide] [--quick] [--docs]
+
+Throttled links need root (network namespaces and tc); without it those links are skipped, said
+once. Arms: see ``ARMS``; links: ``loopback`` or a rate in Mbit/s per node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from bench.common.launch import OUT_DIR, bench_parser, spawn_workers
+from bench.common.machine import report_machine
+from bench.common.plots import finish_axes, finish_figure, pyplot
+from bench.common.tables import check_choices, print_targets, write_csv
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = 4
+
+#: arm name -> the fields of examples.lm.loop.RunSpec it sets
+ARMS: Dict[str, Dict[str, Any]] = {
+    "ddp": dict(mode="ddp"),
+    "ddp-powersgd": dict(mode="ddp-powersgd"),
+    "decent-dp-ring": dict(mode="decent-dp", topology="ring"),
+    "decent-dp-aer": dict(mode="decent-dp", topology="alternating-exp-ring"),
+    "complete": dict(mode="decentpy", topology="complete"),
+    "ring": dict(mode="decentpy", topology="ring"),
+    "one-peer-exp": dict(mode="decentpy", topology="one-peer-exp"),
+    "aer": dict(mode="decentpy", topology="alternating-exp-ring"),
+    "aer-int8": dict(mode="decentpy", topology="alternating-exp-ring", compression="int8"),
+    "shard-aer-int8": dict(mode="decentpy", topology="alternating-exp-ring", compression="int8", intra_node="shard"),
+}
+DEFAULT_ARMS = ("ddp", "aer", "aer-int8", "shard-aer-int8", "decent-dp-aer")
+DEFAULT_LINKS = ("loopback", "100")
+#: held-out loss within this fraction of DDP's at equal tokens (uncompressed, int8)
+QUALITY = {"none": 0.02, "int8": 0.03}
+
+
+def arm_name(row: Dict[str, Any]) -> str:
+    """The ``ARMS`` key of a result row."""
+    for name, fields in ARMS.items():
+        if all(str(row.get(k) or ("none" if k == "compression" else "")) == str(v) for k, v in fields.items()
+               if k != "mode") and fields["mode"] == row["mode"]:
+            if row["mode"] == "decentpy" and row.get("intra_node", "gossip") != fields.get("intra_node", "gossip"):
+                continue
+            if row["mode"] == "decentpy" and (row.get("compression") or "none") != fields.get("compression", "none"):
+                continue
+            return name
+    return f"{row['mode']}-{row.get('topology')}"
+
+
+def link_label(mbit: Optional[float]) -> str:
+    return "loopback" if mbit is None else f"{mbit:g} Mbit/s"
+
+
+def _worker(rank: int, world: int, plan: Dict[str, Any]) -> List[Dict[str, Any]]:
+    import torch
+
+    from examples.lm.corpus import load_corpus
+    from examples.lm.loop import RunSpec, run_arm
+
+    torch.set_num_threads(1)
+    corpus = load_corpus(plan.get("corpus"))
+    return run_arm(RunSpec(**plan["spec"]), corpus, torch.device("cpu"))
+
+
+def run_one(spec: Dict[str, Any], mbit: Optional[float], corpus: Optional[str], timeout: float) -> List[Dict[str, Any]]:
+    """One arm, one seed, on one link: the rows of its evaluations."""
+    net = None
+    if mbit is not None:
+        from bench.common.netlink import ThrottledNetwork
+        net = ThrottledNetwork(WORKERS, mbit, "two-nodes")
+    try:
+        return spawn_workers(_worker, WORKERS, {"spec": dict(spec, link_mbit=mbit), "corpus": corpus}, timeout,
+                             pg_timeout_s=timeout, net=net)
+    finally:
+        if net is not None:
+            net.close()
+
+
+def target_loss(ddp_rows: Sequence[Dict[str, Any]]) -> Optional[float]:
+    """DDP's held-out loss at its first evaluation at or after 75% of the token budget."""
+    if not ddp_rows:
+        return None
+    budget = max(r["tokens"] for r in ddp_rows)
+    late = [r for r in sorted(ddp_rows, key=lambda r: r["tokens"]) if r["tokens"] >= 0.75 * budget]
+    return float(late[0]["val_bits_per_byte"]) if late else None
+
+
+def time_to(rows: Sequence[Dict[str, Any]], loss: float) -> Optional[float]:
+    """Wall seconds of the first evaluation at or under ``loss`` (None: never reached)."""
+    for r in sorted(rows, key=lambda r: r["tokens"]):
+        if float(r["val_bits_per_byte"]) <= loss:
+            return float(r["wall_s"])
+    return None
+
+
+def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per (link, arm): final held-out loss (mean over seeds), its gap to DDP's, the time to the
+    link's target loss (mean over seeds that reach it) and DDP's time over it."""
+    runs: Dict[Tuple[Optional[float], str, int], List[Dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        runs[(r["link_mbit"], arm_name(r), r["seed"])].append(r)
+    out = []
+    for link in dict.fromkeys(k[0] for k in runs):
+        ddp_runs = [v for (lk, a, _), v in runs.items() if lk == link and a == "ddp"]
+        targets = [t for t in (target_loss(v) for v in ddp_runs) if t is not None]
+        target = statistics.mean(targets) if targets else None
+        ddp_final = statistics.mean(max(v, key=lambda r: r["tokens"])["val_bits_per_byte"] for v in ddp_runs) \
+            if ddp_runs else None
+        ddp_time = None
+        if target is not None:
+            times = [t for t in (time_to(v, target) for v in ddp_runs) if t is not None]
+            ddp_time = statistics.mean(times) if times else None
+        for arm in dict.fromkeys(k[1] for k in runs if k[0] == link):
+            seeds = [v for (lk, a, _), v in runs.items() if lk == link and a == arm]
+            finals = [max(v, key=lambda r: r["tokens"]) for v in seeds]
+            final = statistics.mean(float(f["val_bits_per_byte"]) for f in finals)
+            reach = [time_to(v, target) for v in seeds] if target is not None else []
+            reached = [t for t in reach if t is not None]
+            t_arm = statistics.mean(reached) if reached and len(reached) == len(seeds) else None
+            out.append({
+                "link": link_label(link), "arm": arm, "seeds": len(seeds),
+                "final_val_bits_per_byte": final,
+                "final_val_workers_mean": statistics.mean(float(f["val_bits_per_byte_workers_mean"]) for f in finals),
+                "vs_ddp_final": None if ddp_final is None else final / ddp_final - 1.0,
+                "wall_s": statistics.mean(float(f["wall_s"]) for f in finals),
+                "bytes_sent_per_worker": statistics.mean(float(f["bytes_sent_per_worker"]) for f in finals),
+                "target_val_bits_per_byte": target, "time_to_target_s": t_arm,
+                "speedup_vs_ddp_to_target": None if (t_arm is None or ddp_time is None) else ddp_time / t_arm,
+            })
+    return out
+
+
+def targets(summary: Sequence[Dict[str, Any]]) -> List[Tuple[str, Optional[bool], str]]:
+    """The issue's targets, each with its measured figure (None: not measured in this run)."""
+    out: List[Tuple[str, Optional[bool], str]] = []
+    loop = [s for s in summary if s["link"] == "loopback" and s["arm"] != "ddp" and s["vs_ddp_final"] is not None]
+    for s in loop:
+        comp = ARMS.get(s["arm"], {}).get("compression", "none")
+        if ARMS.get(s["arm"], {}).get("mode") != "decentpy":
+            continue
+        lim = QUALITY.get(comp, 0.02)
+        out.append((f"{s['arm']}: final held-out loss within {100 * lim:.0f}% of DDP's (loopback, mean of "
+                    f"{s['seeds']} seed(s))", s["vs_ddp_final"] <= lim, f"{100 * s['vs_ddp_final']:+.1f}%"))
+    slow = {s["arm"]: s for s in summary if s["link"] == "100 Mbit/s"}
+    for arm, want in (("aer", 2.0), ("shard-aer-int8", 3.0)):
+        s = slow.get(arm)
+        sp = None if s is None else s["speedup_vs_ddp_to_target"]
+        out.append((f"100 Mbit/s: {arm} reaches the target loss >= {want:g}x sooner than DDP",
+                    None if s is None else (sp is not None and sp >= want),
+                    "not run" if s is None else ("target not reached" if sp is None else f"{sp:.2f}x")))
+    for mine, theirs in (("aer", "decent-dp-aer"), ("ring", "decent-dp-ring")):
+        a, b = slow.get(mine), slow.get(theirs)
+        if a is None or b is None:
+            continue
+        ok = a["time_to_target_s"] is not None and (b["time_to_target_s"] is None or
+                                                    a["time_to_target_s"] < b["time_to_target_s"])
+        out.append((f"100 Mbit/s: decentpy {mine} reaches the target sooner than decent-dp's", ok,
+                    f"{a['time_to_target_s']} s vs {b['time_to_target_s']} s"))
+    return out
+
+
+def plot(rows: Sequence[Dict[str, Any]], path: Path, machine: str) -> Optional[Path]:
+    """Held-out loss against tokens (loopback), wall time (one panel per link) and bytes sent."""
+    plt = pyplot("pip install matplotlib")
+    if plt is None:
+        return None
+    links = list(dict.fromkeys(r["link_mbit"] for r in rows))
+    fig, axes = plt.subplots(1, 2 + len(links), figsize=(5 * (2 + len(links)), 4.2))
+    series: Dict[Tuple[Optional[float], str], Dict[int, List[Dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        series[(r["link_mbit"], arm_name(r))][r["seed"]].append(r)
+
+    def curve(seeds: Dict[int, List[Dict[str, Any]]], x: str) -> Tuple[List[float], List[float]]:
+        runs = [sorted(v, key=lambda r: r["tokens"]) for v in seeds.values()]
+        n = min(len(v) for v in runs)
+        xs = [statistics.mean(float(v[i][x]) for v in runs) for i in range(n)]
+        ys = [statistics.mean(float(v[i]["val_bits_per_byte"]) for v in runs) for i in range(n)]
+        return xs, ys
+
+    base = links[0]
+    for (link, arm), seeds in series.items():
+        if link == base:
+            axes[0].plot(*curve(seeds, "tokens"), marker=".", label=arm)
+            axes[1].plot(*curve(seeds, "bytes_sent_per_worker"), marker=".", label=arm)
+        axes[2 + links.index(link)].plot(*curve(seeds, "wall_s"), marker=".", label=arm)
+    finish_axes(axes[0], "held-out bits per byte", f"against tokens ({link_label(base)})", legend_size=7)
+    axes[0].set_xlabel("tokens")
+    finish_axes(axes[1], "held-out bits per byte", f"against bytes sent per worker ({link_label(base)})",
+                legend_size=7)
+    axes[1].set_xlabel("bytes sent per worker")
+    for i, link in enumerate(links):
+        finish_axes(axes[2 + i], "held-out bits per byte", f"against wall time, {link_label(link)}", legend_size=7)
+        axes[2 + i].set_xlabel("training wall seconds")
+    return finish_figure(fig, f"byte-level LM, {WORKERS} workers, {machine}", path)
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = bench_parser(__doc__)
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--links", default=",".join(DEFAULT_LINKS),
+                   help="comma-separated: loopback, or a per-node rate in Mbit/s (two simulated nodes of 2 workers)")
+    p.add_argument("--seeds", default="0", help="comma-separated seeds")
+    p.add_argument("--preset", default="small", choices=("small", "wide"))
+    p.add_argument("--tokens", type=int, default=1_000_000, help="token budget per run (global)")
+    p.add_argument("--evals", type=int, default=8)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
+    p.add_argument("--corpus", default=None, help="a file or directory of text (default: the stdlib's *.py)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
+    p.add_argument("--out", default=str(OUT_DIR))
+    p.add_argument("--docs", action="store_true", help="also copy the CSVs and the plot into docs/")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke mode: ddp and aer on loopback, 2 evaluations of a tiny budget")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.arms, args.links, args.tokens, args.evals = "ddp,aer", "loopback", 4096 * 3, 2
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    check_choices(arms, list(ARMS), "--arms")
+    links: List[Optional[float]] = []
+    for tok in (t for t in args.links.split(",") if t):
+        links.append(None if tok == "loopback" else float(tok))
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    machine = report_machine("decent-dp")
+    if any(link is not None for link in links):
+        from bench.common.netlink import unavailable_reason
+        why = unavailable_reason()
+        if why is not None:
+            print(f"throttled links skipped: {why}")
+            links = [link for link in links if link is None]
+    from examples.lm.corpus import load_corpus
+    corpus = load_corpus(args.corpus)
+    print(corpus.describe())
+    rows: List[Dict[str, Any]] = []
+    total = len(arms) * len(links) * len(seeds)
+    done = 0
+    for link in links:
+        for seed in seeds:
+            for arm in arms:
+                spec = dict(ARMS[arm], preset=args.preset, tokens=args.tokens, seed=seed, evals=args.evals)
+                if args.lr is not None:
+                    spec["lr"] = args.lr
+                t0 = time.perf_counter()
+                got = run_one(spec, link, args.corpus, args.timeout)
+                done += 1
+                last = max(got, key=lambda r: r["tokens"])
+                print(f"[{done}/{total}] {arm:16} {link_label(link):11} seed {seed}: held-out "
+                      f"{last['val_bits_per_byte']:.4f} bits/byte after {last['tokens']} tokens, train wall "
+                      f"{last['wall_s']:.1f} s, {last['bytes_sent_per_worker'] / 2**20:.1f} MiB sent per worker "
+                      f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
+                rows += got
+    summary = summarize(rows)
+    print(f"\n{'link':11} {'arm':16} {'final bits/byte':>15} {'vs DDP':>8} {'to target s':>12} {'speedup':>8}")
+    for s in summary:
+        vs = "" if s["vs_ddp_final"] is None else f"{100 * s['vs_ddp_final']:+.1f}%"
+        tt = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}"
+        sp = "-" if s["speedup_vs_ddp_to_target"] is None else f"{s['speedup_vs_ddp_to_target']:.2f}x"
+        print(f"{s['link']:11} {s['arm']:16} {s['final_val_bits_per_byte']:15.4f} {vs:>8} {tt:>12} {sp:>8}")
+    print_targets(targets(summary))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from examples.lm.loop import COLUMNS
+    stamp = {"machine": f"{machine.get('cpu', '')}, {machine.get('cores', '')} cores, torch {machine.get('torch', '')}"}
+    write_csv(out / "bench_lm.csv", list(COLUMNS) + ["machine"], [dict(r, **stamp) for r in rows])
+    fields = list(summary[0]) + ["machine"] if summary else ["machine"]
+    write_csv(out / "bench_lm_summary.csv", fields, [dict(s, **stamp) for s in summary])
+    print(f"wrote {out / 'bench_lm.csv'}\nwrote {out / 'bench_lm_summary.csv'}")
+    png = None if args.no_plot else plot(rows, out / "bench_lm.png", stamp["machine"])
+    if png is not None:
+        print(f"wrote {png}")
+    if args.docs:
+        for name in ("bench_lm.csv", "bench_lm_summary.csv"):
+            shutil.copy(out / name, ROOT / "docs" / "data" / name)
+        if png is not None:
+            shutil.copy(png, ROOT / "docs" / "bench_lm.png")
+        print("copied into docs/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""bench/bench_lm.py: its quick run (torch DDP and decentpy's alternating-exp-ring on loopback, two
+evaluations of a tiny budget) writes the rows and the summary; the summary's target loss, times
+and ratios against a re-computation from the rows by hand."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+
+from bench_smoke import run_quick
+
+COLUMNS = {"framework", "mode", "topology", "compression", "intra_node", "link_mbit", "workers", "preset", "seed",
+           "tokens", "wall_s", "bytes_sent_per_worker", "val_bits_per_byte", "val_bits_per_byte_workers_mean",
+           "consensus_distance", "machine"}
+
+
+def test_quick_run_writes_rows_for_every_arm_and_evaluation(tmp_path) -> None:
+    stdout, rows = run_quick("bench_lm.py", ["--quick", "--no-plot"], tmp_path, "bench_lm.csv", COLUMNS,
+                             ("machine:", "corpus python-stdlib", "targets:"), timeout=300)
+    by_mode = {}
+    for r in rows:
+        by_mode.setdefault(r["mode"], []).append(r)
+    assert set(by_mode) == {"ddp", "decentpy"}, by_mode.keys()
+    for mode, rs in by_mode.items():
+        assert [int(r["tokens"]) for r in rs] == sorted(int(r["tokens"]) for r in rs)
+        assert len(rs) == 3, rs  # evaluations at step 0 and 2 more
+        assert float(rs[-1]["val_bits_per_byte"]) < float(rs[0]["val_bits_per_byte"]), rs
+        assert int(rs[-1]["workers"]) == 4
+    assert (tmp_path / "bench_lm_summary.csv").is_file()
+
+
+def _rows(mode: str, seed: int, vals: List[float], walls: List[float], **kw: Any) -> List[Dict[str, Any]]:
+    return [dict(mode=mode, topology=kw.get("topology", "allreduce"), compression=kw.get("compression", "none"),
+                 intra_node="gossip", link_mbit=100.0, seed=seed, tokens=100 * (i + 1), wall_s=w,
+                 val_bits_per_byte=v, val_bits_per_byte_workers_mean=v + 0.01, bytes_sent_per_worker=10.0 * i)
+            for i, (v, w) in enumerate(zip(vals, walls))]
+
+
+def test_summary_against_a_hand_computation() -> None:
+    """Target: DDP's loss at its first evaluation at or after 75% of the budget (tokens 300 of 400
+    -> 3.0 for seed 0, 3.2 for seed 1, mean 3.1); time to it: the first evaluation at or under."""
+    from bench.bench_lm import summarize
+
+    rows = (_rows("ddp", 0, [5.0, 4.0, 3.0, 2.9], [1, 2, 3, 4]) + _rows("ddp", 1, [5.0, 4.0, 3.2, 3.0], [1, 2, 3, 4])
+            + _rows("decentpy", 0, [5.0, 3.05, 2.0, 1.9], [0.5, 1.0, 1.5, 2.0], topology="alternating-exp-ring")
+            + _rows("decentpy", 1, [5.0, 3.5, 3.09, 1.9], [0.5, 1.0, 1.5, 2.0], topology="alternating-exp-ring"))
+    got = {s["arm"]: s for s in summarize(rows)}
+    ddp, aer = got["ddp"], got["aer"]
+    assert ddp["target_val_bits_per_byte"] == pytest.approx(3.1)
+    # DDP: seed 0 reaches 3.1 at wall 3 (3.0), seed 1 at wall 4 (3.0): mean 3.5
+    assert ddp["time_to_target_s"] == pytest.approx(3.5)
+    # aer: seed 0 at wall 1.0 (3.05), seed 1 at wall 1.5 (3.09): mean 1.25; speedup 3.5 / 1.25
+    assert aer["time_to_target_s"] == pytest.approx(1.25)
+    assert aer["speedup_vs_ddp_to_target"] == pytest.approx(3.5 / 1.25)
+    assert aer["final_val_bits_per_byte"] == pytest.approx(1.9)
+    assert aer["vs_ddp_final"] == pytest.approx(1.9 / 2.95 - 1)
