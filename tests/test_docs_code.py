@@ -8,7 +8,8 @@ The rules the pages follow (docs/index.md says so to readers):
   CI's .ci/run runs ``make test`` and ``make docs``) or begins ``# not run by the docs tests:``
   with the reason (cluster launches, wheel builds);
 - ``literalinclude`` of a script: the migration pairs and the quickstart, run here too.
-The README's quickstart must be examples/quickstart.py verbatim (the docs include that file).
+The README's quickstart must be examples/quickstart.py verbatim (the docs include that file); every
+script prints its result (each migration script one line on rank 0).
 
 All scripts run in one group of 2 spawned workers, one after the other, each with its own process
 group on a fresh port; single-process blocks run on rank 0. The migration pairs are compared: the
@@ -36,6 +37,7 @@ PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").rglob("*.md")
                                       if "_build" not in p.parts and "_generated" not in p.parts)
 FENCE = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1\s*$", re.S | re.M)
 RUN_WITH = re.compile(r"run with: (?:torchrun --standalone --nproc_per_node=(\d+)|python) ")
+CHECKPOINTS = " with a checkpoint directory"  # a migration script's second run, main(checkpoint_dir=...)
 MIGRATION = ["torch_ddp_before", "torch_ddp_after", "decent_dp_before", "decent_dp_after",
              "fairscale_before", "fairscale_after"]
 
@@ -114,14 +116,15 @@ def _run_all(rank: int, world_size: int, jobs: List[Tuple[str, str, int, int]], 
         if nproc == 1 and rank != 0:
             continue
         os.environ["MASTER_PORT"] = str(port)
-        if source.endswith(".py") and "\n" not in source:  # a migration script: call its main()
-            kwargs = {"checkpoint_dir": tmp} if "checkpoint_dir" in _load(Path(source)).main.__code__.co_varnames \
-                else {}
-            results[name] = _load(Path(source)).main(**kwargs)
+        out = io.StringIO()
+        if source.endswith(".py") and "\n" not in source:  # a migration script: main(), as its __main__ runs it
+            kwargs = {"checkpoint_dir": tmp} if name.endswith(CHECKPOINTS) else {}
+            with contextlib.redirect_stdout(out):
+                results[name] = _load(Path(source)).main(**kwargs)
+            results[f"{name} printed"] = out.getvalue()
             continue
         path = Path(tmp) / f"block{len(results)}.py"
         path.write_text(source)
-        out = io.StringIO()
         with contextlib.redirect_stdout(out):
             runpy.run_path(str(path), run_name="__main__")
         results[name] = out.getvalue()
@@ -137,6 +140,8 @@ def test_run_blocks_and_migration_scripts(tmp_path) -> None:
             if stem.endswith("_before"):
                 continue
         jobs.append((stem, str(ROOT / "examples" / "migration" / f"{stem}.py"), 2, free_port()))
+    jobs.append(("torch_ddp_after" + CHECKPOINTS, str(ROOT / "examples" / "migration" / "torch_ddp_after.py"), 2,
+                 free_port()))
     for name, code, nproc in runnable_blocks():
         assert nproc in (1, 2), (name, nproc)
         jobs.append((name, code, nproc, free_port()))
@@ -151,6 +156,13 @@ def test_run_blocks_and_migration_scripts(tmp_path) -> None:
     # the single-process blocks printed what they claim
     assert any("True" in v for k, v in r0.items() if "topologies" in k), r0
 
+    # every migration script prints its result on rank 0, as run by its docstring's command
+    for stem in (k for k in r0 if k in MIGRATION):
+        m = re.fullmatch(r"epoch losses \[(.*)\], test accuracy (\S+)\n", r0[f"{stem} printed"])
+        assert m, (stem, r0[f"{stem} printed"])
+        assert float(m.group(2)) == pytest.approx(r0[stem]["accuracy"], abs=1e-3), (stem, m.group(0))
+        assert [float(v) for v in m.group(1).split(", ")] == pytest.approx(r0[stem]["losses"], abs=1e-4)
+        assert r1[f"{stem} printed"] == "", (stem, r1[f"{stem} printed"])
     # migration: the decentpy script trains as the one it replaces
     before, after = r0["torch_ddp_before"], r0["torch_ddp_after"]
     assert after["losses"][-1] < after["losses"][0] and after["accuracy"] >= 0.75, after  # chance: 0.25
