@@ -100,6 +100,24 @@ def test_readme_quickstart_is_the_example() -> None:
     assert len(readme.splitlines()) <= 210
 
 
+def test_topology_pictures_are_committed_and_current() -> None:
+    """The pictures show where the Markdown is read (committed files, not the docs build's), one per
+    case the drawing tool knows, each drawn from the schedule decentpy builds today."""
+    from tools import docs_topologies as pictures
+
+    page = ROOT / "docs" / "concepts" / "topologies.md"
+    shown = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text())
+    expected = {pictures.file_name(*case) for case in pictures.CASES}
+    assert {Path(s).name for s in shown} == expected, shown
+    for src in shown:
+        path = (page.parent / src).resolve()
+        assert path.is_file() and Path(pictures.OUT_DIR) == path.parent, f"{src}: not a committed picture"
+        name, n, local = next(c for c in pictures.CASES if pictures.file_name(*c) == path.name)
+        assert pictures.stored_fingerprint(str(path)) == pictures.fingerprint(name, n, local), (
+            f"{path.name} shows another schedule than decentpy builds: redraw with "
+            "`python -m tools.docs_topologies` (or `make docs`) and commit it")
+
+
 def _load(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
