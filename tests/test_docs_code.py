@@ -9,7 +9,8 @@ The rules the pages follow (docs/index.md says so to readers):
   with the reason (cluster launches, wheel builds);
 - ``literalinclude`` of a script: the migration pairs and the quickstart, run here too.
 The README's quickstart must be examples/quickstart.py verbatim (the docs include that file); every
-script prints its result (each migration script one line on rank 0).
+script prints its result (each migration script one line on rank 0). Scripts run in a temporary
+directory (their relative paths, e.g. checkpoints, land there).
 
 All scripts run in one group of 2 spawned workers, one after the other, each with its own process
 group on a fresh port; single-process blocks run on rank 0. The migration pairs are compared: the
@@ -129,8 +130,9 @@ def _run_all(rank: int, world_size: int, jobs: List[Tuple[str, str, int, int]], 
     import torch.distributed as dist
 
     dist.destroy_process_group()  # every script makes its own
+    os.chdir(tmp)  # a script's relative paths (its checkpoints) land in the test's directory
     results: Dict[str, Any] = {}
-    for name, source, nproc, port in jobs:
+    for index, (name, source, nproc, port) in enumerate(jobs):
         if nproc == 1 and rank != 0:
             continue
         os.environ["MASTER_PORT"] = str(port)
@@ -141,7 +143,7 @@ def _run_all(rank: int, world_size: int, jobs: List[Tuple[str, str, int, int]], 
                 results[name] = _load(Path(source)).main(**kwargs)
             results[f"{name} printed"] = out.getvalue()
             continue
-        path = Path(tmp) / f"block{len(results)}.py"
+        path = Path(tmp) / f"rank{rank}_job{index}.py"  # the ranks share tmp; rank 1 skips the 1-process blocks
         path.write_text(source)
         with contextlib.redirect_stdout(out):
             runpy.run_path(str(path), run_name="__main__")
@@ -174,6 +176,11 @@ def test_run_blocks_and_migration_scripts(tmp_path) -> None:
     # the single-process blocks printed what they claim
     assert any("True" in v for k, v in r0.items() if "topologies" in k), r0
 
+    # the checkpoint pattern: resumed = uninterrupted on every rank; the kept model loads into a plain one
+    for r in (r0, r1):
+        out = next(v for k, v in r.items() if k.startswith("docs/howto/checkpoints.md:"))
+        m = re.search(r"identical to the uninterrupted run: (\w+); .* test accuracy (\S+)", out)
+        assert m and m.group(1) == "True" and float(m.group(2)) >= 0.8, out
     # every migration script prints its result on rank 0, as run by its docstring's command
     for stem in (k for k in r0 if k in MIGRATION):
         m = re.fullmatch(r"epoch losses \[(.*)\], test accuracy (\S+)\n", r0[f"{stem} printed"])
