@@ -181,6 +181,10 @@ def test_run_blocks_and_migration_scripts(tmp_path) -> None:
         out = next(v for k, v in r.items() if k.startswith("docs/howto/checkpoints.md:"))
         m = re.search(r"identical to the uninterrupted run: (\w+); .* test accuracy (\S+)", out)
         assert m and m.group(1) == "True" and float(m.group(2)) >= 0.8, out
+    # the metrics page: one NaN batch on rank 1 is one skipped step there, summed over the ranks
+    out0, out1 = (next(v for k, v in r.items() if k.startswith("docs/howto/metrics.md:")) for r in (r0, r1))
+    assert re.search(r"rank 0: .*'skipped_steps': 0", out0) and re.search(r"rank 1: .*'skipped_steps': 1", out1)
+    assert re.search(r"all ranks: [1-9]\d* bytes sent, 1 skipped step", out0) and "all ranks" not in out1, out0
     # every migration script prints its result on rank 0, as run by its docstring's command
     for stem in (k for k in r0 if k in MIGRATION):
         m = re.fullmatch(r"epoch losses \[(.*)\], test accuracy (\S+)\n", r0[f"{stem} printed"])
