@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 from .environment import (cpu_flags, load_extension, major_minor, missing_cpu_flags, recorded_build,
                           torch_mismatch)
 
-__all__ = ["show_config", "config_report"]
+__all__ = ["show_config", "config_report", "runtime_summary"]
 
 
 def _yes_no(flag: Any) -> str:
@@ -32,15 +32,16 @@ def _arch_list(raw: str) -> List[str]:
     return [a.strip() for a in raw.split(",") if a.strip()]
 
 
-def _cuda_status(info: Dict[str, Any], torch: Any) -> str:
-    """"compiled (...), usable here: ..." / "compiled (...), not usable here: <why>" / "not compiled"."""
+def _cuda_status(info: Dict[str, Any], torch: Any, archs_shown: bool = True) -> str:
+    """"compiled (...), usable here: ..." / "compiled (...), not usable here: <why>" / "not compiled"
+    (``archs_shown=False``: "compiled, ..." without the archs, which the version names already)."""
     if not info.get("cuda_kernels"):
         return "not compiled (built without nvcc, or with DECENTPY_NO_CUDA=1): the CPU kernels run everything"
     archs = _arch_list(str(info.get("cuda_archs") or ""))
     sass = [a for a in archs if a.startswith("sm_")]
     ptx = [a for a in archs if a.startswith("compute_")]
     what = ", ".join(sass) + (f", PTX {', '.join(ptx)}" if ptx else "") if archs else "archs unknown"
-    head = f"compiled ({what})"
+    head = f"compiled ({what})" if archs_shown else "compiled"
     if torch is None:
         return f"{head}, not usable here: torch is not importable"
     if not getattr(torch.version, "cuda", None):
@@ -209,6 +210,31 @@ def config_report() -> str:
     for k, v in rows:  # a value of several lines (several problems) keeps its column
         lines.append(f"  {k + ':':<{width_col + 1}} " + v.replace("\n", "\n" + " " * (width_col + 4)))
     return "\n".join(lines) + "\n"
+
+
+def runtime_summary() -> str:
+    """One line for a script's banner: decentpy's version and which of its kernels run here.
+
+    The version's local part (``0.1.0+cu130.torch213.sm80.sm90``) names what was *compiled*; beside
+    a CPU torch it reads as if CUDA ran. This says what this process can use, as the report's rows
+    do (``python -m decentpy`` has the details), e.g. ``decentpy 0.1.0+cu130.torch213.sm80.sm90
+    (CPU kernels (avx2) usable here; CUDA kernels compiled, not usable here: torch 2.13.0+cpu is a
+    CPU build)``."""
+    from .version import __version__
+
+    _, info, err = _build_info()
+    if info is None:
+        why = (err or "unknown").strip().splitlines()[0]
+        return f"decentpy {__version__} (extension NOT usable here: {why}; python -m decentpy says what to do)"
+    try:
+        import torch
+    except Exception:  # pragma: no cover - torch is a hard dependency
+        torch = None  # type: ignore[assignment]
+    isa = f" ({info['cpu_kernel_isa']})" if info.get("cpu_kernel_isa") else ""
+    cpu = f"CPU kernels{isa} usable here" if info.get("cpu_kernels") else "CPU kernels not compiled"
+    cuda = ("no CUDA kernels compiled" if not info.get("cuda_kernels")
+            else "CUDA kernels " + _cuda_status(info, torch, archs_shown=False))
+    return f"decentpy {__version__} ({cpu}; {cuda})"
 
 
 def show_config(file: Optional[TextIO] = None) -> str:

@@ -571,6 +571,22 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         dist.all_reduce(total, group=self._process_group)
         return math.sqrt(float(total) / self._world_size)
 
+    def stats(self) -> Dict[str, float]:
+        """This rank's counters, for logging: local, no communication (each rank has its own; average
+        or sum them over ranks yourself, docs/howto/metrics.md).
+
+        ``steps``: training iterations completed (:attr:`step_count`); ``bytes_sent``: payload this
+        rank's exchanges put on the wire (:attr:`bytes_sent`); ``skipped_steps``: iterations in which
+        at least one bucket skipped its update for a non-finite gradient (``nonfinite='skip'`` or a
+        GradScaler backing off); ``skipped_bucket_updates``: the bucket updates skipped. Reading it
+        applies the last iteration's skip verdicts (a device sync on a GPU, as :attr:`buckets`).
+        Not here: :meth:`consensus_distance`, a collective every rank must call together.
+        """
+        self._strategy.settle()
+        return {"steps": self.step_count, "bytes_sent": self.bytes_sent,
+                "skipped_steps": self._strategy.skipped_steps,
+                "skipped_bucket_updates": self._strategy.skipped_bucket_updates}
+
     # -- checkpoints ---------------------------------------------------------------------------
     # state_dict() is nn.Module's: the model's keys prefixed "_model." (as decent-dp's), so that
     # evaluation code that strips the prefix loads it into a plain model.

@@ -528,6 +528,31 @@ class OnePeerExpTopology(Topology):
                 for pairs in _exp_matchings(n)]
 
 
+def _aer_size_message(n: int, local: int, nodes: int) -> str:
+    """Why AER refuses ``(n, local)`` and the ``local_world_size`` values that would work, worded the
+    same for both rules: on one machine a smaller ``local_world_size`` simulates several nodes, and
+    at ``n = 2`` no value works, so none is suggested."""
+    rule = ("at least 2 workers per node (local_world_size >= 2)" if local < 2 else
+            "at least 2 nodes N = ceil(world_size / local_world_size)")
+    got = f"got world_size={n}, local_world_size={local}" + ("" if local < 2 else f" (N={nodes})")
+    if n < 3:
+        return (f"topology 'alternating-exp-ring' needs {rule}, {got}; no local_world_size works for "
+                f"world_size={n} (AER needs >= 2 nodes with >= 2 workers on the first: world_size >= 3); "
+                f"use 'complete' (at 2 workers 'ring' and 'one-peer-exp' average the same pair)")
+    half = -(-n // 2)
+    fits = (f"for world_size={n}, local_world_size from 2 to {n - 1} works (the last node may hold fewer "
+            f"workers): pass it as DecentralizedDataParallel(..., local_world_size=L) (default "
+            f"$LOCAL_WORLD_SIZE, which torchrun sets to --nproc_per_node); on one machine it simulates "
+            f"nodes, e.g. local_world_size={half} makes 2 nodes")
+    if local < 2:
+        return (f"topology 'alternating-exp-ring' needs {rule}, {got}; {fits}; with one worker per node "
+                f"use 'one-peer-exp' or 'ring'")
+    return (f"topology 'alternating-exp-ring' needs {rule}, {got}; {fits}; on a single node 'complete' "
+            f"averages exactly; across real nodes of {local} workers the world sizes that work are "
+            f"any n > {local}, e.g. {_fmt_list([local * k for k in range(2, 5)])} (full nodes) or "
+            f"{local + 1} (a last node of one worker)")
+
+
 class AlternatingExpRingTopology(Topology):
     """Alternating exponential ring (AER) for ``N >= 2`` nodes of ``L >= 2`` workers.
 
@@ -550,25 +575,9 @@ class AlternatingExpRingTopology(Topology):
         local = self.local_world_size
         if n == 1:
             return self._single_rank_schedule()
-        if local < 2:
-            fits = (f"local world sizes that work for world_size={n}: 2 to {n - 1} (the last node may "
-                    f"hold fewer workers)" if n >= 3 else f"no local world size works for world_size={n} "
-                    f"(it needs >= 2 nodes with >= 2 workers on the first: world_size >= 3)")
-            raise TopologyError(
-                f"topology 'alternating-exp-ring' needs at least 2 workers per node "
-                f"(local_world_size >= 2), got world_size={n}, local_world_size={local}; {fits}; "
-                f"use 'one-peer-exp' or 'ring' when each node has one worker, or set "
-                f"LOCAL_WORLD_SIZE to the number of workers per node"
-            )
         nodes = self.num_nodes
-        if nodes < 2:
-            raise TopologyError(
-                f"topology 'alternating-exp-ring' needs at least 2 nodes N = world_size / "
-                f"local_world_size, got world_size={n}, local_world_size={local} (N={nodes}; on "
-                f"a single node use 'complete'); valid world sizes for local_world_size={local}: "
-                f"any n > {local}, e.g. {_fmt_list([local * k for k in range(2, 5)])} (full nodes) or "
-                f"{local + 1} (a last node of one worker)"
-            )
+        if local < 2 or nodes < 2:
+            raise TopologyError(_aer_size_message(n, local, nodes))
 
         def node(j: int) -> Group:
             ranks = self.node_ranks(j)

@@ -1,8 +1,9 @@
 """Sphinx configuration of decentpy's documentation (``make docs`` -> docs/_build/html).
 
-At build time it generates, into docs/_generated/ (not in git): the benchmark tables from the
-CSVs under docs/data/ (and bench/out/ when a local run left some), by tools/docs_tables.py, and
-the topology pictures from decentpy's own schedules, by tools/docs_topologies.py.
+At build time it generates, into docs/_generated/ (not in git), the benchmark tables from the
+CSVs under docs/data/ (and bench/out/ when a local run left some), by tools/docs_tables.py; and it
+redraws the topology pictures under docs/images/topologies/ (in git, so that the Markdown shows
+them where it is read) whose schedule changed, by tools/docs_topologies.py.
 """
 
 import os
@@ -16,7 +17,7 @@ import decentpy  # noqa: E402  (the built package: autodoc and the pictures need
 from tools import docs_tables, docs_topologies  # noqa: E402
 
 docs_tables.generate(os.path.join(DOCS, "_generated"))
-docs_topologies.generate(os.path.join(DOCS, "_generated", "topologies"))
+docs_topologies.generate(os.path.join(DOCS, "images", "topologies"))
 
 project = "decentpy"
 author = "The decentpy maintainers"

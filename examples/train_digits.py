@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import decentpy
 import decentpy.optim as dopt
 from decentpy import DecentralizedDataParallel as DDP
 from decentpy import PreemptionCheckpointer
+from decentpy.config import runtime_summary
 from decentpy.utils import choose_backend, initialize_dist
 
 log = logging.getLogger("train_digits")
@@ -365,7 +365,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     try:
         if rank == 0:
-            log.info("decentpy %s, torch %s, world size %d, backend %s, device %s", decentpy.__version__,
+            log.info("%s, torch %s, world size %d, backend %s, device %s", runtime_summary(),
                      torch.__version__, dist.get_world_size(), dist.get_backend(), args.device_)  # fmt: skip
         data = load_data(args.seed)
         results = [train_once(args, data, args.topology)]

@@ -15,7 +15,7 @@ import torch
 
 import decentpy
 import decentpy._C as C
-from decentpy.config import config_report
+from decentpy.config import config_report, runtime_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +59,23 @@ def test_report_says_what_is_compiled_and_usable() -> None:
     assert nccl.startswith("compiled" if info["nccl"] else "not compiled"), nccl
     if info["nccl"] and not torch.cuda.is_available():
         assert "not usable here" in nccl, nccl
+
+
+def test_runtime_summary_says_what_runs_here() -> None:
+    """The banner line of a training script: the version names what was compiled, the rest what this
+    process can use (a CUDA build beside a CPU torch says so instead of looking like CUDA runs)."""
+    info = C.build_info()
+    line = runtime_summary()
+    assert "\n" not in line and re.match(rf"decentpy {re.escape(decentpy.__version__)} \(CPU kernels( \(\w+\))? "
+                                          r"usable here; ", line), line
+    if not info["cuda_kernels"]:
+        assert line.endswith("; no CUDA kernels compiled)"), line
+    elif torch.version.cuda is None:
+        assert line.endswith(f"; CUDA kernels compiled, not usable here: torch {torch.__version__} is a CPU build)"), line
+    elif not torch.cuda.is_available():
+        assert "; CUDA kernels compiled, not usable here: no CUDA device visible" in line, line
+    else:
+        assert "; CUDA kernels compiled, usable here on cuda:0" in line or "no kernel for" in line, line
 
 
 def test_python_m_decentpy_prints_the_report(capsys) -> None:

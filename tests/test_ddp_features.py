@@ -346,6 +346,50 @@ def test_eval_forwards_do_not_advance_or_communicate() -> None:
         assert r["timeout"] == 60.0, "the wrapper's default timeout must be the process group's"  # harness pg
 
 
+def stats_worker(rank: int, world: int) -> dict:
+    """6 iterations on a ring of 2; rank 0 has a NaN loss at iteration 2 (every gradient NaN) and a
+    NaN in the last layer's bias gradient only at iteration 4. stats() is read on rank 0 alone
+    (local: no collective to hang on)."""
+    from decentpy import DecentralizedDataParallel
+
+    model = make_mlp(0)
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("adam"), topology="ring", bucket_size_in_mb=0.0005)
+    bias = model[-1].bias
+    seen = []
+    for k in range(6):
+        x, y = batch(rank, k)
+        loss = loss_fn(ddp(x), y)
+        if rank == 0 and k == 2:
+            loss = loss * float("nan")
+        if rank == 0 and k == 4:
+            loss = loss + (bias * float("nan")).sum()  # NaN flows into the bias gradient only
+        loss.backward()
+        if rank == 0:
+            seen.append(ddp.stats())
+    ddp.wait()
+    got = ddp.stats()
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    block_bytes = sum(b.param.numel() * b.param.element_size() for b in ddp.buckets)  # the aligned flat blocks
+    buckets = len(ddp.buckets)
+    ddp.close()
+    return {"seen": seen, "final": got, "model_bytes": model_bytes, "block_bytes": block_bytes, "buckets": buckets}
+
+
+def test_stats_counts_steps_bytes_and_skipped_updates_per_rank() -> None:
+    res = run_workers(stats_worker, 2, timeout=120)
+    r0, r1 = res
+    assert r0["buckets"] > 1, "the test needs several buckets (one NaN bucket among finite ones)"
+    # ring on 2 ranks: every iteration sends this rank's whole model once to its one peer, as the
+    # buckets' flat blocks (the parameters plus their alignment gaps), skipped iterations included
+    for r, skipped, bucket_updates in ((r0, 2, r0["buckets"] + 1), (r1, 0, 0)):
+        assert r["model_bytes"] <= r["block_bytes"] < 2 * r["model_bytes"], r
+        assert r["final"] == {"steps": 6, "bytes_sent": 6 * r["block_bytes"], "skipped_steps": skipped,
+                              "skipped_bucket_updates": bucket_updates}, r
+    assert [s["steps"] for s in r0["seen"]] == [1, 2, 3, 4, 5, 6]
+    assert [s["bytes_sent"] for s in r0["seen"]] == [k * r0["block_bytes"] for k in range(1, 7)]
+    assert [s["skipped_steps"] for s in r0["seen"]] == [0, 0, 1, 1, 2, 2]  # counted right after the backward
+
+
 def single_worker(rank: int, world: int, topo: str) -> dict:
     from decentpy import DecentralizedDataParallel
 

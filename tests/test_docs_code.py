@@ -8,7 +8,9 @@ The rules the pages follow (docs/index.md says so to readers):
   CI's .ci/run runs ``make test`` and ``make docs``) or begins ``# not run by the docs tests:``
   with the reason (cluster launches, wheel builds);
 - ``literalinclude`` of a script: the migration pairs and the quickstart, run here too.
-The README's quickstart must be examples/quickstart.py verbatim (the docs include that file).
+The README's quickstart must be examples/quickstart.py verbatim (the docs include that file); every
+script prints its result (each migration script one line on rank 0). Scripts run in a temporary
+directory (their relative paths, e.g. checkpoints, land there).
 
 All scripts run in one group of 2 spawned workers, one after the other, each with its own process
 group on a fresh port; single-process blocks run on rank 0. The migration pairs are compared: the
@@ -36,6 +38,7 @@ PAGES = [ROOT / "README.md"] + sorted(p for p in (ROOT / "docs").rglob("*.md")
                                       if "_build" not in p.parts and "_generated" not in p.parts)
 FENCE = re.compile(r"^(`{3,})([^\n`]*)\n(.*?)^\1\s*$", re.S | re.M)
 RUN_WITH = re.compile(r"run with: (?:torchrun --standalone --nproc_per_node=(\d+)|python) ")
+CHECKPOINTS = " with a checkpoint directory"  # a migration script's second run, main(checkpoint_dir=...)
 MIGRATION = ["torch_ddp_before", "torch_ddp_after", "decent_dp_before", "decent_dp_after",
              "fairscale_before", "fairscale_after"]
 
@@ -98,6 +101,24 @@ def test_readme_quickstart_is_the_example() -> None:
     assert len(readme.splitlines()) <= 210
 
 
+def test_topology_pictures_are_committed_and_current() -> None:
+    """The pictures show where the Markdown is read (committed files, not the docs build's), one per
+    case the drawing tool knows, each drawn from the schedule decentpy builds today."""
+    from tools import docs_topologies as pictures
+
+    page = ROOT / "docs" / "concepts" / "topologies.md"
+    shown = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page.read_text())
+    expected = {pictures.file_name(*case) for case in pictures.CASES}
+    assert {Path(s).name for s in shown} == expected, shown
+    for src in shown:
+        path = (page.parent / src).resolve()
+        assert path.is_file() and Path(pictures.OUT_DIR) == path.parent, f"{src}: not a committed picture"
+        name, n, local = next(c for c in pictures.CASES if pictures.file_name(*c) == path.name)
+        assert pictures.stored_fingerprint(str(path)) == pictures.fingerprint(name, n, local), (
+            f"{path.name} shows another schedule than decentpy builds: redraw with "
+            "`python -m tools.docs_topologies` (or `make docs`) and commit it")
+
+
 def _load(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
@@ -109,19 +130,21 @@ def _run_all(rank: int, world_size: int, jobs: List[Tuple[str, str, int, int]], 
     import torch.distributed as dist
 
     dist.destroy_process_group()  # every script makes its own
+    os.chdir(tmp)  # a script's relative paths (its checkpoints) land in the test's directory
     results: Dict[str, Any] = {}
-    for name, source, nproc, port in jobs:
+    for index, (name, source, nproc, port) in enumerate(jobs):
         if nproc == 1 and rank != 0:
             continue
         os.environ["MASTER_PORT"] = str(port)
-        if source.endswith(".py") and "\n" not in source:  # a migration script: call its main()
-            kwargs = {"checkpoint_dir": tmp} if "checkpoint_dir" in _load(Path(source)).main.__code__.co_varnames \
-                else {}
-            results[name] = _load(Path(source)).main(**kwargs)
-            continue
-        path = Path(tmp) / f"block{len(results)}.py"
-        path.write_text(source)
         out = io.StringIO()
+        if source.endswith(".py") and "\n" not in source:  # a migration script: main(), as its __main__ runs it
+            kwargs = {"checkpoint_dir": tmp} if name.endswith(CHECKPOINTS) else {}
+            with contextlib.redirect_stdout(out):
+                results[name] = _load(Path(source)).main(**kwargs)
+            results[f"{name} printed"] = out.getvalue()
+            continue
+        path = Path(tmp) / f"rank{rank}_job{index}.py"  # the ranks share tmp; rank 1 skips the 1-process blocks
+        path.write_text(source)
         with contextlib.redirect_stdout(out):
             runpy.run_path(str(path), run_name="__main__")
         results[name] = out.getvalue()
@@ -137,6 +160,8 @@ def test_run_blocks_and_migration_scripts(tmp_path) -> None:
             if stem.endswith("_before"):
                 continue
         jobs.append((stem, str(ROOT / "examples" / "migration" / f"{stem}.py"), 2, free_port()))
+    jobs.append(("torch_ddp_after" + CHECKPOINTS, str(ROOT / "examples" / "migration" / "torch_ddp_after.py"), 2,
+                 free_port()))
     for name, code, nproc in runnable_blocks():
         assert nproc in (1, 2), (name, nproc)
         jobs.append((name, code, nproc, free_port()))
@@ -151,6 +176,22 @@ def test_run_blocks_and_migration_scripts(tmp_path) -> None:
     # the single-process blocks printed what they claim
     assert any("True" in v for k, v in r0.items() if "topologies" in k), r0
 
+    # the checkpoint pattern: resumed = uninterrupted on every rank; the kept model loads into a plain one
+    for r in (r0, r1):
+        out = next(v for k, v in r.items() if k.startswith("docs/howto/checkpoints.md:"))
+        m = re.search(r"identical to the uninterrupted run: (\w+); .* test accuracy (\S+)", out)
+        assert m and m.group(1) == "True" and float(m.group(2)) >= 0.8, out
+    # the metrics page: one NaN batch on rank 1 is one skipped step there, summed over the ranks
+    out0, out1 = (next(v for k, v in r.items() if k.startswith("docs/howto/metrics.md:")) for r in (r0, r1))
+    assert re.search(r"rank 0: .*'skipped_steps': 0", out0) and re.search(r"rank 1: .*'skipped_steps': 1", out1)
+    assert re.search(r"all ranks: [1-9]\d* bytes sent, 1 skipped step", out0) and "all ranks" not in out1, out0
+    # every migration script prints its result on rank 0, as run by its docstring's command
+    for stem in (k for k in r0 if k in MIGRATION):
+        m = re.fullmatch(r"epoch losses \[(.*)\], test accuracy (\S+)\n", r0[f"{stem} printed"])
+        assert m, (stem, r0[f"{stem} printed"])
+        assert float(m.group(2)) == pytest.approx(r0[stem]["accuracy"], abs=1e-3), (stem, m.group(0))
+        assert [float(v) for v in m.group(1).split(", ")] == pytest.approx(r0[stem]["losses"], abs=1e-4)
+        assert r1[f"{stem} printed"] == "", (stem, r1[f"{stem} printed"])
     # migration: the decentpy script trains as the one it replaces
     before, after = r0["torch_ddp_before"], r0["torch_ddp_after"]
     assert after["losses"][-1] < after["losses"][0] and after["accuracy"] >= 0.75, after  # chance: 0.25

@@ -13,6 +13,8 @@
 - Compressed gossip (int8, bf16, int4; pairs, a group of 4 through the shared-mean exchange, a sharded
   node pair) on 4 processes sharing the GPU: the CUDA kernels and the group reduction in training,
   against tests/test_compression.py's float64 re-computation and tolerances.
+- The README's quickstart (examples/quickstart.py) under torchrun on the GPUs, one rank per GPU
+  (NCCL): the script moves its model and data to ``cuda:LOCAL_RANK``, which the wrapper requires.
 
 NCCL across ranks needs one GPU per rank: those cases live in tests/test_nccl_comm.py and
 tests/test_gpu_pipeline.py and skip with fewer than 2 GPUs. Every test here skips without CUDA.
@@ -20,12 +22,14 @@ tests/test_gpu_pipeline.py and skip with fewer than 2 GPUs. Every test here skip
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Dict, List
 
 import pytest
 import torch
 
-from dist_harness import run_workers, single_process_group
+from dist_harness import run_workers, single_process_group, torchrun
 from reference import assert_close_params, batch, decentpy_optim_fn, loss_fn, make_mlp, simulate
 from test_compression import check_combo, train_combo
 from test_ddp_features import amp_worker, check_grad_scaler_run
@@ -171,3 +175,15 @@ def compressed_results() -> List[Dict[tuple, Dict]]:
 @pytest.mark.parametrize("topo,opt,kind", COMPRESSED)
 def test_compressed_gossip_on_a_shared_gpu(compressed_results, topo: str, opt: str, kind: str) -> None:
     check_combo([r[(topo, opt, kind)] for r in compressed_results], topo, opt, kind)
+
+
+def test_quickstart_on_the_gpus() -> None:
+    """What the README says: the same script on GPUs uses NCCL, one GPU per rank, and trains."""
+    nproc = min(torch.cuda.device_count(), 2)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "quickstart.py")
+    res = torchrun(script, nproc, env={}, timeout=180)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    m = re.search(r"(\d+) workers on (\w+) \((\w+)\): consensus distance \S+; test accuracy of the averaged "
+                  r"model (\S+)", res.stdout)
+    assert m and m.group(1, 2, 3) == (str(nproc), "cuda", "nccl"), res.stdout
+    assert float(m.group(4)) >= 0.85, res.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import pathlib
+import re
 import sys
 from typing import Dict, List, Set, Tuple
 
@@ -482,6 +483,43 @@ def test_aer_local_one_error():
     msg = str(e.value)
     assert "local_world_size" in msg and "one-peer-exp" in msg and "ring" in msg
     assert "LOCAL_WORLD_SIZE" in msg
+
+
+@pytest.mark.parametrize("n,local", [(4, 4), (8, 8), (5, 1), (8, 1), (3, 3)])
+def test_aer_size_errors_name_local_world_size_and_values_that_build(n, local):
+    """Both AER refusals (one worker per node; a single node, what torchrun --standalone reports)
+    name the argument, say that on one machine it simulates nodes, and every value they offer builds
+    (the topology itself is the reference), as does the example given; the values outside the
+    range offered do not."""
+    with pytest.raises(TopologyError) as e:
+        topo.make_topology("alternating-exp-ring", n, local)
+    msg = str(e.value)
+    assert f"world_size={n}, local_world_size={local}" in msg and "simulates" in msg, msg
+    assert "DecentralizedDataParallel(..., local_world_size=L)" in msg and "LOCAL_WORLD_SIZE" in msg, msg
+    lo, hi = map(int, re.search(r"local_world_size from (\d+) to (\d+) works", msg).groups())
+    for L in range(1, n + 2):
+        builds = True
+        try:
+            topo.make_topology("alternating-exp-ring", n, L)
+        except TopologyError:
+            builds = False
+        assert builds == (lo <= L <= hi), (n, L, msg)
+    example = int(re.search(r"e\.g\. local_world_size=(\d+) makes 2 nodes", msg).group(1))
+    assert topo.make_topology("alternating-exp-ring", n, example).num_nodes == 2
+
+
+@pytest.mark.parametrize("local", [1, 2])
+def test_aer_two_workers_suggests_no_local_world_size(local):
+    """At 2 workers no local world size works: the error says so and offers none (it used to say
+    "no local world size works" and then "set LOCAL_WORLD_SIZE")."""
+    with pytest.raises(TopologyError) as e:
+        topo.make_topology("alternating-exp-ring", 2, local)
+    msg = str(e.value)
+    assert "no local_world_size works for world_size=2" in msg and "'complete'" in msg, msg
+    assert "LOCAL_WORLD_SIZE" not in msg and "local_world_size=L" not in msg and "simulates" not in msg, msg
+    for L in range(1, 4):
+        with pytest.raises(TopologyError):
+            topo.make_topology("alternating-exp-ring", 2, L)
 
 
 def test_aer_any_node_count_and_single_node_error():

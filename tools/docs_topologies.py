@@ -1,18 +1,23 @@
 """Pictures of the built-in topologies' communication graphs, drawn from decentpy's own schedules.
 
-``python -m tools.docs_topologies [OUT_DIR]`` (default docs/_generated/topologies), and docs/conf.py
-at every docs build. For each case (topology, n workers, L per node) one PNG: a panel per step of
-the period, the workers on a circle (nodes as coloured pairs/quads), an edge between every two
-workers that average together at that step (from ``Topology.groups(step)``: what the wrapper
-runs), solid inside a node and dashed across nodes; the title gives both spectral gaps.
+``python -m tools.docs_topologies [OUT_DIR]`` (default docs/images/topologies, committed so that
+the pictures show where the Markdown is read, e.g. on the repository's web page), and docs/conf.py
+at every docs build, which redraws only the pictures whose schedule changed. For each case
+(topology, n workers, L per node) one PNG: a panel per step of the period, the workers on a circle
+(nodes as coloured pairs/quads), an edge between every two workers that average together at that
+step (from ``Topology.groups(step)``: what the wrapper runs), solid inside a node and dashed across
+nodes; the title gives both spectral gaps. Each PNG carries the fingerprint of what it shows
+(a ``decentpy-schedule`` text chunk), so a stale picture is found without drawing it again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
+import struct
 import sys
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 # (name, n, L): the built-ins at the docs' reference size, plus sizes that are not powers of two
 CASES: Sequence[Tuple[str, int, int]] = (
@@ -26,8 +31,46 @@ CASES: Sequence[Tuple[str, int, int]] = (
 )
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_DIR = os.path.join(ROOT, "docs", "images", "topologies")
+# bump when draw() changes what a picture looks like: every picture is then redrawn
+DRAWING_VERSION = 1
+KEY = "decentpy-schedule"
+
+
 def file_name(name: str, n: int, local: int) -> str:
     return f"{name}-n{n}-L{local}.png"
+
+
+def fingerprint(name: str, n: int, local: int) -> str:
+    """What a picture shows: the groups and weights of every step of the period and the spectral
+    gaps of its title, hashed (with :data:`DRAWING_VERSION`)."""
+    import decentpy
+
+    topo = decentpy.make_topology(name, n, local)
+    steps = [sorted((tuple(g.ranks), round(g.weight, 12)) for g in topo.groups(s)) for s in range(topo.period)]
+    text = repr((DRAWING_VERSION, name, n, local, steps, f"{topo.spectral_gap():.3f}",
+                 f"{topo.period_spectral_gap():.3f}"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def stored_fingerprint(path: str) -> Optional[str]:
+    """The fingerprint a PNG was drawn with (its ``decentpy-schedule`` tEXt chunk), None if it has
+    none or is not there. Reads the chunks directly: no matplotlib needed."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    pos = 8  # after the PNG signature
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        if kind == b"tEXt":
+            key, _, value = data[pos + 8:pos + 8 + length].partition(b"\0")
+            if key.decode("latin-1") == KEY:
+                return value.decode("latin-1")
+        pos += 12 + length
+    return None
 
 
 def _edges(groups) -> List[Tuple[int, int]]:
@@ -74,22 +117,24 @@ def draw(name: str, n: int, local: int, path: str) -> None:
     fig.suptitle(f"{name}, n={n}, L={local}: spectral gap {topo.spectral_gap():.3f} (average), "
                  f"{topo.period_spectral_gap():.3f} (period)", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=90, metadata={KEY: fingerprint(name, n, local)})
     plt.close(fig)
 
 
-def generate(out_dir: str) -> List[str]:
-    """Draw every case into ``out_dir``; returns the files written."""
+def generate(out_dir: str = OUT_DIR, force: bool = False) -> List[str]:
+    """Draw every case whose picture in ``out_dir`` is missing or shows another schedule (every case
+    with ``force``); returns the files written."""
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for name, n, local in CASES:
         path = os.path.join(out_dir, file_name(name, n, local))
-        draw(name, n, local, path)
-        written.append(path)
+        if force or stored_fingerprint(path) != fingerprint(name, n, local):
+            draw(name, n, local, path)
+            written.append(path)
     return written
 
 
 if __name__ == "__main__":
-    target = sys.argv[1] if len(sys.argv) > 1 else os.path.join("docs", "_generated", "topologies")
-    for p in generate(target):
+    target = sys.argv[1] if len(sys.argv) > 1 else OUT_DIR
+    for p in generate(target, force=True):
         print(p)

@@ -217,8 +217,16 @@ class GossipStrategy(BucketStrategy):
         unsettled, self._unsettled = self._unsettled, None
         self._apply(*unsettled)
 
+    #: this rank's iterations in which a bucket skipped its update (non-finite gradient), and the
+    #: bucket updates skipped; counted here, where each verdict is applied (the wrapper's stats())
+    skipped_steps = 0
+    skipped_bucket_updates = 0
+
     def _apply(self, verdict: Optional[SkipVerdict], stepped: List[Tuple[Bucket, Optional[bool]]], step: int) -> None:
         skipped = verdict.result() if verdict is not None else {}
+        bad = sum(1 for s in skipped.values() if s)
+        self.skipped_bucket_updates += bad
+        self.skipped_steps += int(bad > 0)
         for b, st in stepped:
             b.finish_iteration(st, skipped.get(b.index))
         if self.grad_scaling.check_finite and self.group.size > 1:

@@ -69,8 +69,9 @@ def main(epochs=4, checkpoint_dir=None):
     acc = accuracy(model.module, test)
     if rank == 0 and checkpoint_dir:  # the averaged model: a plain state dict, one file
         torch.save(model.module.state_dict(), os.path.join(checkpoint_dir, "model.pt"))
-        print(f"epoch losses {[round(v, 4) for v in losses]}, test accuracy {acc:.3f}")
     model.close()
+    if rank == 0:
+        print(f"epoch losses {[round(v, 4) for v in losses]}, test accuracy {acc:.3f}")
     dist.destroy_process_group()
     return {"losses": losses, "accuracy": acc}
 

@@ -57,6 +57,7 @@ def main(epochs=4, checkpoint_dir=None):
     if rank == 0 and checkpoint_dir:                     # one checkpoint for the job
         torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()},
                    os.path.join(checkpoint_dir, "ddp.pt"))
+    if rank == 0:
         print(f"epoch losses {[round(v, 4) for v in losses]}, test accuracy {acc:.3f}")
     dist.destroy_process_group()
     return {"losses": losses, "accuracy": acc}
