@@ -113,10 +113,16 @@ def target_loss(ddp_rows: Sequence[Dict[str, Any]]) -> Optional[float]:
 
 
 def time_to(rows: Sequence[Dict[str, Any]], loss: float) -> Optional[float]:
-    """Wall seconds of the first evaluation at or under ``loss`` (None: never reached)."""
+    """Wall seconds at which the held-out loss first reaches ``loss``, interpolated linearly between
+    the two evaluations around it (None: never reached)."""
+    prev = None
     for r in sorted(rows, key=lambda r: r["tokens"]):
-        if float(r["val_bits_per_byte"]) <= loss:
-            return float(r["wall_s"])
+        t, v = float(r["wall_s"]), float(r["val_bits_per_byte"])
+        if v <= loss:
+            if prev is None or prev[1] == v:
+                return t
+            return prev[0] + (prev[1] - loss) / (prev[1] - v) * (t - prev[0])
+        prev = (t, v)
     return None
 
 
@@ -137,7 +143,18 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if target is not None:
             times = [t for t in (time_to(v, target) for v in ddp_runs) if t is not None]
             ddp_time = statistics.mean(times) if times else None
-        for arm in dict.fromkeys(k[1] for k in runs if k[0] == link):
+        arms = list(dict.fromkeys(k[1] for k in runs if k[0] == link))
+        # the loss every arm of the link reached (the worst final loss, mean over seeds): a wall-time
+        # comparison that exists even where an arm never reaches DDP's target
+        common = max(statistics.mean(float(max(v, key=lambda r: r["tokens"])["val_bits_per_byte"])
+                                     for (lk, a, _), v in runs.items() if lk == link and a == arm) for arm in arms)
+
+        def mean_time(arm: str, loss: float) -> Optional[float]:
+            ts = [time_to(v, loss) for (lk, a, _), v in runs.items() if lk == link and a == arm]
+            return statistics.mean(ts) if ts and all(t is not None for t in ts) else None  # type: ignore[arg-type]
+
+        ddp_common = mean_time("ddp", common)
+        for arm in arms:
             seeds = [v for (lk, a, _), v in runs.items() if lk == link and a == arm]
             finals = [max(v, key=lambda r: r["tokens"]) for v in seeds]
             final = statistics.mean(float(f["val_bits_per_byte"]) for f in finals)
@@ -153,6 +170,9 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                 "bytes_sent_per_worker": statistics.mean(float(f["bytes_sent_per_worker"]) for f in finals),
                 "target_val_bits_per_byte": target, "time_to_target_s": t_arm,
                 "speedup_vs_ddp_to_target": None if (t_arm is None or ddp_time is None) else ddp_time / t_arm,
+                "common_val_bits_per_byte": common, "time_to_common_s": mean_time(arm, common),
+                "speedup_vs_ddp_to_common": None if (ddp_common is None or mean_time(arm, common) is None) else
+                ddp_common / mean_time(arm, common),  # type: ignore[operator]
             })
     return out
 
@@ -236,6 +256,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--docs", action="store_true", help="also copy the CSVs and the plot into docs/")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--from-csv", default=None, metavar="PATH",
+                   help="train nothing: summarise, plot (and with --docs publish) the rows of an earlier run's bench_lm.csv")
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: ddp and aer on loopback, 2 evaluations of a tiny budget")
     args = p.parse_args(argv)
@@ -259,13 +281,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if why is not None:
             print(f"throttled links skipped: {why}")
             links = [link for link in links if link is None]
-    from examples.lm.corpus import load_corpus
-    corpus = load_corpus(args.corpus)
-    print(corpus.describe())
     rows: List[Dict[str, Any]] = []
-    total = len(arms) * len(links) * len(seeds)
+    total = 0 if args.from_csv else len(arms) * len(links) * len(seeds)
+    if args.from_csv:
+        rows = read_rows(Path(args.from_csv))
+        machine_line = rows[0].get("machine", "") if rows else ""
+    else:
+        from examples.lm.corpus import load_corpus
+        print(load_corpus(args.corpus).describe())
     done = 0
-    for link in links:
+    for link in (links if total else []):
         for seed in seeds:
             for arm in arms:
                 spec = dict(ARMS[arm], preset=args.preset, tokens=args.tokens, seed=seed, evals=args.evals)
@@ -281,31 +306,77 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
                 rows += got
     summary = summarize(rows)
-    print(f"\n{'link':11} {'arm':16} {'final bits/byte':>15} {'vs DDP':>8} {'to target s':>12} {'speedup':>8}")
+    print(f"\n{'link':11} {'arm':16} {'final bits/byte':>15} {'vs DDP':>8} {'to target s':>12} {'speedup':>8}"
+          f" {'to common s':>12} {'speedup':>8}")
     for s in summary:
         vs = "" if s["vs_ddp_final"] is None else f"{100 * s['vs_ddp_final']:+.1f}%"
         tt = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}"
         sp = "-" if s["speedup_vs_ddp_to_target"] is None else f"{s['speedup_vs_ddp_to_target']:.2f}x"
-        print(f"{s['link']:11} {s['arm']:16} {s['final_val_bits_per_byte']:15.4f} {vs:>8} {tt:>12} {sp:>8}")
+        tc = "-" if s["time_to_common_s"] is None else f"{s['time_to_common_s']:.1f}"
+        sc = "-" if s["speedup_vs_ddp_to_common"] is None else f"{s['speedup_vs_ddp_to_common']:.2f}x"
+        print(f"{s['link']:11} {s['arm']:16} {s['final_val_bits_per_byte']:15.4f} {vs:>8} {tt:>12} {sp:>8}"
+              f" {tc:>12} {sc:>8}")
     print_targets(targets(summary))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from examples.lm.loop import COLUMNS
-    stamp = {"machine": f"{machine.get('cpu', '')}, {machine.get('cores', '')} cores, torch {machine.get('torch', '')}"}
-    write_csv(out / "bench_lm.csv", list(COLUMNS) + ["machine"], [dict(r, **stamp) for r in rows])
+    stamp = {"machine": machine_line if args.from_csv else
+             f"{machine.get('cpu', '')}, {machine.get('cores', '')} cores, torch {machine.get('torch', '')}"}
+    if not args.from_csv:
+        write_csv(out / "bench_lm.csv", list(COLUMNS) + ["machine"], [dict(r, **stamp) for r in rows])
+        print(f"wrote {out / 'bench_lm.csv'}")
     fields = list(summary[0]) + ["machine"] if summary else ["machine"]
     write_csv(out / "bench_lm_summary.csv", fields, [dict(s, **stamp) for s in summary])
-    print(f"wrote {out / 'bench_lm.csv'}\nwrote {out / 'bench_lm_summary.csv'}")
+    print(f"wrote {out / 'bench_lm_summary.csv'}")
     png = None if args.no_plot else plot(rows, out / "bench_lm.png", stamp["machine"])
     if png is not None:
         print(f"wrote {png}")
     if args.docs:
-        for name in ("bench_lm.csv", "bench_lm_summary.csv"):
-            shutil.copy(out / name, ROOT / "docs" / "data" / name)
+        write_csv(ROOT / "docs" / "data" / "bench_lm.csv", list(COLUMNS) + ["machine"],
+                  [dict(r, **stamp) for r in rows])
+        write_csv(ROOT / "docs" / "data" / "bench_lm_summary.csv", list(DOCS_COLUMNS), docs_rows(summary))
         if png is not None:
             shutil.copy(png, ROOT / "docs" / "bench_lm.png")
-        print("copied into docs/")
+        print("wrote docs/data/bench_lm.csv, docs/data/bench_lm_summary.csv" + (", docs/bench_lm.png" if png else ""))
     return 0
+
+
+#: the summary as the Benchmarks page shows it (formatted), from summarize()'s rows
+DOCS_COLUMNS = ("link", "arm", "seeds", "final held-out bits/byte (averaged model)", "vs DDP",
+                "workers' own models", "train wall s", "MiB sent per worker", "target bits/byte",
+                "time to target s", "vs DDP to target", "loss every arm reached", "time to it s", "vs DDP to it")
+
+
+def docs_rows(summary: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def f(v: Any, spec: str, none: str = "-") -> str:
+        return none if v is None else format(v, spec)
+    return [dict(zip(DOCS_COLUMNS, (
+        s["link"], s["arm"], s["seeds"], f(s["final_val_bits_per_byte"], ".4f"),
+        f(None if s["vs_ddp_final"] is None else 100 * s["vs_ddp_final"], "+.1f") + ("%" if s["vs_ddp_final"] is not None else ""),
+        f(s["final_val_workers_mean"], ".4f"), f(s["wall_s"], ".1f"), f(s["bytes_sent_per_worker"] / 2**20, ".1f"),
+        f(s["target_val_bits_per_byte"], ".4f"), f(s["time_to_target_s"], ".1f", "not reached"),
+        f(s["speedup_vs_ddp_to_target"], ".2f") + ("x" if s["speedup_vs_ddp_to_target"] is not None else ""),
+        f(s["common_val_bits_per_byte"], ".4f"), f(s["time_to_common_s"], ".1f", "not reached"),
+        f(s["speedup_vs_ddp_to_common"], ".2f") + ("x" if s["speedup_vs_ddp_to_common"] is not None else ""))))
+        for s in summary]
+
+
+def read_rows(path: Path) -> List[Dict[str, Any]]:
+    """The rows of a bench_lm.csv, numbers as numbers (an empty link is loopback)."""
+    import csv
+
+    num = {"tokens": int, "seed": int, "workers": int, "step": int, "wall_s": float, "bytes_sent_per_worker": float,
+           "val_bits_per_byte": float, "val_bits_per_byte_workers_mean": float}
+    out = []
+    with open(path, newline="") as fh:
+        for r in csv.DictReader(fh):
+            row: Dict[str, Any] = dict(r)
+            for k, conv in num.items():
+                if row.get(k) not in (None, ""):
+                    row[k] = conv(row[k])
+            row["link_mbit"] = float(r["link_mbit"]) if r.get("link_mbit") not in (None, "", "None") else None
+            out.append(row)
+    return out
 
 
 if __name__ == "__main__":
