@@ -126,18 +126,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                ", momentum=" + std::to_string(h.momentum) + ", bias_step=" + std::to_string(h.bias_step) + ", ...)";
       });
 
-  m.def("mix_and_step", &decentpy::mix_and_step, py::kw_only(), py::arg("kind"), py::arg("param"),
-        py::arg("grad") = py::none(), py::arg("states") = std::vector<at::Tensor>{},
-        py::arg("comm") = py::none(), py::arg("send") = py::none(), py::arg("segments") = py::none(),
-        py::arg("groups") = std::vector<GroupHyper>{}, py::arg("mix_a") = 1.0, py::arg("mix_b") = 0.0,
-        py::arg("send_scale") = 1.0, py::arg("grad_scale") = 1.0, py::arg("grad_norm") = py::none(),
-        py::arg("scaler_scale") = py::none(), py::arg("clip_norm") = 0.0,
-        py::arg("decoupled_weight_decay") = false, py::arg("momentum_init") = false,
-        py::arg("accum_boundary") = false, py::arg("skip_update") = false, py::arg("zero_grad") = false,
-        py::arg("prev_skip") = py::none(), py::arg("alt_bias_steps") = std::vector<int64_t>{},
-        py::call_guard<py::gil_scoped_release>(),
-        "Fused mix + optimizer step + send-buffer write over one flat bucket (in place); keyword "
-        "arguments only. See csrc/kernels/mix_and_step.h for the contract.");
 
   py::enum_<decentpy::Compressor>(m, "Compressor", "Compressor of the gossip exchange (kernels/mix_and_step.h).")
       .value("NONE", decentpy::Compressor::None)
@@ -149,18 +137,68 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         [](decentpy::Compressor c, int64_t n) { return decentpy::compressed_bytes(c, n); },
         py::arg("compressor"), py::arg("numel"), "Wire bytes of numel elements compressed with compressor.");
 
-  m.def("compressed_mix_and_step", &decentpy::compressed_mix_and_step, py::kw_only(), py::arg("kind"),
-        py::arg("compressor"), py::arg("param"), py::arg("grad") = py::none(),
-        py::arg("states") = std::vector<at::Tensor>{}, py::arg("segments") = py::none(),
-        py::arg("groups") = std::vector<GroupHyper>{}, py::arg("q_recv") = py::none(),
-        py::arg("peer_copy") = py::none(), py::arg("self_copy_mix") = py::none(), py::arg("choco_mix") = 0.0,
-        py::arg("q_send") = py::none(), py::arg("self_copy_next") = py::none(), py::arg("grad_scale") = 1.0,
-        py::arg("grad_norm") = py::none(), py::arg("scaler_scale") = py::none(), py::arg("clip_norm") = 0.0,
-        py::arg("decoupled_weight_decay") = false, py::arg("momentum_init") = false,
-        py::arg("accum_boundary") = false, py::arg("skip_update") = false, py::arg("zero_grad") = false,
-        py::call_guard<py::gil_scoped_release>(),
-        "Fused compressed-gossip pass over one flat fp32 bucket (in place): received q into the peer's "
-        "copy, mix, optimizer step, next q into the send bytes. See csrc/kernels/mix_and_step.h.");
+  // One fused pass's arguments, by name (StepCall in ops/mix_and_step_op.h: the one list); mix_and_step
+  // takes them whole or as keyword arguments.
+  using decentpy::StepCall;
+  auto set_fields = [](StepCall& call, const py::kwargs& kw) {
+    py::object obj = py::cast(&call, py::return_value_policy::reference);
+    for (auto item : kw) {
+      const std::string name = py::str(item.first);
+      if (name.rfind("_", 0) == 0 || !py::hasattr(obj, name.c_str()))
+        throw py::type_error("mix_and_step: unexpected argument '" + name + "'; the arguments are the fields of "
+                             "decentpy._C.StepArgs (csrc/ops/mix_and_step_op.h StepCall)");
+      obj.attr(name.c_str()) = item.second;
+    }
+  };
+  py::class_<StepCall>(m, "StepArgs",
+                       "The arguments of one fused pass (csrc/ops/mix_and_step_op.h StepCall): set by keyword.")
+      .def(py::init([set_fields](const py::kwargs& kw) {
+        StepCall call;
+        set_fields(call, kw);
+        return call;
+      }))
+      .def_readwrite("kind", &StepCall::kind)
+      .def_readwrite("param", &StepCall::param)
+      .def_readwrite("grad", &StepCall::grad)
+      .def_readwrite("states", &StepCall::states)
+      .def_readwrite("comm", &StepCall::comm)
+      .def_readwrite("send", &StepCall::send)
+      .def_readwrite("segments", &StepCall::segments)
+      .def_readwrite("groups", &StepCall::groups)
+      .def_readwrite("mix_a", &StepCall::mix_a)
+      .def_readwrite("mix_b", &StepCall::mix_b)
+      .def_readwrite("send_scale", &StepCall::send_scale)
+      .def_readwrite("grad_scale", &StepCall::grad_scale)
+      .def_readwrite("grad_norm", &StepCall::grad_norm)
+      .def_readwrite("scaler_scale", &StepCall::scaler_scale)
+      .def_readwrite("clip_norm", &StepCall::clip_norm)
+      .def_readwrite("decoupled_weight_decay", &StepCall::decoupled_weight_decay)
+      .def_readwrite("momentum_init", &StepCall::momentum_init)
+      .def_readwrite("accum_boundary", &StepCall::accum_boundary)
+      .def_readwrite("skip_update", &StepCall::skip_update)
+      .def_readwrite("zero_grad", &StepCall::zero_grad)
+      .def_readwrite("compressor", &StepCall::compressor)
+      .def_readwrite("q_recv", &StepCall::q_recv)
+      .def_readwrite("peer_copy", &StepCall::peer_copy)
+      .def_readwrite("self_copy_mix", &StepCall::self_copy_mix)
+      .def_readwrite("choco_mix", &StepCall::choco_mix)
+      .def_readwrite("q_send", &StepCall::q_send)
+      .def_readwrite("self_copy_next", &StepCall::self_copy_next)
+      .def_readwrite("prev_skip", &StepCall::prev_skip)
+      .def_readwrite("alt_bias_steps", &StepCall::alt_bias_steps);
+  const char* mix_doc = "One fused pass over one flat bucket, in place: mix, optimizer step, send-buffer write (or, "
+                        "with a compressor, the compressed-gossip pass). Takes a StepArgs or its fields as keyword "
+                        "arguments. See csrc/kernels/mix_and_step.h for the contract.";
+  m.def("mix_and_step", [](const StepCall& call) {
+        py::gil_scoped_release release;
+        decentpy::mix_and_step(call);
+      }, py::arg("args"), mix_doc);
+  m.def("mix_and_step", [set_fields](const py::kwargs& kw) {
+        StepCall call;
+        set_fields(call, kw);
+        py::gil_scoped_release release;
+        decentpy::mix_and_step(call);
+      }, mix_doc);
 
   m.def("compressed_group_reduce", &decentpy::compressed_group_reduce, py::kw_only(), py::arg("compressor"),
         py::arg("inputs"), py::arg("out"), py::arg("self_copy"), py::arg("lo"), py::arg("hi"),

@@ -24,8 +24,8 @@ from .comm import CommGroup, agree_across_ranks, default_timeout
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
 from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, ownership
 from .compression import Compression, resolve_compression
-from .engine.bucket import Bucket, BucketPlan
-from .engine.choco import COMPRESSED_STRATEGIES, CompressedGossip
+from .engine.bucket import Bucket
+from .engine.choco import COMPRESSED_STRATEGIES
 from .engine.layout import OptimFn, SchedulerFn
 from .grad_scaling import BucketGradScaling
 from .topology import Topology
@@ -622,29 +622,16 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         layout, and the bucket exchange that is in flight (completed first). Each rank saves
         its own; :meth:`load_training_state_dict` resumes bit for bit.
         """
-        r = self._strategy
-        r.wait_all()
-        # Before the first iteration nothing has stepped and the layout is provisional: no layout or
-        # optimizer state is saved, and loading such a checkpoint leaves the layout to the trace.
-        final = r.layout.final
-        plan = r.layout.plan if final else None
-        buckets = r.buckets if final else []
-        return {
+        state = self._strategy.checkpoint_state()  # completes the exchanges in flight first
+        state.update({
             "model": self._model.state_dict(),
-            "step": r.step,
-            "buckets": plan.buckets if plan is not None else None,
-            "optimizers": [b.state_optimizer.state_dict() for b in buckets],
-            "schedulers": [b.scheduler.state_dict() if b.scheduler is not None else None for b in buckets],
-            "exchange": [b.comm.clone() if b.comm_valid else None for b in buckets],
-            "skip_mix": [b.skip_mix for b in buckets],
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
             "topology": self._topology.name,
             "world_size": self._world_size,
             "rank": self._rank,
-            "intra_node": self._intra_node,
             "local_world_size": self._local_world_size,
-            "compression": r.state_dict() if isinstance(r, CompressedGossip) else None,
-        }
+        })
+        return state
 
     @torch.no_grad()
     def load_training_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:
@@ -656,43 +643,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if state_dict.get("world_size", self._world_size) != self._world_size:
             raise ValueError(f"checkpoint was saved with world size {state_dict['world_size']}, "
                              f"this run has {self._world_size}")
-        saved_intra = (state_dict.get("intra_node", "gossip"), state_dict.get("local_world_size"))
-        if self._intra_node != "gossip" or saved_intra[0] != "gossip":
-            if saved_intra != (self._intra_node, self._local_world_size):
-                raise ValueError(f"checkpoint was saved with intra_node={saved_intra[0]!r}, local_world_size="
-                                 f"{saved_intra[1]}; this run has intra_node={self._intra_node!r}, local_world_size="
-                                 f"{self._local_world_size} (each rank's optimizer state is its shard)")
-        if self._intra_node == "shard" and "rank" in state_dict:
-            saved_shard = int(state_dict["rank"]) % self._local_world_size
-            if saved_shard != self._rank % self._local_world_size:
-                raise ValueError(f"checkpoint was saved by rank {state_dict['rank']}, which holds shard {saved_shard} "
-                                 f"of every bucket (intra_node='shard'); this is rank {self._rank}, which holds shard "
-                                 f"{self._rank % self._local_world_size}: load each rank's checkpoint on a rank with "
-                                 "the same local rank")
         r = self._strategy
-        r.wait_all()
-        saved = state_dict["buckets"]
-        if saved is not None:
-            r.layout.adopt(BucketPlan([list(b) for b in saved]))
+        r.check_resume(state_dict, self._local_world_size)
+        r.adopt_layout(state_dict)
         result = self._model.load_state_dict(state_dict["model"], strict=strict)
-        if isinstance(r, CompressedGossip):
-            r.load_state_dict(state_dict.get("compression"))
-        elif state_dict.get("compression") is not None:
-            raise ValueError(f"the checkpoint was saved with compression={state_dict['compression']['kind']!r}; this "
-                             "run has none (pass the same compression to resume)")
-        for b, opt_sd, sch_sd, ex, skip in zip(r.buckets, state_dict["optimizers"], state_dict["schedulers"],
-                                               state_dict["exchange"], state_dict["skip_mix"]):
-            b.state_optimizer.load_state_dict(opt_sd)
-            if b.scheduler is not None and sch_sd is not None:
-                b.scheduler.load_state_dict(sch_sd)
-            if ex is not None:
-                b.comm.copy_(ex)
-            b.comm_valid = ex is not None
-            b.skip_mix = bool(skip)
-            b.gather_params()
+        r.load_checkpoint_state(state_dict)
         if self._scaler is not None and state_dict.get("scaler") is not None:
             self._scaler.load_state_dict(state_dict["scaler"])
-        r.step = int(state_dict["step"])
         return result
 
 

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import _C
 
-__all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes",
+__all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "StepArgs", "step", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes",
            "group_reduce", "wire_regions", "mix", "scale_copy", "NORM_SLOTS",
            "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
            "make_flat_block", "build_info"]
@@ -37,44 +37,37 @@ def build_info() -> Dict[str, Any]:
     return dict(_C.build_info())
 
 
+#: the arguments of one fused pass, set by name (csrc/ops/mix_and_step_op.h ``StepCall``: the one list
+#: of them; a name that is not a field raises TypeError)
+StepArgs = _C.StepArgs
+
+
+def step(args: "_C.StepArgs") -> None:
+    """One fused pass over a flat buffer (csrc/kernels/mix_and_step.h): the mix with ``comm``, the
+    optimizer update, the send-buffer write; with ``compressor``, the compressed-gossip pass."""
+    _C.mix_and_step(args)
+
+
 def fused_step(kind: "_C.OptKind", param: Tensor, grad: Optional[Tensor], states: Sequence[Tensor],
-               segments: Tensor, groups: Sequence["_C.GroupHyper"], *, comm: Optional[Tensor] = None,
-               send: Optional[Tensor] = None, mix_a: float = 1.0, mix_b: float = 0.0, send_scale: float = 1.0,
-               grad_scale: float = 1.0, grad_norm: Optional[Tensor] = None, scaler_scale: Optional[Tensor] = None,
-               clip_norm: float = 0.0, decoupled_weight_decay: bool = False, momentum_init: bool = False,
-               accum_boundary: bool = False, skip_update: bool = False, zero_grad: bool = False,
-               prev_skip: Optional[Tensor] = None, alt_bias_steps: Sequence[int] = ()) -> None:
-    """One pass over a flat buffer: mix with ``comm``, the optimizer update, the send-buffer write
-    (see csrc/kernels/mix_and_step.h). ``grad_norm`` / ``scaler_scale``: one-element tensors on the
-    buffer's device from which the kernel derives the gradient factor and the found-inf skip.
-    ``prev_skip`` (a one-element bool tensor there): a deferred verdict; when it is true the
-    groups' bias corrections are those of ``alt_bias_steps``."""
-    _C.mix_and_step(kind=kind, param=param, grad=grad, states=list(states), comm=comm, send=send,
-                    segments=segments, groups=list(groups), mix_a=mix_a, mix_b=mix_b, send_scale=send_scale,
-                    grad_scale=grad_scale, grad_norm=grad_norm, scaler_scale=scaler_scale, clip_norm=clip_norm,
-                    decoupled_weight_decay=decoupled_weight_decay, momentum_init=momentum_init,
-                    accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad,
-                    prev_skip=prev_skip, alt_bias_steps=[int(k) for k in alt_bias_steps])
+               segments: Optional[Tensor], groups: Sequence["_C.GroupHyper"], **fields: Any) -> None:
+    """:func:`step` with the common fields positional and any other field of :data:`StepArgs` by
+    name: ``comm``, ``send``, ``mix_a``, ``mix_b``, ``send_scale``, ``grad_scale``, ``grad_norm`` /
+    ``scaler_scale`` (one-element tensors on the buffer's device from which the kernel derives the
+    gradient factor and the found-inf skip), ``clip_norm``, the flags, ``prev_skip`` /
+    ``alt_bias_steps`` (a deferred skip verdict)."""
+    _C.mix_and_step(kind=kind, param=param, grad=grad, states=list(states), segments=segments, groups=list(groups),
+                    **fields)
 
 
 def compressed_step(kind: "_C.OptKind", compressor: "_C.Compressor", param: Tensor, grad: Optional[Tensor],
-                    states: Sequence[Tensor], segments: Tensor, groups: Sequence["_C.GroupHyper"], *,
-                    q_recv: Optional[Tensor] = None, peer_copy: Optional[Tensor] = None,
-                    self_copy_mix: Optional[Tensor] = None, choco_mix: float = 0.0, q_send: Optional[Tensor] = None,
-                    self_copy_next: Optional[Tensor] = None, grad_scale: float = 1.0,
-                    grad_norm: Optional[Tensor] = None, scaler_scale: Optional[Tensor] = None, clip_norm: float = 0.0,
-                    decoupled_weight_decay: bool = False, momentum_init: bool = False, accum_boundary: bool = False,
-                    skip_update: bool = False, zero_grad: bool = False) -> None:
+                    states: Sequence[Tensor], segments: Optional[Tensor], groups: Sequence["_C.GroupHyper"],
+                    **fields: Any) -> None:
     """One compressed-gossip pass over a flat fp32 buffer (csrc/kernels/mix_and_step.h): the received
     ``q_recv`` into ``peer_copy`` and ``param += choco_mix * (peer_copy - self_copy_mix)``, the
-    optimizer update, then ``q_send = Q(param - self_copy_next)`` and ``self_copy_next += D(q_send)``."""
-    _C.compressed_mix_and_step(kind=kind, compressor=compressor, param=param, grad=grad, states=list(states),
-                               segments=segments, groups=list(groups), q_recv=q_recv, peer_copy=peer_copy,
-                               self_copy_mix=self_copy_mix, choco_mix=choco_mix, q_send=q_send,
-                               self_copy_next=self_copy_next, grad_scale=grad_scale, grad_norm=grad_norm,
-                               scaler_scale=scaler_scale, clip_norm=clip_norm,
-                               decoupled_weight_decay=decoupled_weight_decay, momentum_init=momentum_init,
-                               accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad)
+    optimizer update, then ``q_send = Q(param - self_copy_next)`` and ``self_copy_next += D(q_send)``;
+    other fields of :data:`StepArgs` by name, as :func:`fused_step`."""
+    _C.mix_and_step(kind=kind, compressor=compressor, param=param, grad=grad, states=list(states),
+                    segments=segments, groups=list(groups), **fields)
 
 
 def compressed_bytes(compressor: "_C.Compressor", numel: int) -> int:

@@ -88,7 +88,8 @@ def mark_stepped(optimizer: Optimizer) -> None:
 
 
 class CompressedPass(NamedTuple):
-    """The compressed-gossip buffers of one bucket pass (see :func:`decentpy.kernels.compressed_step`)."""
+    """The compressed-gossip buffers of one bucket pass: fields of :data:`decentpy.kernels.StepArgs` of
+    the same names (see :func:`decentpy.kernels.compressed_step`)."""
 
     compressor: Any
     q_recv: Optional[Tensor]
@@ -286,21 +287,15 @@ class FusedOptimizer(Optimizer):
             hypers.append(frozen)
         if compressed is not None:  # compressed gossip: comm / send are the compressed pass's own buffers
             assert prev_skip is None, "internal error: compressed gossip does not defer the skip verdict"
-            c = compressed
-            kernels.compressed_step(self.kind, c.compressor, param_block, grad_block, states, segments,
-                                    hypers, q_recv=c.q_recv, peer_copy=c.peer_copy,
-                                    self_copy_mix=c.self_copy_mix, choco_mix=c.choco_mix, q_send=c.q_send,
-                                    self_copy_next=c.self_copy_next, grad_scale=grads.factor, grad_norm=grads.norm,
-                                    scaler_scale=grads.scale, clip_norm=grads.clip,
-                                    decoupled_weight_decay=self.decoupled_weight_decay, momentum_init=momentum_init,
-                                    accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad)
-            return
-        kernels.fused_step(self.kind, param_block, grad_block, states, segments, hypers,
-                           comm=comm, send=send, mix_a=mix_a, mix_b=mix_b, send_scale=send_scale,
-                           grad_scale=grads.factor, grad_norm=grads.norm, scaler_scale=grads.scale,
-                           clip_norm=grads.clip, decoupled_weight_decay=self.decoupled_weight_decay,
-                           momentum_init=momentum_init, accum_boundary=accum_boundary, skip_update=skip_update,
-                           zero_grad=zero_grad, prev_skip=prev_skip, alt_bias_steps=alt_bias)
+            exchange: Dict[str, Any] = compressed._asdict()  # its fields are StepArgs' of the same names
+        else:
+            exchange = dict(comm=comm, send=send, mix_a=mix_a, mix_b=mix_b, send_scale=send_scale)
+        kernels.step(kernels.StepArgs(
+            kind=self.kind, param=param_block, grad=grad_block, states=states, segments=segments, groups=hypers,
+            grad_scale=grads.factor, grad_norm=grads.norm, scaler_scale=grads.scale, clip_norm=grads.clip,
+            decoupled_weight_decay=self.decoupled_weight_decay, momentum_init=momentum_init,
+            accum_boundary=accum_boundary, skip_update=skip_update, zero_grad=zero_grad, prev_skip=prev_skip,
+            alt_bias_steps=alt_bias, **exchange))
 
     def defers_verdict(self) -> bool:
         """Whether the next :meth:`bucket_step` can run before the host knows if the last one's

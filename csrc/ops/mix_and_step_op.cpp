@@ -121,13 +121,6 @@ void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_group
 
 namespace {
 
-// The compressed-gossip buffers of one launch (compressed_mix_and_step).
-struct ChocoTensors {
-  Compressor compressor;
-  at::Tensor q_recv, peer_copy, self_copy_mix, q_send, self_copy_next;
-  double choco_mix;
-};
-
 const char* compressor_name(Compressor c) {
   switch (c) {
     case Compressor::None: return "none";
@@ -162,16 +155,26 @@ void check_wire(const at::Tensor& t, const at::Tensor& param, Compressor c, cons
               " must be 4-byte aligned (its int8 / int4 block scales are fp32)");
 }
 
-void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
-                  const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
-                  const c10::optional<at::Tensor>& send, const c10::optional<at::Tensor>& segments_opt,
-                  const std::vector<GroupHyper>& groups, double mix_a, double mix_b,
-                  double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
-                  const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
-                  bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                  bool skip_update, bool zero_grad, const ChocoTensors* choco,
-                  const c10::optional<at::Tensor>& prev_skip = c10::nullopt,
-                  const std::vector<int64_t>& alt_bias_steps = {}) {
+void mix_and_step_impl(const StepCall& call) {
+  // the fields under the names the checks below use
+  const OptKind k = call.kind;
+  const at::Tensor& param = call.param;
+  const c10::optional<at::Tensor>& grad = call.grad;
+  const std::vector<at::Tensor>& states = call.states;
+  const c10::optional<at::Tensor>& comm = call.comm;
+  const c10::optional<at::Tensor>& send = call.send;
+  const c10::optional<at::Tensor>& segments_opt = call.segments;
+  const std::vector<GroupHyper>& groups = call.groups;
+  const double mix_a = call.mix_a, mix_b = call.mix_b, send_scale = call.send_scale, grad_scale = call.grad_scale;
+  const c10::optional<at::Tensor>& grad_norm = call.grad_norm;
+  const c10::optional<at::Tensor>& scaler_scale = call.scaler_scale;
+  const double clip_norm = call.clip_norm;
+  const bool decoupled_weight_decay = call.decoupled_weight_decay, momentum_init = call.momentum_init;
+  const bool accum_boundary = call.accum_boundary, skip_update = call.skip_update, zero_grad = call.zero_grad;
+  const c10::optional<at::Tensor>& prev_skip = call.prev_skip;
+  const std::vector<int64_t>& alt_bias_steps = call.alt_bias_steps;
+  const bool compressed = call.compressor != Compressor::None;
+  auto get = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
   const int kind_int = static_cast<int>(k);
   TORCH_CHECK(kind_int >= 0 && kind_int <= 3, "mix_and_step: unknown optimizer kind ", kind_int);
   TORCH_CHECK(param.defined(), "mix_and_step: param is undefined");
@@ -308,7 +311,7 @@ void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<a
 
   if (prev_skip.has_value() && prev_skip->defined()) {
     const at::Tensor& f = *prev_skip;
-    TORCH_CHECK(choco == nullptr, "compressed_mix_and_step: a deferred verdict (prev_skip) is not supported");
+    TORCH_CHECK(!compressed, "mix_and_step: a deferred verdict (prev_skip) is not supported with a compressor");
     TORCH_CHECK((f.scalar_type() == at::kBool || f.scalar_type() == at::kByte) && f.numel() == 1,
                 "mix_and_step: prev_skip must be a one-element bool or uint8 tensor, got ", f.scalar_type(), " ",
                 f.sizes());
@@ -353,8 +356,13 @@ void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<a
     a.num_segments = nseg;
   }
 
-  if (choco != nullptr) {
-    const ChocoTensors& ch = *choco;
+  if (compressed) {
+    struct {
+      Compressor compressor;
+      at::Tensor q_recv, peer_copy, self_copy_mix, q_send, self_copy_next;
+      double choco_mix;
+    } ch{call.compressor, get(call.q_recv), get(call.peer_copy), get(call.self_copy_mix), get(call.q_send),
+         get(call.self_copy_next), call.choco_mix};
     const int ci = static_cast<int>(ch.compressor);
     TORCH_CHECK(ci == 1 || ci == 2 || ci == 3, "compressed_mix_and_step: unknown compressor ", ci,
                 "; valid compressors are BF16 = 1, INT8 = 2 and INT4 = 3");
@@ -410,47 +418,16 @@ void mix_and_step_impl(OptKind k, const at::Tensor& param, const c10::optional<a
   if (needs_grad) for (const auto& t : states) bump(t);
   if (s.defined()) bump(s);
   if (zero_grad) bump(g);
-  if (choco != nullptr) {
-    bump(choco->peer_copy);
-    bump(choco->q_send);
-    bump(choco->self_copy_next);
+  if (compressed) {
+    bump(get(call.peer_copy));
+    bump(get(call.q_send));
+    bump(get(call.self_copy_next));
   }
 }
 
 }  // namespace
 
-void mix_and_step(OptKind k, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
-                  const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
-                  const c10::optional<at::Tensor>& send, const c10::optional<at::Tensor>& segments,
-                  const std::vector<GroupHyper>& groups, double mix_a, double mix_b,
-                  double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
-                  const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
-                  bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                  bool skip_update, bool zero_grad, const c10::optional<at::Tensor>& prev_skip,
-                  const std::vector<int64_t>& alt_bias_steps) {
-  mix_and_step_impl(k, param, grad, states, comm, send, segments, groups, mix_a, mix_b, send_scale,
-                    grad_scale, grad_norm, scaler_scale, clip_norm, decoupled_weight_decay,
-                    momentum_init, accum_boundary, skip_update, zero_grad, nullptr, prev_skip, alt_bias_steps);
-}
-
-void compressed_mix_and_step(OptKind kind, Compressor compressor, const at::Tensor& param,
-                             const c10::optional<at::Tensor>& grad, const std::vector<at::Tensor>& states,
-                             const c10::optional<at::Tensor>& segments, const std::vector<GroupHyper>& groups,
-                             const c10::optional<at::Tensor>& q_recv, const c10::optional<at::Tensor>& peer_copy,
-                             const c10::optional<at::Tensor>& self_copy_mix, double choco_mix,
-                             const c10::optional<at::Tensor>& q_send,
-                             const c10::optional<at::Tensor>& self_copy_next, double grad_scale,
-                             const c10::optional<at::Tensor>& grad_norm,
-                             const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
-                             bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                             bool skip_update, bool zero_grad) {
-  auto get = [](const c10::optional<at::Tensor>& t) { return t.has_value() ? *t : at::Tensor(); };
-  ChocoTensors ch{compressor, get(q_recv), get(peer_copy), get(self_copy_mix), get(q_send),
-                  get(self_copy_next), choco_mix};
-  mix_and_step_impl(kind, param, grad, states, c10::nullopt, c10::nullopt, segments, groups, 1.0, 0.0,
-                    1.0, grad_scale, grad_norm, scaler_scale, clip_norm, decoupled_weight_decay,
-                    momentum_init, accum_boundary, skip_update, zero_grad, &ch);
-}
+void mix_and_step(const StepCall& call) { mix_and_step_impl(call); }
 
 void compressed_group_reduce(Compressor compressor, const std::vector<at::Tensor>& inputs, const at::Tensor& out,
                              const at::Tensor& self_copy, int64_t lo, int64_t hi) {

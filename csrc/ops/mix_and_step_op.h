@@ -17,43 +17,57 @@ namespace decentpy {
 // the GPU is checked with this before it is copied there (reading it back would synchronise).
 void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_groups);
 
-// One fused mix-and-step pass over a flat bucket (see kernels/mix_and_step.h).
-// states: SGD [] or [momentum_buffer]; Adam [exp_avg, exp_avg_sq]; AccumAdam [M, V, acc]; None [].
-// segments: int64 [nseg, 3] rows (begin, end, group), sorted, covering [0, numel); groups: one
-// GroupHyper per parameter group (at most kMaxGroups).
-// grad_norm / scaler_scale: optional one-element float32 tensors on param's device that the
-// kernel reads itself (the gradient factor and found-inf skip, see kernels/update.h grad_factor);
-// grad_scale must then be 1.
-// zero_grad: grad is zeroed in the same pass, right after it is read (also with skip_update /
-// kind None, where it is not read); grad is then required and must not overlap any other buffer.
-// prev_skip / alt_bias_steps: a deferred skip verdict (MixStepArgs): a one-element bool / uint8
-// tensor on param's device; when it is set the groups' bias-correction steps are alt_bias_steps.
-void mix_and_step(OptKind kind, const at::Tensor& param, const c10::optional<at::Tensor>& grad,
-                  const std::vector<at::Tensor>& states, const c10::optional<at::Tensor>& comm,
-                  const c10::optional<at::Tensor>& send, const c10::optional<at::Tensor>& segments,
-                  const std::vector<GroupHyper>& groups, double mix_a, double mix_b,
-                  double send_scale, double grad_scale, const c10::optional<at::Tensor>& grad_norm,
-                  const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
-                  bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                  bool skip_update, bool zero_grad, const c10::optional<at::Tensor>& prev_skip = c10::nullopt,
-                  const std::vector<int64_t>& alt_bias_steps = {});
+// One fused pass over a flat bucket (kernels/mix_and_step.h) as tensors: the one list of the pass's
+// arguments on the C++ side. Python builds it by name (`_C.StepArgs`, or keyword arguments to
+// `_C.mix_and_step`, which sets these fields), so nothing else spells the list out.
+//   states: SGD [] or [momentum_buffer]; Adam [exp_avg, exp_avg_sq]; AccumAdam [M, V, acc]; None [].
+//   segments: int64 [nseg, 3] rows (begin, end, group), sorted, covering [0, numel); groups: one
+//     GroupHyper per parameter group (at most kMaxGroups).
+//   grad_norm / scaler_scale: one-element float32 tensors on param's device that the kernel reads
+//     itself (the gradient factor and found-inf skip, kernels/update.h grad_factor); grad_scale must
+//     then be 1.
+//   zero_grad: grad is zeroed in the same pass, after it is read (also with skip_update / kind
+//     None, where it is not read); grad is then required and must not overlap any other buffer.
+//   compressor != None: a compressed-gossip pass over fp32 param ("Compressed gossip" in
+//     kernels/mix_and_step.h): the received q into peer_copy and the mix p += choco_mix *
+//     (peer_copy - self_copy_mix), the update, then q = Q(p - self_copy_next) into q_send with
+//     self_copy_next += D(q); q_recv / q_send: uint8 wire bytes of compressed_bytes(...). comm and
+//     send are then unused.
+//   prev_skip / alt_bias_steps: a deferred skip verdict (MixStepArgs): a one-element bool / uint8
+//     tensor on param's device; when it is set the groups' bias-correction steps are alt_bias_steps.
+struct StepCall {
+  OptKind kind = OptKind::None;
+  at::Tensor param;
+  c10::optional<at::Tensor> grad;
+  std::vector<at::Tensor> states;
+  c10::optional<at::Tensor> comm;
+  c10::optional<at::Tensor> send;
+  c10::optional<at::Tensor> segments;
+  std::vector<GroupHyper> groups;
+  double mix_a = 1.0;
+  double mix_b = 0.0;
+  double send_scale = 1.0;
+  double grad_scale = 1.0;
+  c10::optional<at::Tensor> grad_norm;
+  c10::optional<at::Tensor> scaler_scale;
+  double clip_norm = 0.0;
+  bool decoupled_weight_decay = false;
+  bool momentum_init = false;
+  bool accum_boundary = false;
+  bool skip_update = false;
+  bool zero_grad = false;
+  Compressor compressor = Compressor::None;
+  c10::optional<at::Tensor> q_recv;
+  c10::optional<at::Tensor> peer_copy;
+  c10::optional<at::Tensor> self_copy_mix;
+  double choco_mix = 0.0;
+  c10::optional<at::Tensor> q_send;
+  c10::optional<at::Tensor> self_copy_next;
+  c10::optional<at::Tensor> prev_skip;
+  std::vector<int64_t> alt_bias_steps;
+};
 
-// One fused compressed-gossip pass over a flat fp32 bucket (kernels/mix_and_step.h, "Compressed
-// gossip"): the received q into peer_copy and the mix p += choco_mix * (peer_copy - self_copy_mix),
-// the optimizer update (arguments as mix_and_step), then the next q = Q(p - self_copy_next) into
-// q_send with self_copy_next += D(q). q_recv / q_send: uint8 wire bytes of compressed_bytes(...)
-// (None: nothing received / nothing to send).
-void compressed_mix_and_step(OptKind kind, Compressor compressor, const at::Tensor& param,
-                             const c10::optional<at::Tensor>& grad, const std::vector<at::Tensor>& states,
-                             const c10::optional<at::Tensor>& segments, const std::vector<GroupHyper>& groups,
-                             const c10::optional<at::Tensor>& q_recv, const c10::optional<at::Tensor>& peer_copy,
-                             const c10::optional<at::Tensor>& self_copy_mix, double choco_mix,
-                             const c10::optional<at::Tensor>& q_send,
-                             const c10::optional<at::Tensor>& self_copy_next, double grad_scale,
-                             const c10::optional<at::Tensor>& grad_norm,
-                             const c10::optional<at::Tensor>& scaler_scale, double clip_norm,
-                             bool decoupled_weight_decay, bool momentum_init, bool accum_boundary,
-                             bool skip_update, bool zero_grad);
+void mix_and_step(const StepCall& call);
 
 // The group reduction of compressed gossip (kernels/mix_and_step.h, GroupReduceArgs) over the
 // chunk [lo, hi) of a bucket of self_copy.numel() elements: inputs are the m members' q (wire bytes

@@ -203,6 +203,12 @@ class CompressedGossip(GossipStrategy):
         self.stepped(b)
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def exchange_state(self) -> Optional[Dict[str, Any]]:
+        return self.state_dict()
+
+    def load_exchange_state(self, state: Optional[Dict[str, Any]]) -> None:
+        self.load_state_dict(state)
+
     def state_dict(self) -> Dict[str, Any]:
         """The tracked copies of every bucket (clones), by pair partner and by group; a bucket not
         stepped yet has none."""

@@ -22,7 +22,7 @@ from ..comm import CommGroup, Communicator, NonFiniteGradientError, peer_monitor
 from ..exchange import ExchangeSchedule
 from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs, SkipVerdict
 from ..topology import Group, Topology, make_topology
-from .bucket import Bucket
+from .bucket import Bucket, BucketPlan
 from .layout import BucketLayout, OptimFn, SchedulerFn
 from .strategy import BucketStrategy, Readiness
 
@@ -338,6 +338,71 @@ class GossipStrategy(BucketStrategy):
         assert self.hook_edges is not None  # BucketLayout.build refuses such optimizers otherwise
         edge = self.hook_edges[(group.ranks, group.weight)]
         hook(edge, edge.weight)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_state(self) -> Dict[str, Any]:
+        """The strategy's part of a training checkpoint: the step, the bucket layout, each bucket's
+        optimizer and scheduler state, the exchange in flight (completed first), the node mode and
+        the exchange's own state (:meth:`exchange_state`). Before the first iteration nothing has
+        stepped and the layout is provisional: no layout or optimizer state is saved, and loading
+        such a checkpoint leaves the layout to the trace."""
+        self.wait_all()
+        final = self.layout.final
+        plan = self.layout.plan if final else None
+        buckets = self.buckets if final else []
+        return {
+            "step": self.step,
+            "buckets": plan.buckets if plan is not None else None,
+            "optimizers": [b.state_optimizer.state_dict() for b in buckets],
+            "schedulers": [b.scheduler.state_dict() if b.scheduler is not None else None for b in buckets],
+            "exchange": [b.comm.clone() if b.comm_valid else None for b in buckets],
+            "skip_mix": [b.skip_mix for b in buckets],
+            "intra_node": self.name,
+            "compression": self.exchange_state(),
+        }
+
+    def check_resume(self, state: Dict[str, Any], local_world_size: int) -> None:
+        """Refuse a checkpoint whose per-rank state this strategy cannot take (the node mode, and for
+        node strategies the node size and the shard: each rank's optimizer state is its part)."""
+        saved = (state.get("intra_node", "gossip"), state.get("local_world_size"))
+        if saved[0] != self.name:
+            raise ValueError(f"checkpoint was saved with intra_node={saved[0]!r}, local_world_size={saved[1]}; this "
+                             f"run has intra_node={self.name!r}, local_world_size={local_world_size} (each rank's "
+                             "optimizer state is its own part)")
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
+        """Restore :meth:`checkpoint_state` (after :meth:`check_resume`; the model's values are loaded
+        by the wrapper after the layout, which this adopts first: see :meth:`adopt_layout`)."""
+        self.load_exchange_state(state.get("compression"))
+        for b, opt_sd, sch_sd, ex, skip in zip(self.buckets, state["optimizers"], state["schedulers"],
+                                               state["exchange"], state["skip_mix"]):
+            b.state_optimizer.load_state_dict(opt_sd)
+            if b.scheduler is not None and sch_sd is not None:
+                b.scheduler.load_state_dict(sch_sd)
+            if ex is not None:
+                b.comm.copy_(ex)
+            b.comm_valid = ex is not None
+            b.skip_mix = bool(skip)
+            b.gather_params()
+        self.step = int(state["step"])
+
+    def adopt_layout(self, state: Dict[str, Any]) -> None:
+        """The saved bucket layout, before the model's values are loaded into the buckets."""
+        self.wait_all()
+        saved = state["buckets"]
+        if saved is not None:
+            self.layout.adopt(BucketPlan([list(b) for b in saved]))
+
+    def exchange_state(self) -> Optional[Dict[str, Any]]:
+        """What the exchange keeps beyond the buckets (compressed gossip: the tracked public copies);
+        None for the plain exchange."""
+        return None
+
+    def load_exchange_state(self, state: Optional[Dict[str, Any]]) -> None:
+        if state is not None:
+            raise ValueError(f"the checkpoint was saved with compression={state['kind']!r}; this run has none "
+                             "(pass the same compression to resume)")
 
     # -- whole-model operations ----------------------------------------------------------------
     def mark_equal(self) -> None:

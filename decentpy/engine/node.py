@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import datetime
 import logging
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -128,6 +128,13 @@ class NodeGossip(GossipStrategy):
         node = self.setup.node
         assert isinstance(node, IntraNode), "internal error: a node strategy needs its node"
         return node
+
+    def check_resume(self, state: Dict[str, Any], local_world_size: int) -> None:
+        saved = (state.get("intra_node", "gossip"), state.get("local_world_size"))
+        if saved != (self.name, local_world_size):
+            raise ValueError(f"checkpoint was saved with intra_node={saved[0]!r}, local_world_size={saved[1]}; this "
+                             f"run has intra_node={self.name!r}, local_world_size={local_world_size} (each rank's "
+                             "optimizer state is its shard)")
 
     def connect(self, device: torch.device) -> None:
         self.node.connect(self.group, device)

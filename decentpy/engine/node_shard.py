@@ -39,6 +39,15 @@ class NodeShard(NodeGossip):
         size = numel // self.node.local
         return self.node.local_rank * size, (self.node.local_rank + 1) * size
 
+    def check_resume(self, state: Dict[str, Any], local_world_size: int) -> None:
+        super().check_resume(state, local_world_size)
+        if "rank" in state:
+            saved = int(state["rank"]) % self.node.local
+            if saved != self.node.local_rank:
+                raise ValueError(f"checkpoint was saved by rank {state['rank']}, which holds shard {saved} of every "
+                                 f"bucket (intra_node='shard'); this is rank {self.rank}, which holds shard "
+                                 f"{self.node.local_rank}: load each rank's checkpoint on a rank with the same local rank")
+
     def module_hooks(self, model: nn.Module) -> List[Any]:
         # The node's all-gather of the updated shards is in flight after a step: whoever reads the
         # parameters next (a forward of the model, with or without the wrapper; a state dict) waits.
