@@ -12,9 +12,9 @@ that the optimizer step is a large part of the iteration. In one run, timed with
 - ``decentpy``: ``DecentralizedDataParallel(topology='complete')`` in a world of one process: the
   forward and backward, with the fused step run bucket by bucket inside the backward; with the
   default non-finite check (a norm per bucket) and with ``nonfinite='ignore'``; with
-  ``--ablations`` also the default with each part of its path switched off in turn (the norm
-  taken while the gradients are copied in, the deferred skip verdicts, the release of consumed
-  gradients), and with all three off.
+  ``--ablations`` also the default with each part of its path flipped in turn (the norm taken
+  while the gradients are copied in, off by default, switched on; the deferred skip verdicts and
+  the release of consumed gradients switched off), and with all three off.
 
 Overhead = decentpy - torch: what the hooks, bucket bookkeeping and launches cost beyond the work
 torch does, as a fraction of torch's iteration (target < 5%) and of its step. The host
@@ -138,11 +138,14 @@ def main() -> int:
                             timeout=datetime.timedelta(seconds=60))
     results: Dict[str, Dict[str, float]] = {}
     # (setting, nonfinite, the norm from the copies, deferred verdicts, release of consumed gradients)
-    settings = [("skip", "skip", True, True, True), ("ignore", "ignore", True, True, True)]
+    defaults = (Bucket.norm_while_copying, GossipStrategy.defers_verdicts, Bucket.release_consumed_grads)
+    settings = [("skip", "skip", *defaults), ("ignore", "ignore", *defaults)]
     if args.ablations:
-        settings += [("skip, norm by a second pass", "skip", False, True, True),
-                     ("skip, verdicts read first", "skip", True, False, True),
-                     ("skip, gradients kept (added in place)", "skip", True, True, False),
+        copies, defer, release = defaults
+        settings += [("skip, norm while copying" if not copies else "skip, norm by a second pass", "skip",
+                      not copies, defer, release),
+                     ("skip, verdicts read first", "skip", copies, False, release),
+                     ("skip, gradients kept (added in place)", "skip", copies, defer, False),
                      ("skip, none of the three (the earlier path)", "skip", False, False, False)]
     try:
         for setting, nonfinite, copies, defer, release in settings:
@@ -165,7 +168,7 @@ def main() -> int:
             del ddp, model
             torch.cuda.empty_cache()
     finally:
-        Bucket.norm_while_copying = GossipStrategy.defers_verdicts = Bucket.release_consumed_grads = True
+        Bucket.norm_while_copying, GossipStrategy.defers_verdicts, Bucket.release_consumed_grads = defaults
         dist.destroy_process_group()
     t_ours, buckets = results["skip"]["ms"], int(results["skip"]["buckets"])
 

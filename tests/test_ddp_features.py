@@ -488,8 +488,10 @@ def test_deferred_verdicts_match_torch_through_a_skipped_step(opt: str, monkeypa
 
 # --- gradients handed over by autograd, their norm taken while copied into the bucket ------------
 
+@pytest.mark.parametrize("copying", [True, False], ids=["norm-while-copying", "norm-by-second-pass"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_clipping_and_skips_from_the_norms_taken_while_copying(dtype: torch.dtype) -> None:
+def test_clipping_and_skips_from_the_norms_taken_while_copying(dtype: torch.dtype, copying: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """After the first iterations the wrapper releases the gradients it consumed (``.grad`` None
     between the step and the next backward, so autograd hands each new gradient over instead of
     adding it to zeros), copies each into its bucket and takes the bucket's norm in the same pass.
@@ -501,7 +503,9 @@ def test_clipping_and_skips_from_the_norms_taken_while_copying(dtype: torch.dtyp
 
     from decentpy import DecentralizedDataParallel
     from decentpy import optim as O
+    from decentpy.engine.bucket import Bucket
 
+    monkeypatch.setattr(Bucket, "norm_while_copying", copying)  # both ways of taking the norm
     clip = 0.05
     model, ref = make_mlp(3).to(dtype), make_mlp(3).to(dtype)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)

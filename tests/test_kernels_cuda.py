@@ -331,6 +331,17 @@ def test_mix_and_step_matches_reference(case, dtype, numel, offset):
     run_case(dtype=dtype, numel=numel, offset=offset, **KIND_CASES[case])
 
 
+# More vectors than the grid has threads (132 SMs x 8 blocks x 256 threads on an H100/H200): the
+# boundary pass on a 2-byte type keeps two vectors a thread in flight, k and k + stride, and the
+# second one (and the last thread's lone first one) only exists past one grid's worth of vectors.
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_two_vectors_a_thread_match_reference(dtype, offset):
+    torch.manual_seed(11 + offset)
+    run_case(dtype=dtype, numel=3 * 2**20 * 4 + 4 * 1001 + 3, offset=offset,
+             **KIND_CASES["accum_adamw_boundary"])
+
+
 def _straddling_segments(numel):
     """Segments whose boundaries mostly fall inside 16-byte vectors (plus tiny ones)."""
     cuts = {0, numel}

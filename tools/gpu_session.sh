@@ -4,8 +4,8 @@
 # has its own time bound so that one slow step cannot eat the others; logs and CSVs go to $OUT.
 #
 #   OUT=/tmp/gpu BUDGET=560 bash tools/gpu_session.sh [steps...]
-#       steps: build tests nccl overhead bench kernels e2e train ncu pipe (default: all; they run
-#       in this order, the most wanted first, so that a budget cut drops the least)
+#       steps: build kernels overhead bench tests nccl e2e train lm ncu pipe toolchain (default: all;
+#       they run in this order, the most wanted first, so that a budget cut drops the least)
 #   E2E_K / KERNELS_K: pytest -k expressions for the e2e and CUDA-kernel steps (default: every test)
 #
 # BUDGET (seconds, default 560) bounds the whole script: each step's bound is cut to what is left
@@ -18,7 +18,7 @@ OUT="${OUT:-/tmp/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
 PY="${PYTHON:-python3}"
-STEPS="${*:-build tests nccl overhead bench kernels e2e train ncu pipe}"
+STEPS="${*:-build kernels overhead bench tests nccl e2e train lm ncu pipe toolchain}"
 BUDGET="${BUDGET:-560}"
 STATUS=/tmp/gpu_summary.txt
 : > "$STATUS"
@@ -68,19 +68,11 @@ fi
 
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 200 -o addopts="-ra")
 
-if want tests; then
-  # Issue 40 on the image's own CXX: the configuration report, the crash tests (refusals with
-  # integers in their message), the toolchain tests (a static-libstdc++ driver), the kernels' CPU tests.
-  TAIL=12 step tests_build 120 "${PYTEST[@]}" -n 8 tests/test_config_report.py tests/test_build_env.py \
-    tests/test_kernels_cpu.py
-  # Its slow test rebuilds with a static-libstdc++ driver as CXX (a relink when the same compiler is
-  # chosen as for the build above; the first GPU run of it did not finish in 150 s: see its log)
-  TAIL=12 step tests_toolchain 150 "${PYTEST[@]}" -v tests/test_build_toolchain.py
-fi
-
-if want nccl; then
-  # Under xdist: a crash (segfault) fails its test and the worker is replaced, so the others still run.
-  TAIL=12 step tests_test_nccl_comm 90 "${PYTEST[@]}" -v -n 2 tests/test_nccl_comm.py
+# The kernels first: a kernel change is checked against its CPU twin before it is timed.
+if want kernels; then
+  TAIL=6 step tests_test_kernels_cuda 120 "${PYTEST[@]}" -n 8 tests/test_kernels_cuda.py ${KERNELS_K:+-k "$KERNELS_K"}
+  TAIL=12 step tests_gpu 150 "${PYTEST[@]}" -v tests/test_gpu_wrapper.py tests/test_gpu_sharding.py \
+    "tests/test_compression.py::test_kernel_cuda_matches_cpu" "tests/test_compression.py::test_group_reduce_cuda_matches_cpu"
 fi
 
 if want overhead; then
@@ -95,10 +87,16 @@ if want bench; then
   step bench_kernels_cuda 100 "$PY" -m bench.bench_kernels_cuda --runs 20 --out-dir "$OUT"
 fi
 
-if want kernels; then
-  TAIL=6 step tests_test_kernels_cuda 120 "${PYTEST[@]}" -n 8 tests/test_kernels_cuda.py ${KERNELS_K:+-k "$KERNELS_K"}
-  TAIL=12 step tests_gpu 150 "${PYTEST[@]}" -v tests/test_gpu_wrapper.py tests/test_gpu_sharding.py \
-    "tests/test_compression.py::test_kernel_cuda_matches_cpu" "tests/test_compression.py::test_group_reduce_cuda_matches_cpu"
+if want tests; then
+  # Issue 40 on the image's own CXX: the configuration report, the crash tests (refusals with
+  # integers in their message), the toolchain tests (a static-libstdc++ driver), the kernels' CPU tests.
+  TAIL=12 step tests_build 120 "${PYTEST[@]}" -n 8 tests/test_config_report.py tests/test_build_env.py \
+    tests/test_kernels_cpu.py
+fi
+
+if want nccl; then
+  # Under xdist: a crash (segfault) fails its test and the worker is replaced, so the others still run.
+  TAIL=12 step tests_test_nccl_comm 90 "${PYTEST[@]}" -v -n 2 tests/test_nccl_comm.py
 fi
 
 if want e2e; then
@@ -111,6 +109,14 @@ if want train; then
     --epochs 3 --compare complete
   step train_1_nccl 50 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 examples/train_digits.py \
     --epochs 3 --topology complete --compare none --local-world-size 1
+fi
+
+if want lm; then
+  # examples/train_lm.py on the GPU: 4 workers sharing it over gloo, then one process on NCCL
+  step lm_4_shared 100 "$PY" -m torch.distributed.run --standalone --nproc_per_node=4 examples/train_lm.py \
+    --device cuda --tokens 1000000 --evals 4 --topology alternating-exp-ring --compression int8
+  step lm_1_nccl 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 examples/train_lm.py \
+    --device cuda --backend nccl --tokens 1000000 --evals 4 --local-world-size 1
 fi
 
 if want ncu; then
@@ -126,6 +132,12 @@ if want pipe; then
   # If time is left: the AsyncPipe 4-stage rows on this machine's 16 CPU cores (no GPU involved).
   step bench_pipe_4 90 "$PY" -m bench.bench_pipe --stages 4 --chunks 1,4,8 --rounds 4 --no-memory \
     --no-plot --out "$OUT/pipe"
+fi
+
+if want toolchain; then
+  # Its slow test rebuilds with a static-libstdc++ driver as CXX (a relink when the same compiler is
+  # chosen as for the build above; the first GPU run of it did not finish in 150 s: see its log)
+  TAIL=12 step tests_toolchain 150 "${PYTEST[@]}" -v tests/test_build_toolchain.py
 fi
 
 echo "== summary"
