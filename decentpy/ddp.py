@@ -22,10 +22,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .comm import CommGroup, agree_across_ranks, default_timeout
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
-from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, ownership
+from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, exchange_for, ownership
 from .compression import Compression, resolve_compression
 from .engine.bucket import Bucket
-from .engine.choco import COMPRESSED_STRATEGIES
 from .engine.layout import OptimFn, SchedulerFn
 from .grad_scaling import BucketGradScaling
 from .topology import Topology
@@ -102,8 +101,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
     FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
-    #: ``intra_node`` name -> strategy class (a subclass may extend a strategy, e.g. decentpy.elastic)
-    _strategy_classes = GOSSIP_STRATEGIES
+    #: the strategy's failure policy (decentpy.engine.failure.FAILURE_POLICIES); an elastic epoch's: "elastic"
+    _failure_policy = "raise"
 
     def __init__(
         self,
@@ -161,9 +160,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
         self._intra_node = intra_node
-        strategy = (self._strategy_classes[intra_node] if self._compression is None else
-                    COMPRESSED_STRATEGIES[intra_node])
-        extra = {"compression": self._compression} if self._compression is not None else {}
+        strategy = GOSSIP_STRATEGIES[intra_node]
         self._timeout = timeout if timeout is not None else default_timeout()
 
         self._model = model
@@ -198,7 +195,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._strategy: GossipStrategy = strategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
-                self._bucket_size, self._param_as_bucket_view, self._timeout, self._group, **extra)
+                self._bucket_size, self._param_as_bucket_view, self._timeout, self._group,
+                exchange=exchange_for(self._compression), failure=self._failure_policy)
             if self._compression is not None:
                 self._check_compressible()
             self._driver = BackwardDriver()
@@ -237,6 +235,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 "without pre_average_hook")
         if broadcast_parameters:
             self._broadcast_from_rank0()
+            self._strategy.replicas_equal = True
         self._strategy.connect(self._params[0].device)
         comm_ = select_communicator(comm, exchange_topology, self._timeout, device=self._params[0].device,
                                     group=self._group, liveness=peer_liveness_timeout,

@@ -374,7 +374,7 @@ def train_combo(rank: int, topo: str, opt: str, kind: str, steps: int, device: s
     b = ddp.buckets[0]
     out = {"flat": b.param_block.detach().cpu().clone(), "numel": b.numel, "n_buckets": len(ddp.buckets),
            "offsets": list(b.offsets), "sent": sent, "total_sent": ddp.bytes_sent, "memory": ddp._strategy.memory_bytes(),
-           "peers": list(ddp._strategy.peers)}
+           "peers": list(ddp._strategy.exchange.peers)}
     ddp.close()
     return out
 

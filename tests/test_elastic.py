@@ -412,6 +412,76 @@ def test_a_node_is_the_failure_domain(intra_node: str) -> None:
                 f"{intra_node}: {name} on member {m}: off by {(res[m]['final'][name] - w).abs().max():.3g}"
 
 
+def compressed_worker(member: int, port: int, intra_node: str, kill: int, at: int) -> Dict[str, Any]:
+    """int8 compressed gossip, elastic: ``intra_node='gossip'`` over 4 workers and a replacement
+    (member 4, admitted from step 10), or a node mode over three nodes of two; member ``kill``
+    SIGKILLs itself at step ``at``. After the first re-formation the loss is scaled by 0, so that
+    only the gossip moves the parameters: the members' mean must then stay where it was at the last
+    change (compressed gossip preserves it exactly when every rank's copy of each public value
+    agrees with its owner's: each epoch's copies start from zero on every member), while the
+    members move towards it."""
+    from decentpy.elastic import ElasticGossip, EvictedError, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    replacement = intra_node == "gossip"
+    if member == 4 and replacement:  # started with the others, asks to join once the survivors re-formed
+        _await_reformed(store)
+    model = make_mlp(0)
+    at_change: Dict[str, Any] = {}
+    nodes = {} if intra_node == "gossip" else dict(node_id=f"n{member // 2}", local_world_size=2)
+
+    def on_change(change: Any) -> None:
+        at_change.update(params=_params64(model), step=change.step, world_size=change.world_size)
+
+    eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology="ring",
+                       store=store, member_id=str(member), intra_node=intra_node, compression="int8",
+                       initial_workers=4 if intra_node == "gossip" else 6, timeout=datetime.timedelta(seconds=30),
+                       peer_liveness_timeout=datetime.timedelta(seconds=4), reform_timeout=datetime.timedelta(seconds=10),
+                       bucket_size_in_mb=0.0002, on_membership_change=on_change, **nodes)
+    try:
+        while True:
+            eg.update()
+            k = eg.step_count
+            if k >= STEPS:
+                break
+            if member == kill and k == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if replacement and k >= 10 and "4" not in eg.members:
+                _hold_until_admitted(eg, "4", 90, "the replacement")
+                continue
+            x, y = batch(member, k)
+            (loss_fn(eg(x), y) * (0.0 if at_change or member == 4 else 1.0)).backward()
+    except EvictedError as exc:
+        return {"evicted": str(exc)}
+    _wait_all_done(store, "test/done", 4)
+    return {"evicted": None, "members": eg.members, "at_change": at_change, "final": _params64(model)}
+
+
+@pytest.mark.parametrize("intra_node", ["gossip", "allreduce", "shard"])
+def test_compressed_gossip_survives_a_sigkill(intra_node: str) -> None:
+    """ElasticGossip(compression='int8'): a worker SIGKILLed at step 5, the survivors (with nodes:
+    the two whole nodes left) re-form and go on with compressed gossip, and (plain gossip) a
+    replacement joins; the members' mean is preserved exactly from the last change on (gossip alone
+    moves the parameters then), and they move towards it."""
+    members = list(range(5)) if intra_node == "gossip" else list(range(6))
+    kill = 2 if intra_node == "gossip" else 5
+    res = run_members(compressed_worker, members, (intra_node, kill, 5), timeout=150, expect_dead=[kill])
+    survivors = [m for m in members if m != kill and res[m]["evicted"] is None]
+    assert survivors == [0, 1, 3, 4] if intra_node == "gossip" else [0, 1, 2, 3], {m: r.get("evicted") for m, r in res.items()}
+    assert all(res[m]["members"] == tuple(str(v) for v in survivors) for m in survivors), res[survivors[0]]["members"]
+    starts = {res[m]["at_change"]["step"] for m in survivors}
+    assert len(starts) == 1 and 5 <= min(starts) < STEPS, starts
+    for name in res[survivors[0]]["final"]:
+        before = torch.stack([res[m]["at_change"]["params"][name] for m in survivors])
+        after = torch.stack([res[m]["final"][name] for m in survivors])
+        assert torch.isfinite(after).all(), name
+        assert torch.allclose(after.mean(0), before.mean(0), rtol=1e-5, atol=1e-6), \
+            f"{intra_node}: {name}: the survivors' mean moved by {(after.mean(0) - before.mean(0)).abs().max():.3g}"
+        spread_before = (before - before.mean(0)).abs().max()
+        spread_after = (after - after.mean(0)).abs().max()
+        assert spread_before > 0 and spread_after < 0.5 * spread_before, (name, float(spread_before), float(spread_after))
+
+
 def node_join_worker(member: int, port: int, intra_node: str) -> Dict[str, Any]:
     """Nodes n0 (members 0, 1) and n1 (2, 3); member 3 is SIGKILLed at step 4 (member 2 is evicted
     with it); once n0 trains alone, a replacement node n2 (members 4, 5, started by the test) joins

@@ -5,14 +5,14 @@
 - :mod:`.etcd` -- the same membership in an etcd cluster (:func:`~decentpy.elastic.etcd.connect_etcd`),
   where no single host may be trusted to stay up (imported on demand: it needs ``python-etcd``);
 - :mod:`.membership` -- member ids, heartbeats, and the agreement on each epoch's member list;
-- :mod:`.strategy` -- the gossip step that finishes locally when a peer fails;
+- the gossip step that finishes locally when a peer fails is the elastic failure policy of every
+  gossip strategy (:class:`decentpy.engine.failure.ElasticPolicy`);
 - :mod:`.wrapper` -- :class:`ElasticGossip`, one ``DecentralizedDataParallel`` per membership epoch.
 """
 
 from .membership import EvictedError, Formation, Membership, RendezvousError
 from .rendezvous import connect, serve
-from .strategy import ELASTIC_STRATEGIES, ElasticGossipStrategy, ElasticStrategy
 from .wrapper import ElasticGossip, MembershipChange
 
 __all__ = ["ElasticGossip", "MembershipChange", "Membership", "Formation", "RendezvousError", "EvictedError",
-           "ElasticStrategy", "ElasticGossipStrategy", "ELASTIC_STRATEGIES", "connect", "serve"]
+           "connect", "serve"]

@@ -29,7 +29,7 @@ from ..engine import GOSSIP_STRATEGIES
 from ..engine.layout import OptimFn, SchedulerFn
 from ..topology import Topology, TopologyError, make_topology, node_topology
 from .membership import EvictedError, Formation, Membership, RendezvousError
-from .strategy import ELASTIC_STRATEGIES, ElasticStrategy
+from ..engine.failure import ElasticPolicy
 
 __all__ = ["ElasticGossip", "MembershipChange"]
 
@@ -60,10 +60,16 @@ def _warm_up() -> None:
 
 
 class _EpochDDP(DecentralizedDataParallel):
-    """The inner wrapper of one epoch: gossip (plain, or of nodes) whose step degrades to local after
-    a peer failure."""
+    """The inner wrapper of one epoch: gossip (plain, of nodes, compressed or not) whose step degrades
+    to local after a peer failure (the elastic failure policy)."""
 
-    _strategy_classes = {**GOSSIP_STRATEGIES, **ELASTIC_STRATEGIES}
+    _failure_policy = ElasticPolicy.name
+
+    def elastic_policy(self) -> ElasticPolicy:
+        """The strategy's failure policy: the iteration's failure, and :meth:`ElasticPolicy.abandon`."""
+        policy = self._strategy.policy
+        assert isinstance(policy, ElasticPolicy), "internal error: an epoch's strategy runs the elastic policy"
+        return policy
 
 
 class ElasticGossip(nn.Module):
@@ -115,15 +121,11 @@ class ElasticGossip(nn.Module):
             raise ValueError("ElasticGossip does not take process_group=: it owns the default process group (one per "
                              "membership epoch, over every member); sub-group gossip is not elastic yet")
         intra_node = ddp_kwargs.get("intra_node", "gossip")
-        if intra_node not in ELASTIC_STRATEGIES:
-            raise ValueError(f"intra_node must be one of {', '.join(map(repr, ELASTIC_STRATEGIES))}, got {intra_node!r}")
+        if intra_node not in GOSSIP_STRATEGIES:
+            raise ValueError(f"intra_node must be one of {', '.join(map(repr, GOSSIP_STRATEGIES))}, got {intra_node!r}")
         if ddp_kwargs.get("comm", "torch") not in ("torch", "auto"):
             raise ValueError(f"ElasticGossip runs on gloo through torch.distributed (comm='torch'); comm="
                              f"{ddp_kwargs['comm']!r} (decentpy's NCCL communicator) is not elastic yet")
-        if ddp_kwargs.get("compression") is not None:
-            raise ValueError(f"ElasticGossip does not support compression={ddp_kwargs['compression']!r} yet: the "
-                             "public copies (per edge and per group) would have to be rebuilt for the new members at "
-                             "each membership change")
         if peer_liveness_timeout is None:
             raise ValueError("ElasticGossip needs heartbeats: peer_liveness_timeout cannot be None")
         if int(initial_workers) < 1:
@@ -224,9 +226,9 @@ class ElasticGossip(nn.Module):
         """Whether the last iteration met a peer failure. Waits for what the node still gathers of
         it first (``intra_node='shard'``: a dead partner shows there, and the forward must not run
         on half-gathered parameters)."""
-        strategy: ElasticStrategy = self._inner._strategy  # type: ignore[assignment]
-        strategy.wait_params()
-        return strategy.failure is not None
+        policy = self._inner.elastic_policy()
+        policy.wait_params()
+        return policy.failure is not None
 
     def update(self) -> Optional[MembershipChange]:
         """Apply a pending membership change now, e.g. at the top of the training loop, so that
@@ -277,7 +279,7 @@ class ElasticGossip(nn.Module):
         if self._closed:
             return
         self._closed = True
-        self._inner._strategy.abandon()  # type: ignore[attr-defined]
+        self._inner.elastic_policy().abandon()
         self._retire(self._inner)
         self._membership.stop()
 
@@ -340,22 +342,22 @@ class ElasticGossip(nn.Module):
     def _reform(self) -> None:
         t0 = time.monotonic()
         old_inner = self._inner
-        strategy: ElasticStrategy = old_inner._strategy  # type: ignore[assignment]
+        policy = old_inner.elastic_policy()
         assert self._membership.formation is not None
         old = self._membership.formation
-        failure = strategy.failure
+        failure = policy.failure
         suspected: List[str] = []
         if isinstance(failure, PeerUnreachableError):
             ranks = failure.ranks
             suspected = [old.members[r] for r in ranks if 0 <= r < len(old.members)]
-        strategy.abandon()
+        policy.abandon()
         state = old_inner.training_state_dict()
         self._retire(old_inner)
         # the failed iteration's gradients are not carried over (buckets whose node reduction failed
         # did not step, and left theirs): the new epoch starts from the parameters, as a new job would
         for p in self._model.parameters():
             p.grad = None
-        cause = (f"{type(failure).__name__} at step {strategy.failed_at}" if failure is not None
+        cause = (f"{type(failure).__name__} at step {policy.failed_at}" if failure is not None
                  else "a membership change announced by a peer")
         # end the peers' waits on this worker's abandoned exchanges (and on its node collectives) now
         from ..comm import peer_monitor
@@ -382,7 +384,10 @@ class ElasticGossip(nn.Module):
                 self._init_world(formation)
                 inner = self._build(broadcast=state is None and not joiner)
                 if state is not None:  # (its saved rank stays: with shards, its local rank must not change)
-                    inner.load_training_state_dict(dict(state, step=formation.step, world_size=len(formation.members)))
+                    # (the exchange's own state, compressed gossip's public copies, is per membership:
+                    # the new epoch's starts afresh, from zero, on every member alike)
+                    inner.load_training_state_dict(dict(state, step=formation.step, world_size=len(formation.members),
+                                                        rebuild_exchange=True))
                 if state is not None or joiner:
                     self._transfer(formation, known, inner, joiner)
                     self._sync_node(formation, inner)
@@ -445,7 +450,8 @@ class ElasticGossip(nn.Module):
         box: List[Any] = [None]
         dist.recv_object_list(box, src=src)
         # the sender's rank stays in the state: with shards it has this member's local rank (checked at load)
-        state = dict(box[0], world_size=len(formation.members))
+        # and the exchange's own state is per rank: this epoch's starts afresh (see _establish)
+        state = dict(box[0], world_size=len(formation.members), rebuild_exchange=True)
         inner.load_training_state_dict(state)
         return state
 
@@ -454,7 +460,7 @@ class ElasticGossip(nn.Module):
         their next iteration (an exchange still in flight with it ends at once, that step is local
         for them). The model keeps its parameters."""
         self._current()
-        self._inner._strategy.abandon()  # type: ignore[attr-defined]
+        self._inner.elastic_policy().abandon()
         from ..comm import peer_monitor
         monitor = peer_monitor()
         if monitor is not None:  # the others' waits on this worker end within a heartbeat

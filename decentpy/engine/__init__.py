@@ -4,14 +4,22 @@
   readiness, the end of backward, accumulation (``no_sync``), Join, bounded waits.
 - :mod:`.strategy`: :class:`BucketStrategy`, the typed interface: what happens to a ready bucket.
 - :mod:`.bucket` (one bucket type, one step path) and :mod:`.layout` (the gossip wrappers' buckets).
-- One module per strategy: :mod:`.gossip` (mix-and-step), :mod:`.node_allreduce` and
-  :mod:`.node_shard` (on what they share, :mod:`.node`), :mod:`.sharded_grads`
-  (``ShardedDataParallel``'s reduce to the owners).
+- :mod:`.gossip`: the gossip strategy, the per-bucket sequence once, composed of three parts with
+  one registry each: the node mode (the class: :mod:`.node_allreduce` and :mod:`.node_shard` on
+  :mod:`.node`; :data:`GOSSIP_STRATEGIES`), the exchange (:mod:`.exchanges`, :mod:`.choco`;
+  :data:`EXCHANGES`) and the failure policy (:mod:`.failure`; :data:`FAILURE_POLICIES`).
+- :mod:`.sharded_grads`: ``ShardedDataParallel``'s reduce to the owners.
 """
 
-from typing import Dict, Type
+import functools
+from typing import Callable, Dict, Optional, Type
+
+from ..compression import Compression
+from .choco import CompressedExchange
 
 from .driver import BackwardDriver, BoundedWait, DriverJoinHook
+from .exchanges import Exchange
+from .failure import FAILURE_POLICIES, ElasticPolicy, FailurePolicy
 from .gossip import GossipSetup, GossipStrategy
 from .node_allreduce import NodeAllReduce
 from .node_shard import NodeShard
@@ -21,6 +29,15 @@ from .strategy import BucketStrategy, Readiness
 #: strategy is its own module plus its line here.
 GOSSIP_STRATEGIES: Dict[str, Type[GossipStrategy]] = {cls.name: cls for cls in (GossipStrategy, NodeShard, NodeAllReduce)}
 
+#: exchange name -> class (a strategy's ``exchange=``): ``"plain"``, ``"compressed"`` (``compression=``)
+EXCHANGES: Dict[str, Type[Exchange]] = {cls.name: cls for cls in (Exchange, CompressedExchange)}
+
+
+def exchange_for(compression: Optional[Compression]) -> Callable[[GossipStrategy], Exchange]:
+    """The exchange a wrapper's ``compression=`` argument selects (a factory taking the strategy)."""
+    if compression is None:
+        return EXCHANGES["plain"]
+    return functools.partial(EXCHANGES["compressed"], compression=compression)
 
 
 def check_intra_node(mode: str) -> None:
@@ -30,4 +47,5 @@ def check_intra_node(mode: str) -> None:
 
 
 __all__ = ["check_intra_node", "BackwardDriver", "BoundedWait", "DriverJoinHook", "BucketStrategy", "Readiness", "GossipSetup",
-           "GossipStrategy", "NodeAllReduce", "NodeShard", "GOSSIP_STRATEGIES"]
+           "GossipStrategy", "NodeAllReduce", "NodeShard", "GOSSIP_STRATEGIES", "Exchange", "CompressedExchange",
+           "EXCHANGES", "exchange_for", "FailurePolicy", "ElasticPolicy", "FAILURE_POLICIES"]

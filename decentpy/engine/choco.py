@@ -17,18 +17,17 @@ of each other member), and sends ``q = Q(x_i - xhat_i^G')`` to the next group as
 of each chunk reduces it between the exchange's two rounds. Bytes sent per step: ``2 (m - 1) / m``
 wire sizes, against ``2 (m - 1) / m`` fp32 bucket sizes for the uncompressed group all-reduce.
 
-With ``intra_node='shard'`` / ``'allreduce'`` (:class:`CompressedNodeShard`,
-:class:`CompressedNodeAllReduce`) the node reduces the gradients as without compression and the
-compressed exchange runs between the ranks holding the same shard (or local rank) on the peer
-nodes: the inter-node traffic is what gets compressed, while the node collectives stay exact. The
-composition is the class's base order: this module's ``mix_and_step`` calls the node strategy's
-``grad_args`` (the node's mean gradient) and ``stepped`` (the all-gather of the updated shards).
+With ``intra_node='shard'`` / ``'allreduce'`` the node reduces the gradients as without compression
+and the compressed exchange runs between the ranks holding the same shard (or local rank) on the
+peer nodes: the inter-node traffic is what gets compressed, while the node collectives stay exact.
+:class:`CompressedExchange` is one part of the strategy (:mod:`decentpy.engine.exchanges`): the
+node mode and the failure policy are the strategy's others, whatever the exchange.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -39,12 +38,12 @@ from ..grad_scaling import UNSCALED
 from ..optim import CompressedPass
 from .bucket import Bucket
 from .choco_group import GroupExchange, GroupExchanger
-from .gossip import GossipStrategy
-from .node_allreduce import NodeAllReduce
-from .node_shard import NodeShard
+from .exchanges import Exchange
 
-__all__ = ["CompressedGossip", "CompressedNodeShard", "CompressedNodeAllReduce", "COMPRESSED_STRATEGIES",
-           "EdgeCopies", "wire_buffer_bytes"]
+if TYPE_CHECKING:
+    from .gossip import GossipStrategy
+
+__all__ = ["CompressedExchange", "EdgeCopies", "wire_buffer_bytes"]
 
 
 def slot_stride(wire: int) -> int:
@@ -74,6 +73,7 @@ class EdgeCopies:
     group_self: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)  # xhat_i^G
     group_mean: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)  # M^G
     result: Optional[Tensor] = None  # r of the last group exchange
+    owner: Optional[Any] = field(default=None, compare=False, repr=False)  # the bucket they belong to
 
     def slot(self, buf: Tensor, t: int) -> Tensor:
         """Slot t: ``wire`` bytes at a 4-byte aligned offset (see :func:`slot_stride`)."""
@@ -81,22 +81,21 @@ class EdgeCopies:
         return buf[start:start + self.wire]
 
 
-class CompressedGossip(GossipStrategy):
-    """Gossip whose exchanges carry compressed differences: point to point for a pair, a
-    reduce-scatter and an all-gather of compressed chunks for a larger group."""
+class CompressedExchange(Exchange):
+    """The compressed exchange (``compression=``): point to point for a pair, a reduce-scatter and an
+    all-gather of compressed chunks for a larger group; see the module."""
 
+    name = "compressed"
     defers_verdicts = False  # the compressed kernels read the host's step count
 
-    name = "gossip"
-
-    def __init__(self, *args: Any, compression: Compression, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, strategy: "GossipStrategy", compression: Compression) -> None:
+        super().__init__(strategy)
         self.compression = compression
         peers: List[int] = []
         groups: List[Tuple[int, ...]] = []
         slots = 0
-        for step in range(self.topology.period):
-            plan = self.plans.at(step)
+        for step in range(strategy.topology.period):
+            plan = strategy.plans.at(step)
             members = self.peers_at(plan)
             slots = max(slots, len(members))
             if len(members) == 1 and members[0] not in peers:
@@ -109,23 +108,26 @@ class CompressedGossip(GossipStrategy):
         self.groups: List[Tuple[int, ...]] = sorted(groups)
         #: receive slots per bucket: the most other members of any step
         self.slots = max(slots, 1)
+        self._copies: Dict[int, EdgeCopies] = {}  # bucket index -> its copies (created at its first pass)
         self._exchanger = GroupExchanger()
 
     def peers_at(self, plan: ExchangePlan) -> List[int]:
         """The other members of the plan's group, in rank order (the order of the receive slots)."""
-        return [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != self.rank]
+        rank = self.strategy.rank
+        return [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != rank]
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
         """Point to point only: pairs and the chunks of the group exchanges (no all-reduce)."""
-        return (any(len(g.ranks) > 1 for g in self.topology.unique_groups()), [])
+        return (any(len(g.ranks) > 1 for g in self.strategy.topology.unique_groups()), [])
 
     def close(self) -> None:
         self._exchanger.close()
-        super().close()
 
     # -- per-bucket state ----------------------------------------------------------------------
     def state_of(self, b: Bucket, create: bool = True) -> Optional[EdgeCopies]:
-        st: Optional[EdgeCopies] = getattr(b, "choco", None)
+        st = self._copies.get(b.index)
+        if st is not None and st.owner is not b:  # the layout was rebuilt: a new bucket at this index
+            st = None
         if st is None and create:
             if b.param.dtype != torch.float32:
                 raise ValueError(f"compression: bucket {b.index} holds {b.param.dtype} parameters; compressed gossip "
@@ -134,42 +136,48 @@ class CompressedGossip(GossipStrategy):
             b.gather_params()  # param_as_bucket_view=False: the block follows the (broadcast) parameters
             p = b.param.detach()
             wire = self.compression.wire_bytes(p.numel())
+            equal = self.strategy.replicas_equal
 
             def wire_buffer(slots: int) -> Tensor:
                 return torch.zeros(wire_buffer_bytes(slots, wire), dtype=torch.uint8, device=p.device)
 
-            st = EdgeCopies({j: p.clone() for j in self.peers}, {j: p.clone() for j in self.peers}, wire_buffer(1),
-                            wire, {g: p.clone() for g in self.groups}, {g: p.clone() for g in self.groups},
-                            wire_buffer(1) if self.groups else None)
+            # Every rank's copy of a public value must agree with its owner's: from the parameters only
+            # where every rank holds the same ones (broadcast at construction), else from zero (each
+            # rank's own parameters differ: an elastic epoch after a failure, broadcast_parameters=False)
+            def copy() -> Tensor:
+                return p.clone() if equal else torch.zeros_like(p)
+
+            st = EdgeCopies({j: copy() for j in self.peers}, {j: copy() for j in self.peers}, wire_buffer(1),
+                            wire, {g: copy() for g in self.groups}, {g: copy() for g in self.groups},
+                            wire_buffer(1) if self.groups else None, owner=b)
             b.comm = wire_buffer(self.slots)  # the receive bytes, slot t from the t-th other member
-            b.choco = st  # type: ignore[attr-defined]
+            self._copies[b.index] = st
         return st
 
     def memory_bytes(self) -> int:
         """Bytes of the tracked copies and the compressed buffers of every bucket (what compression adds)."""
         total = 0
-        for b in self.buckets:
+        for b in self.strategy.buckets:
             n, wire = b.param.numel(), self.compression.wire_bytes(b.param.numel())
             total += (2 * (len(self.peers) + len(self.groups)) * n * 4 + wire_buffer_bytes(self.slots, wire) +
                       wire * (2 if self.groups else 1))
         return total
 
-    # -- the per-bucket work -------------------------------------------------------------------
-    def mix_and_step(self, b: Bucket, local_step: bool, reduction: Optional[Any] = None) -> None:
-        self.wait_exchange(b)
+    # -- the bucket's pass and launch ----------------------------------------------------------
+    def mixing(self, b: Bucket, received: ExchangePlan, nxt: ExchangePlan) -> Dict[str, Any]:
+        s = self.strategy
         st = self.state_of(b)
         assert st is not None
-        received, nxt = self.plans.at(self.step), self.plans.at(self.step + 1)
         q_recv = peer_copy = self_mix = None
         gw = 0.0
         if b.comm_valid:
             members = self.peers_at(received)
             if not members:
-                raise RuntimeError(f"internal error: bucket {b.index} received an exchange at step {self.step} "
+                raise RuntimeError(f"internal error: bucket {b.index} received an exchange at step {s.step} "
                                    f"whose plan is {received!r}")
             if not b.skip_mix:  # the received q (or r) are applied either way: the copies must stay in step
                 gamma = float(self.compression.gamma)  # type: ignore[arg-type]
-                gw = self.adaptive_factor * gamma * received.group.neighbour_weight()
+                gw = s.adaptive_factor * gamma * received.group.neighbour_weight()
             if len(members) == 1:
                 q_recv, peer_copy, self_mix = st.slot(b.comm, 0), st.peer_copy[members[0]], st.self_copy[members[0]]
             else:  # x_i += gamma s (sum_j xhat_j - m xhat_i) = gamma s m (M - xhat_i)
@@ -177,44 +185,37 @@ class CompressedGossip(GossipStrategy):
                 q_recv, peer_copy, self_mix = st.result, st.group_mean[g], st.group_self[g]
                 gw *= len(g)
         elif received.mixes and not b.skip_mix:
-            raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
+            raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {s.step}")
         targets = self.peers_at(nxt)
         q_send = st.send if targets else None
         self_next = (None if not targets else st.self_copy[targets[0]] if len(targets) == 1 else
                      st.group_self[tuple(nxt.group.ranks)])
-        grads = self.grad_args(b, reduction) if local_step else UNSCALED
-        b.step(None, 1.0, 0.0, None, grads, local_step,
-               compressed=CompressedPass(self.compression.compressor, q_recv, peer_copy, self_mix, gw, q_send,
-                                         self_next), no_update=self.without_gradient(b, local_step))
-        b.comm_valid = False
-        b.skip_mix = False
-        assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
+        return {"recv": None, "mix_a": 1.0, "mix_b": 0.0, "send_scale": None,
+                "compressed": CompressedPass(self.compression.compressor, q_recv, peer_copy, self_mix, gw, q_send,
+                                             self_next)}
+
+    def launch(self, b: Bucket, nxt: ExchangePlan) -> Optional[Any]:
+        s = self.strategy
+        assert s.comm is not None, "internal error: the strategy has no communicator (attach() first)"
+        st = self.state_of(b, create=False)
+        assert st is not None
+        targets = self.peers_at(nxt)
         if len(targets) == 1:
-            b.work = self.comm.send_recv(b.index, targets[0], q_send, st.slot(b.comm, 0))
-            if hasattr(b.work, "step"):
-                b.work.step = self.step
-        elif targets:
-            assert q_send is not None and self_next is not None and st.result is not None
-            b.work = GroupExchange(self.comm, self._exchanger, b.index, nxt.group.ranks, self.rank, self.compression,
-                                   b.param.numel(), q_send, [st.slot(b.comm, t) for t in range(len(targets))],
-                                   st.result, self_next, self.timeout, self.step)
-        else:
-            b.work = None
-        self.stepped(b)
+            return s.comm.send_recv(b.index, targets[0], st.send, st.slot(b.comm, 0))
+        if targets:
+            assert st.result is not None
+            return GroupExchange(s.comm, self._exchanger, b.index, nxt.group.ranks, s.rank, self.compression,
+                                 b.param.numel(), st.send, [st.slot(b.comm, t) for t in range(len(targets))],
+                                 st.result, st.group_self[tuple(nxt.group.ranks)], s.timeout, s.step)
+        return None
 
     # -- checkpoints ---------------------------------------------------------------------------
-    def exchange_state(self) -> Optional[Dict[str, Any]]:
-        return self.state_dict()
-
-    def load_exchange_state(self, state: Optional[Dict[str, Any]]) -> None:
-        self.load_state_dict(state)
-
     def state_dict(self) -> Dict[str, Any]:
         """The tracked copies of every bucket (clones), by pair partner and by group; a bucket not
         stepped yet has none."""
         copies: List[Optional[Dict[int, Tuple[Tensor, Tensor]]]] = []
         group_copies: List[Optional[Dict[Tuple[int, ...], Tuple[Tensor, Tensor]]]] = []
-        for b in self.buckets:
+        for b in self.strategy.buckets:
             st = self.state_of(b, create=False)
             copies.append(None if st is None else
                           {j: (st.self_copy[j].clone(), st.peer_copy[j].clone()) for j in self.peers})
@@ -225,7 +226,6 @@ class CompressedGossip(GossipStrategy):
 
     @torch.no_grad()
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
-        """Restore :meth:`state_dict` (after the bucket layout was restored)."""
         if state is None:
             raise ValueError(f"the checkpoint was saved without compression; this run uses compression="
                              f"{self.compression.kind!r} (the tracked public copies are part of the state)")
@@ -236,14 +236,14 @@ class CompressedGossip(GossipStrategy):
                              f"{self.peers} and {self.groups}")
         if not state["copies"]:  # saved before the first iteration: nothing tracked yet
             return
-        if len(state["copies"]) != len(self.buckets):
+        buckets = self.strategy.buckets
+        if len(state["copies"]) != len(buckets):
             raise ValueError(f"the checkpoint has compressed-gossip copies for {len(state['copies'])} buckets, this "
-                             f"run has {len(self.buckets)}")
-        group_copies = state.get("group_copies") or [{} for _ in self.buckets]
-        for b, copies, gcopies in zip(self.buckets, state["copies"], group_copies):
+                             f"run has {len(buckets)}")
+        group_copies = state.get("group_copies") or [{} for _ in buckets]
+        for b, copies, gcopies in zip(buckets, state["copies"], group_copies):
             if copies is None:
-                if hasattr(b, "choco"):
-                    del b.choco  # type: ignore[attr-defined]
+                self._copies.pop(b.index, None)
                 continue
             st = self.state_of(b)
             assert st is not None
@@ -255,20 +255,3 @@ class CompressedGossip(GossipStrategy):
                 s, m = gcopies[g]
                 st.group_self[g].copy_(s)
                 st.group_mean[g].copy_(m)
-
-
-class CompressedNodeShard(CompressedGossip, NodeShard):
-    """``intra_node='shard'`` with compressed exchanges of the shards between the nodes."""
-
-    name = "shard"
-
-
-class CompressedNodeAllReduce(CompressedGossip, NodeAllReduce):
-    """``intra_node='allreduce'`` with compressed exchanges of the node means between the nodes."""
-
-    name = "allreduce"
-
-
-#: ``intra_node`` name -> the compressed-gossip strategy (``DecentralizedDataParallel(compression=...)``)
-COMPRESSED_STRATEGIES: Dict[str, Type[CompressedGossip]] = {
-    cls.name: cls for cls in (CompressedGossip, CompressedNodeShard, CompressedNodeAllReduce)}

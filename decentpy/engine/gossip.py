@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +23,8 @@ from ..exchange import ExchangeSchedule
 from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs, SkipVerdict
 from ..topology import Group, Topology, make_topology
 from .bucket import Bucket, BucketPlan
+from .exchanges import Exchange
+from .failure import FailurePolicy, make_failure_policy
 from .layout import BucketLayout, OptimFn, SchedulerFn
 from .strategy import BucketStrategy, Readiness
 
@@ -57,7 +59,7 @@ class GossipStrategy(BucketStrategy):
     #: the node's reduced gradient, and take its norm after the reduction)
     local_gradients = True
     #: a backward may step before the host has read the last iteration's skip verdicts (see
-    #: :meth:`begin_backward`); compressed gossip and elastic strategies always read them first
+    #: :meth:`begin_backward`); compressed gossip and the elastic failure policy always read them first
     defers_verdicts = True
 
     @classmethod
@@ -70,9 +72,13 @@ class GossipStrategy(BucketStrategy):
 
     def __init__(self, params: List[Tensor], names: List[str], optim_fn: OptimFn, scheduler_fn: Optional[SchedulerFn],
                  setup: GossipSetup, grad_scaling: BucketGradScaling, bucket_cap_bytes: int,
-                 param_as_bucket_view: bool, timeout: datetime.timedelta, group: CommGroup) -> None:
+                 param_as_bucket_view: bool, timeout: datetime.timedelta, group: CommGroup,
+                 exchange: Optional[Callable[["GossipStrategy"], Exchange]] = None, failure: str = "raise") -> None:
         """Local only (no collective): builds the buckets and their optimizers; :meth:`attach` then
-        gives the strategy its communicator."""
+        gives the strategy its communicator. Its parts: the node mode is the class
+        (:data:`~decentpy.engine.GOSSIP_STRATEGIES`); ``exchange`` makes the exchange
+        (:data:`~decentpy.engine.EXCHANGES`; default: the plain one); ``failure`` names the failure
+        policy (:data:`~decentpy.engine.failure.FAILURE_POLICIES`)."""
         self.setup = setup
         self.topology = setup.exchange_topology
         self.grad_scaling = grad_scaling
@@ -90,6 +96,13 @@ class GossipStrategy(BucketStrategy):
         self._prev_skip: Dict[int, Tensor] = {}  # bucket index -> its deferred skip flag (device)
         self._warned_no_grad: Set[str] = set()  # parameter names already reported without a gradient
         self.adaptive_factor = 1.0          # p <- (1-f) p + f mix(p)
+        #: every rank holds the same parameters (broadcast at construction): an exchange's state may
+        #: start from them (compressed gossip's public copies); False: it starts from zero
+        self.replicas_equal = False
+        #: what travels between the ranks, and what the kernel pass takes from it
+        self.exchange: Exchange = (exchange or Exchange)(self)
+        #: what a failed peer does to this strategy (every operation that can meet one runs through it)
+        self.policy: FailurePolicy = make_failure_policy(failure, self)
         self.layout = BucketLayout(params, names, optim_fn, scheduler_fn, bucket_cap_bytes, param_as_bucket_view,
                                    group, self.pad_multiple, self.shard_of)
 
@@ -107,11 +120,21 @@ class GossipStrategy(BucketStrategy):
         self.comm = comm
         self.hook_edges = hook_edges
         self.layout.pre_average_hook = hook_edges is not None
+        self.policy.attach(comm)
+
+    def node_reduction(self) -> Optional[Any]:
+        """The node's own collectives (:class:`~decentpy.engine.node.IntraNode`); None: every rank is a
+        gossip worker."""
+        return None
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
         """What the communicator must set up when it differs from what the topology's exchange
         plans use (None: the plans' needs, see :func:`decentpy.exchange.communication_needs`)."""
-        return None
+        return self.exchange.communication_needs()
+
+    def memory_bytes(self) -> int:
+        """Bytes the exchange keeps beyond the buckets (compressed gossip: its copies and buffers)."""
+        return self.exchange.memory_bytes()
 
     def connect(self, device: torch.device) -> None:
         """Collective set-up of the strategy's own groups, if any (every rank, at construction)."""
@@ -119,6 +142,7 @@ class GossipStrategy(BucketStrategy):
     def close(self) -> None:
         """Release what :meth:`connect` created, and the claim on the parameters (a torch optimizer
         may step them again)."""
+        self.exchange.close()
         self.layout.release()
 
     def module_hooks(self, model: nn.Module) -> List[Any]:
@@ -138,7 +162,7 @@ class GossipStrategy(BucketStrategy):
             raise RuntimeError(
                 f"rank {self.rank} joined before its first training iteration; every rank needs at least one "
                 "iteration (which fixes the bucket layout) before it runs out of data")
-        self.wait_params()
+        self.policy.wait_params()
         self.layout.moved_check()
         track = (self.local_gradients and self.grad_scaling.active and self.layout.final
                  and Bucket.norm_while_copying)
@@ -175,7 +199,8 @@ class GossipStrategy(BucketStrategy):
         if u is None or self._deferred is not None:
             return self.settle()
         verdict, stepped, step = u
-        if not self.defers_verdicts or verdict is None or verdict.ready():
+        defers = self.defers_verdicts and self.exchange.defers_verdicts and self.policy.defers_verdicts
+        if not defers or verdict is None or verdict.ready():
             return self.settle()
         # a fused step's outcome is the kernel's (stepped False: not known on the host); a torch
         # optimizer's step was decided on the host (its flag is the outcome)
@@ -194,7 +219,7 @@ class GossipStrategy(BucketStrategy):
         b = self.layout.buckets[bucket]
         if not joined:
             b.adopt_grads()  # every gradient in grad_block before its norm is taken
-        self.mix_and_step(b, not joined)
+        self.policy.bucket(b, not joined)
 
     def end_backward(self, joined: bool) -> None:
         self.settle()
@@ -264,27 +289,25 @@ class GossipStrategy(BucketStrategy):
     # -- the per-bucket work -------------------------------------------------------------------
     def mix_and_step(self, b: Bucket, local_step: bool, reduction: Optional[Any] = None) -> None:
         """Wait, plan, step (unless ``local_step`` is False: a joined worker), launch the next exchange.
-        ``reduction``: the bucket's gradient reduction in flight (see :meth:`grad_args`)."""
+        ``reduction``: the bucket's gradient reduction in flight (see :meth:`grad_args`). Run through
+        the failure policy (:meth:`FailurePolicy.bucket`), as are the operations it calls that can
+        meet a failed peer."""
         self.wait_exchange(b)
         received, nxt = self.plans.at(self.step), self.plans.at(self.step + 1)
-        recv: Optional[Tensor] = None
-        a, c = 1.0, 0.0
-        if received.mixes and not b.skip_mix:
-            if not b.comm_valid:
-                raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {self.step}")
-            self._pre_average_hook(b, received.group)
-            recv = b.comm
-            a, c = received.mix_coefficients(self.adaptive_factor)
-        grads = self.grad_args(b, reduction) if local_step else UNSCALED
-        b.step(recv, a, c, nxt.send_scale(), grads, local_step, prev_skip=self._prev_skip.get(b.index),
-               no_update=self.without_gradient(b, local_step))
+        mixing = self.exchange.mixing(b, received, nxt)
+        grads = self.policy.grad_args(b, reduction) if local_step else UNSCALED
+        b.step(grads=grads, local_step=local_step, no_update=self.without_gradient(b, local_step), **mixing)
         b.comm_valid = False
         b.skip_mix = False
-        assert self.comm is not None, "internal error: the strategy has no communicator (attach() first)"
-        b.work = nxt.launch(self.comm, b.index, b.param, b.comm)
+        b.work = self.exchange.launch(b, nxt)
         if b.work is not None and hasattr(b.work, "step"):
             b.work.step = self.step  # for a failure's message
-        self.stepped(b)
+        self.policy.stepped(b)
+
+    def deferred_skip_flag(self, b: Bucket) -> Optional[Tensor]:
+        """The device flag of the bucket's last update when its outcome is deferred (see
+        :meth:`_settle_or_defer`), for the kernel pass; None: the host knows it."""
+        return self._prev_skip.get(b.index)
 
     def without_gradient(self, b: Bucket, local_step: bool) -> int:
         """The parameters of ``b`` that got no gradient this iteration (a bit mask): they are mixed and
@@ -327,9 +350,9 @@ class GossipStrategy(BucketStrategy):
         self.settle()  # first: it needs no exchange, and a failed wait below must not lose it
         for b in self.buckets:
             self.wait_exchange(b)
-        self.wait_params()
+        self.policy.wait_params()
 
-    def _pre_average_hook(self, b: Bucket, group: Group) -> None:
+    def pre_average_hook(self, b: Bucket, group: Group) -> None:
         """decent-dp's extension point: ``optimizer.pre_average_hook(edge, weight)`` right before the
         bucket mixes with ``group`` (after its exchange completed, before the optimizer step)."""
         hook = getattr(b.optimizer, "pre_average_hook", None)
@@ -343,7 +366,7 @@ class GossipStrategy(BucketStrategy):
     def checkpoint_state(self) -> Dict[str, Any]:
         """The strategy's part of a training checkpoint: the step, the bucket layout, each bucket's
         optimizer and scheduler state, the exchange in flight (completed first), the node mode and
-        the exchange's own state (:meth:`exchange_state`). Before the first iteration nothing has
+        the exchange's own state (:meth:`Exchange.state_dict`). Before the first iteration nothing has
         stepped and the layout is provisional: no layout or optimizer state is saved, and loading
         such a checkpoint leaves the layout to the trace."""
         self.wait_all()
@@ -358,7 +381,7 @@ class GossipStrategy(BucketStrategy):
             "exchange": [b.comm.clone() if b.comm_valid else None for b in buckets],
             "skip_mix": [b.skip_mix for b in buckets],
             "intra_node": self.name,
-            "compression": self.exchange_state(),
+            "compression": self.exchange.state_dict(),
         }
 
     def check_resume(self, state: Dict[str, Any], local_world_size: int) -> None:
@@ -374,7 +397,8 @@ class GossipStrategy(BucketStrategy):
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`checkpoint_state` (after :meth:`check_resume`; the model's values are loaded
         by the wrapper after the layout, which this adopts first: see :meth:`adopt_layout`)."""
-        self.load_exchange_state(state.get("compression"))
+        if not state.get("rebuild_exchange", False):  # (an elastic epoch: new peers, the exchange starts afresh)
+            self.exchange.load_state_dict(state.get("compression"))
         for b, opt_sd, sch_sd, ex, skip in zip(self.buckets, state["optimizers"], state["schedulers"],
                                                state["exchange"], state["skip_mix"]):
             b.state_optimizer.load_state_dict(opt_sd)
@@ -394,18 +418,9 @@ class GossipStrategy(BucketStrategy):
         if saved is not None:
             self.layout.adopt(BucketPlan([list(b) for b in saved]))
 
-    def exchange_state(self) -> Optional[Dict[str, Any]]:
-        """What the exchange keeps beyond the buckets (compressed gossip: the tracked public copies);
-        None for the plain exchange."""
-        return None
-
-    def load_exchange_state(self, state: Optional[Dict[str, Any]]) -> None:
-        if state is not None:
-            raise ValueError(f"the checkpoint was saved with compression={state['kind']!r}; this run has none "
-                             "(pass the same compression to resume)")
-
     # -- whole-model operations ----------------------------------------------------------------
     def mark_equal(self) -> None:
         """All workers hold the same parameters: the next mix is the identity."""
+        self.replicas_equal = True
         for b in self.buckets:
             b.skip_mix = True

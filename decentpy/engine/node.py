@@ -136,6 +136,9 @@ class NodeGossip(GossipStrategy):
                              f"run has intra_node={self.name!r}, local_world_size={local_world_size} (each rank's "
                              "optimizer state is its shard)")
 
+    def node_reduction(self) -> IntraNode:
+        return self.node
+
     def connect(self, device: torch.device) -> None:
         self.node.connect(self.group, device)
 
@@ -165,13 +168,13 @@ class NodeGossip(GossipStrategy):
         reduction = self.start_reduction(b) if local_step else None
         previous, self._deferred = self._deferred, (b, local_step, reduction)
         if previous is not None:
-            self.mix_and_step(*previous)
+            self.policy.bucket(*previous)
 
     def end_backward(self, joined: bool) -> None:
         try:
             if self._deferred is not None:  # the last bucket's reduction
                 previous, self._deferred = self._deferred, None
-                self.mix_and_step(*previous)
+                self.policy.bucket(*previous)
             super().end_backward(joined)
         finally:
             self.node.end_iteration()

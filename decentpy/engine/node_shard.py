@@ -51,7 +51,7 @@ class NodeShard(NodeGossip):
     def module_hooks(self, model: nn.Module) -> List[Any]:
         # The node's all-gather of the updated shards is in flight after a step: whoever reads the
         # parameters next (a forward of the model, with or without the wrapper; a state dict) waits.
-        wait = self.wait_params
+        wait = self.policy.wait_params  # through the failure policy: a dead node peer ends it
         return [model.register_forward_pre_hook(lambda *_: wait()),
                 model.register_state_dict_pre_hook(lambda *_: wait())]
 
