@@ -22,7 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .comm import CommGroup, agree_across_ranks, default_timeout
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
-from .engine import GOSSIP_STRATEGIES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, exchange_for, ownership
+from .engine import NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, exchange_for, ownership
 from .compression import Compression, resolve_compression
 from .engine.bucket import Bucket
 from .engine.layout import OptimFn, SchedulerFn
@@ -160,7 +160,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         self._local_world_size = int(lws)
         self._intra_node = intra_node
-        strategy = GOSSIP_STRATEGIES[intra_node]
+        node_mode = NODE_MODES[intra_node]
         self._timeout = timeout if timeout is not None else default_timeout()
 
         self._model = model
@@ -179,7 +179,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         try:
             # Pure functions of the sizes and the topology argument; a rank given another topology
             # fails here alone, which the agreement below reports on every rank.
-            setup = strategy.configure(topology, self._rank, self._world_size, self._local_world_size,
+            setup = node_mode.configure(topology, self._rank, self._world_size, self._local_world_size,
                                        self._timeout)
             self._topology = setup.topology
             exchange_topology = setup.exchange_topology
@@ -193,10 +193,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 resolve_comm(comm, self._params[0].device, self._group)
             self._check_dense_gradients()
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
-            self._strategy: GossipStrategy = strategy(
+            self._strategy: GossipStrategy = GossipStrategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
                 self._bucket_size, self._param_as_bucket_view, self._timeout, self._group,
-                exchange=exchange_for(self._compression), failure=self._failure_policy)
+                node=node_mode, exchange=exchange_for(self._compression), failure=self._failure_policy)
             if self._compression is not None:
                 self._check_compressible()
             self._driver = BackwardDriver()
@@ -223,7 +223,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         # on every rank (a rank with another bucket size or topology would abort or hang in gloo).
         agree_across_ranks(failure, settings, "DecentralizedDataParallel", group=self._process_group,
                            explain={"model": _model_differs, "optimizer defines pre_average_hook": _hook_differs})
-        if wants_edges and not strategy.exchanges_whole_model:  # the same verdict on every rank (checked above)
+        if wants_edges and not self._strategy.exchanges_whole_model:  # the same verdict on every rank (checked above)
             raise ValueError(
                 f"optimizers with decent-dp's pre_average_hook see each exchange of the whole model; with "
                 f"intra_node={intra_node!r} the exchanges carry shards or node means: use intra_node='gossip' or an "

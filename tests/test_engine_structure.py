@@ -32,12 +32,31 @@ def test_the_driver_does_not_branch_on_a_strategy() -> None:
     assert not words.findall(ast.unparse(tree))
 
 
-def test_gossip_strategies_are_registered_by_intra_node_name() -> None:
-    from decentpy.engine import GOSSIP_STRATEGIES, BucketStrategy, GossipStrategy
+def test_one_gossip_strategy_composed_of_registered_parts() -> None:
+    """One gossip strategy class; its node mode, exchange and failure policy are parts, one registry
+    each, keyed by the names the wrappers take (intra_node=, compression=, the elastic wrapper)."""
+    import importlib
+    import pkgutil
 
-    assert list(GOSSIP_STRATEGIES) == ["gossip", "shard", "allreduce"]
-    for name, cls in GOSSIP_STRATEGIES.items():
-        assert issubclass(cls, GossipStrategy) and issubclass(cls, BucketStrategy) and cls.name == name
+    import decentpy.engine as engine
+    from decentpy.engine import (EXCHANGES, FAILURE_POLICIES, NODE_MODES, BucketStrategy, Exchange, FailurePolicy,
+                                 GossipStrategy, NodeMode)
+
+    assert list(NODE_MODES) == ["gossip", "shard", "allreduce"]
+    assert list(EXCHANGES) == ["plain", "compressed"] and list(FAILURE_POLICIES) == ["raise", "elastic"]
+    for registry, base in ((NODE_MODES, NodeMode), (EXCHANGES, Exchange), (FAILURE_POLICIES, FailurePolicy)):
+        for name, cls in registry.items():
+            assert issubclass(cls, base) and cls.name == name, (name, cls)
+    for mod in pkgutil.iter_modules(engine.__path__):
+        importlib.import_module(f"decentpy.engine.{mod.name}")
+    seen, todo = set(), [BucketStrategy]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub.__module__.startswith("decentpy.") and sub not in seen:
+                seen.add(sub)
+                todo.append(sub)
+    assert {cls.__name__ for cls in seen} == {"GossipStrategy", "ShardedGrads"}, seen
+    assert GossipStrategy in seen
 
 
 def test_the_engine_imports_no_private_name_from_another_package() -> None:

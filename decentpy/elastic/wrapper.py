@@ -25,7 +25,7 @@ from torch import nn
 
 from ..comm import PeerTimeoutError, PeerUnreachableError
 from ..ddp import DecentralizedDataParallel
-from ..engine import GOSSIP_STRATEGIES
+from ..engine import NODE_MODES
 from ..engine.layout import OptimFn, SchedulerFn
 from ..topology import Topology, TopologyError, make_topology, node_topology
 from .membership import EvictedError, Formation, Membership, RendezvousError
@@ -121,8 +121,8 @@ class ElasticGossip(nn.Module):
             raise ValueError("ElasticGossip does not take process_group=: it owns the default process group (one per "
                              "membership epoch, over every member); sub-group gossip is not elastic yet")
         intra_node = ddp_kwargs.get("intra_node", "gossip")
-        if intra_node not in GOSSIP_STRATEGIES:
-            raise ValueError(f"intra_node must be one of {', '.join(map(repr, GOSSIP_STRATEGIES))}, got {intra_node!r}")
+        if intra_node not in NODE_MODES:
+            raise ValueError(f"intra_node must be one of {', '.join(map(repr, NODE_MODES))}, got {intra_node!r}")
         if ddp_kwargs.get("comm", "torch") not in ("torch", "auto"):
             raise ValueError(f"ElasticGossip runs on gloo through torch.distributed (comm='torch'); comm="
                              f"{ddp_kwargs['comm']!r} (decentpy's NCCL communicator) is not elastic yet")

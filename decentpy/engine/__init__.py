@@ -5,8 +5,8 @@
 - :mod:`.strategy`: :class:`BucketStrategy`, the typed interface: what happens to a ready bucket.
 - :mod:`.bucket` (one bucket type, one step path) and :mod:`.layout` (the gossip wrappers' buckets).
 - :mod:`.gossip`: the gossip strategy, the per-bucket sequence once, composed of three parts with
-  one registry each: the node mode (the class: :mod:`.node_allreduce` and :mod:`.node_shard` on
-  :mod:`.node`; :data:`GOSSIP_STRATEGIES`), the exchange (:mod:`.exchanges`, :mod:`.choco`;
+  one registry each: the node mode (:mod:`.node`, :mod:`.node_allreduce`, :mod:`.node_shard`;
+  :data:`NODE_MODES`), the exchange (:mod:`.exchanges`, :mod:`.choco`;
   :data:`EXCHANGES`) and the failure policy (:mod:`.failure`; :data:`FAILURE_POLICIES`).
 - :mod:`.sharded_grads`: ``ShardedDataParallel``'s reduce to the owners.
 """
@@ -20,14 +20,15 @@ from .choco import CompressedExchange
 from .driver import BackwardDriver, BoundedWait, DriverJoinHook
 from .exchanges import Exchange
 from .failure import FAILURE_POLICIES, ElasticPolicy, FailurePolicy
-from .gossip import GossipSetup, GossipStrategy
+from .gossip import GossipStrategy
+from .node import GossipSetup, NodeMode, NodeReduction
 from .node_allreduce import NodeAllReduce
 from .node_shard import NodeShard
 from .strategy import BucketStrategy, Readiness
 
-#: ``DecentralizedDataParallel(intra_node=...)`` name -> strategy. The registration: a new gossip
-#: strategy is its own module plus its line here.
-GOSSIP_STRATEGIES: Dict[str, Type[GossipStrategy]] = {cls.name: cls for cls in (GossipStrategy, NodeShard, NodeAllReduce)}
+#: ``DecentralizedDataParallel(intra_node=...)`` name -> node mode (a strategy's ``node=``). The
+#: registration: a new node mode is its own module plus its line here.
+NODE_MODES: Dict[str, Type[NodeMode]] = {cls.name: cls for cls in (NodeMode, NodeShard, NodeAllReduce)}
 
 #: exchange name -> class (a strategy's ``exchange=``): ``"plain"``, ``"compressed"`` (``compression=``)
 EXCHANGES: Dict[str, Type[Exchange]] = {cls.name: cls for cls in (Exchange, CompressedExchange)}
@@ -41,11 +42,12 @@ def exchange_for(compression: Optional[Compression]) -> Callable[[GossipStrategy
 
 
 def check_intra_node(mode: str) -> None:
-    """ValueError naming ``mode`` and the valid ``intra_node`` choices (the registered strategies)."""
-    if mode not in GOSSIP_STRATEGIES:
-        raise ValueError(f"intra_node must be one of {', '.join(map(repr, GOSSIP_STRATEGIES))}, got {mode!r}")
+    """ValueError naming ``mode`` and the valid ``intra_node`` choices (the registered node modes)."""
+    if mode not in NODE_MODES:
+        raise ValueError(f"intra_node must be one of {', '.join(map(repr, NODE_MODES))}, got {mode!r}")
 
 
 __all__ = ["check_intra_node", "BackwardDriver", "BoundedWait", "DriverJoinHook", "BucketStrategy", "Readiness", "GossipSetup",
-           "GossipStrategy", "NodeAllReduce", "NodeShard", "GOSSIP_STRATEGIES", "Exchange", "CompressedExchange",
+           "GossipStrategy", "NodeMode", "NodeReduction", "NodeAllReduce", "NodeShard", "NODE_MODES", "Exchange",
+           "CompressedExchange",
            "EXCHANGES", "exchange_for", "FailurePolicy", "ElasticPolicy", "FAILURE_POLICIES"]

@@ -14,7 +14,8 @@ takes from it (:meth:`Exchange.mixing`) and the launch of the next exchange
 
 Adding an exchange: subclass :class:`Exchange`, override :meth:`~Exchange.mixing` and
 :meth:`~Exchange.launch` (and the state methods if it keeps any), register it in
-:data:`decentpy.engine.EXCHANGES`.
+:data:`decentpy.engine.EXCHANGES`. An exchange is handed the strategy it serves; this module imports
+:class:`~decentpy.engine.gossip.GossipStrategy` for type checking only.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ instead of subclassing every strategy:
   the survivors before the next forward (:mod:`decentpy.elastic`).
 
 Adding a policy: subclass :class:`FailurePolicy`, override the operations it guards, register it
-in :data:`FAILURE_POLICIES`.
+in :data:`FAILURE_POLICIES`. A policy is handed the strategy it serves; this module imports
+:class:`~decentpy.engine.gossip.GossipStrategy` for type checking only.
 """
 
 from __future__ import annotations

@@ -1,18 +1,21 @@
-"""Gossip mix-and-step (``intra_node='gossip'``, the default): every rank is a gossip worker.
+"""The gossip strategy: bucket-by-bucket mix-and-step inside the backward, composed of parts.
 
 When a bucket's gradients are ready: wait (bounded) for the bucket's exchange launched last
-iteration, ask the exchange plans of this step and the next (:mod:`decentpy.exchange`) for the mix
-coefficients and the send scale, run one kernel pass over the bucket (mix, unscale/clip, the
-optimizer update, zero the gradient, write the next send buffer), and launch the next exchange --
-while autograd keeps computing the earlier layers. The node strategies
-(:mod:`~decentpy.engine.node`) reuse this step on the node's reduced gradient.
+iteration, ask the exchange plans of this step and the next (:mod:`decentpy.exchange`) and the
+exchange part what the kernel pass mixes and sends, run one kernel pass over the bucket (mix,
+unscale/clip, the optimizer update, zero the gradient, write the next send buffer), and launch the
+next exchange -- while autograd keeps computing the earlier layers. The sequence is written once,
+here (:meth:`GossipStrategy.mix_and_step`); what varies is one of three parts, each with one
+registry: the node mode (:mod:`~decentpy.engine.node`: every rank a worker, or the node reduces
+first), the exchange (:mod:`~decentpy.engine.exchanges`: plain or compressed) and the failure
+policy (:mod:`~decentpy.engine.failure`: raise, or elastic).
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -21,62 +24,37 @@ from .. import kernels
 from ..comm import CommGroup, Communicator, NonFiniteGradientError, peer_monitor
 from ..exchange import ExchangeSchedule
 from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs, SkipVerdict
-from ..topology import Group, Topology, make_topology
+from ..topology import Group
 from .bucket import Bucket, BucketPlan
 from .exchanges import Exchange
 from .failure import FailurePolicy, make_failure_policy
+from .node import GossipSetup, NodeMode
 from .layout import BucketLayout, OptimFn, SchedulerFn
 from .strategy import BucketStrategy, Readiness
 
 if TYPE_CHECKING:
     from ..topology_edges import Edge
 
-__all__ = ["GossipSetup", "GossipStrategy"]
+__all__ = ["GossipStrategy"]
 
 logger = logging.getLogger(__name__)
-
-
-class GossipSetup(NamedTuple):
-    """What a gossip strategy works over: the topology the user sees, the schedule of exchanges
-    over every rank of the group, and the node (None: every rank is a gossip worker)."""
-
-    topology: Topology
-    exchange_topology: Topology
-    node: Optional[Any] = None
 
 
 class GossipStrategy(BucketStrategy):
     """Bucket-by-bucket mix-and-step inside backward, with exchanges overlapping compute."""
 
-    #: the ``intra_node`` name
-    name = "gossip"
-    #: a bucket's element count is padded to a multiple of this
-    pad_multiple = 1
-    #: each exchange carries this rank's whole model (decent-dp's ``pre_average_hook`` can see it)
-    exchanges_whole_model = True
-    #: the step's gradient is this rank's own, in the bucket's block: its norm can be taken while the
-    #: gradients are copied in, and a parameter without one is not updated (node strategies step
-    #: the node's reduced gradient, and take its norm after the reduction)
-    local_gradients = True
     #: a backward may step before the host has read the last iteration's skip verdicts (see
     #: :meth:`begin_backward`); compressed gossip and the elastic failure policy always read them first
     defers_verdicts = True
 
-    @classmethod
-    def configure(cls, topology: Union[str, Topology], rank: int, size: int, local_world_size: int,
-                  timeout: datetime.timedelta) -> GossipSetup:
-        """The topologies (and node) for ``size`` ranks of ``local_world_size`` per node; pure
-        functions of the sizes, so they raise identically on every rank."""
-        t = make_topology(topology, size, local_world_size)
-        return GossipSetup(t, t)
-
     def __init__(self, params: List[Tensor], names: List[str], optim_fn: OptimFn, scheduler_fn: Optional[SchedulerFn],
                  setup: GossipSetup, grad_scaling: BucketGradScaling, bucket_cap_bytes: int,
                  param_as_bucket_view: bool, timeout: datetime.timedelta, group: CommGroup,
+                 node: Callable[["GossipStrategy"], NodeMode] = NodeMode,
                  exchange: Optional[Callable[["GossipStrategy"], Exchange]] = None, failure: str = "raise") -> None:
         """Local only (no collective): builds the buckets and their optimizers; :meth:`attach` then
-        gives the strategy its communicator. Its parts: the node mode is the class
-        (:data:`~decentpy.engine.GOSSIP_STRATEGIES`); ``exchange`` makes the exchange
+        gives the strategy its communicator. Its parts: ``node`` makes the node mode
+        (:data:`~decentpy.engine.NODE_MODES`; its ``configure`` made ``setup``); ``exchange`` makes the exchange
         (:data:`~decentpy.engine.EXCHANGES`; default: the plain one); ``failure`` names the failure
         policy (:data:`~decentpy.engine.failure.FAILURE_POLICIES`)."""
         self.setup = setup
@@ -103,12 +81,25 @@ class GossipStrategy(BucketStrategy):
         self.exchange: Exchange = (exchange or Exchange)(self)
         #: what a failed peer does to this strategy (every operation that can meet one runs through it)
         self.policy: FailurePolicy = make_failure_policy(failure, self)
+        #: what the ranks of a node do together (before the layout: it pads and shards the buckets)
+        self.node_mode: NodeMode = node(self)
         self.layout = BucketLayout(params, names, optim_fn, scheduler_fn, bucket_cap_bytes, param_as_bucket_view,
-                                   group, self.pad_multiple, self.shard_of)
+                                   group, self.node_mode.pad_multiple, self.node_mode.shard_of)
 
-    def shard_of(self, numel: int) -> Optional[Tuple[int, int]]:
-        """The part of a bucket of ``numel`` elements this rank steps: None, all of it."""
-        return None
+    @property
+    def name(self) -> str:
+        """The ``intra_node`` name (the node mode's)."""
+        return self.node_mode.name
+
+    @property
+    def local_gradients(self) -> bool:
+        """The step's gradient is this rank's own (see :attr:`NodeMode.local_gradients`)."""
+        return self.node_mode.local_gradients
+
+    @property
+    def exchanges_whole_model(self) -> bool:
+        """Each exchange carries this rank's whole model (see :attr:`NodeMode.exchanges_whole_model`)."""
+        return self.node_mode.exchanges_whole_model
 
     @property
     def buckets(self) -> List[Bucket]:
@@ -125,7 +116,7 @@ class GossipStrategy(BucketStrategy):
     def node_reduction(self) -> Optional[Any]:
         """The node's own collectives (:class:`~decentpy.engine.node.IntraNode`); None: every rank is a
         gossip worker."""
-        return None
+        return self.node_mode.node_reduction()
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
         """What the communicator must set up when it differs from what the topology's exchange
@@ -138,16 +129,18 @@ class GossipStrategy(BucketStrategy):
 
     def connect(self, device: torch.device) -> None:
         """Collective set-up of the strategy's own groups, if any (every rank, at construction)."""
+        self.node_mode.connect(device)
 
     def close(self) -> None:
         """Release what :meth:`connect` created, and the claim on the parameters (a torch optimizer
         may step them again)."""
+        self.node_mode.close()
         self.exchange.close()
         self.layout.release()
 
     def module_hooks(self, model: nn.Module) -> List[Any]:
         """Hooks the strategy needs on the wrapped model (handles, removed by the wrapper's close)."""
-        return []
+        return self.node_mode.module_hooks(model)
 
     # -- the driver's interface ----------------------------------------------------------------
     def readiness(self) -> Optional[Readiness]:
@@ -170,6 +163,7 @@ class GossipStrategy(BucketStrategy):
             b.reset_iteration()
             if track and b.whole and b.grad.dtype in kernels.KERNEL_DTYPES:
                 b.track_grad_norms()
+        self.node_mode.begin_iteration(in_join, active)
 
     def stray_grad(self, index: int) -> None:
         raise RuntimeError(self._twice_message(index))
@@ -216,18 +210,19 @@ class GossipStrategy(BucketStrategy):
         self._prev_skip = {b.index: verdict.flag(b.index) for b, _ in uncertain}  # type: ignore[misc]
 
     def bucket_ready(self, bucket: int, joined: bool) -> None:
-        b = self.layout.buckets[bucket]
-        if not joined:
-            b.adopt_grads()  # every gradient in grad_block before its norm is taken
-        self.policy.bucket(b, not joined)
+        self.node_mode.bucket_ready(self.layout.buckets[bucket], joined)
 
     def end_backward(self, joined: bool) -> None:
-        self.settle()
-        verdict = self.grad_scaling.end_iteration()  # copied to the host without waiting
-        self._unsettled = (verdict, [(b, b.take_stepped()) for b in self.buckets], self.step)
-        self.step += 1
-        if self.grad_scaling.nonfinite == "raise" and self.grad_scaling.scaler is None:
-            self.settle()  # raise in this iteration, on every rank (waits for the verdict)
+        try:
+            self.node_mode.end_backward(joined)  # what the node mode still holds (the last reduction)
+            self.settle()
+            verdict = self.grad_scaling.end_iteration()  # copied to the host without waiting
+            self._unsettled = (verdict, [(b, b.take_stepped()) for b in self.buckets], self.step)
+            self.step += 1
+            if self.grad_scaling.nonfinite == "raise" and self.grad_scaling.scaler is None:
+                self.settle()  # raise in this iteration, on every rank (waits for the verdict)
+        finally:
+            self.node_mode.end_iteration()
 
     def settle(self) -> None:
         """Apply the last iteration's outcome: each bucket's step counter and LR scheduler move if
@@ -326,12 +321,12 @@ class GossipStrategy(BucketStrategy):
         return mask
 
     def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:
-        """How the kernel scales the bucket's gradient (its norm taken on the device, if needed)."""
-        norm = b.copied_grad_norm() if self.local_gradients else None
-        return self.grad_scaling.bucket_args(b.index, b.grad, norm=norm)
+        """How the kernel scales the bucket's gradient (the node mode's: after the node's reduction)."""
+        return self.node_mode.grad_args(b, reduction)
 
     def stepped(self, b: Bucket) -> None:
-        """After the bucket's step and the launch of its exchange."""
+        """After the bucket's step and the launch of its exchange (the node mode's)."""
+        self.node_mode.stepped(b)
 
     def wait_exchange(self, b: Bucket) -> None:
         if b.work is not None:
@@ -341,10 +336,12 @@ class GossipStrategy(BucketStrategy):
 
     def wait_params(self) -> None:
         """Wait for whatever still writes the parameters after a step (before they are used again)."""
+        self.node_mode.wait_params()
 
     def drop_node_work(self) -> None:
-        """Forget the node's own collectives in flight without waiting (a node strategy after one of
-        them failed: the rest will never complete). Plain gossip has none."""
+        """Forget the node's own collectives in flight without waiting (after one of them failed: the
+        rest will never complete)."""
+        self.node_mode.drop_work()
 
     def wait_all(self) -> None:
         self.settle()  # first: it needs no exchange, and a failed wait below must not lose it
@@ -386,12 +383,8 @@ class GossipStrategy(BucketStrategy):
 
     def check_resume(self, state: Dict[str, Any], local_world_size: int) -> None:
         """Refuse a checkpoint whose per-rank state this strategy cannot take (the node mode, and for
-        node strategies the node size and the shard: each rank's optimizer state is its part)."""
-        saved = (state.get("intra_node", "gossip"), state.get("local_world_size"))
-        if saved[0] != self.name:
-            raise ValueError(f"checkpoint was saved with intra_node={saved[0]!r}, local_world_size={saved[1]}; this "
-                             f"run has intra_node={self.name!r}, local_world_size={local_world_size} (each rank's "
-                             "optimizer state is its own part)")
+        node reductions the node size and the shard: each rank's optimizer state is its part)."""
+        self.node_mode.check_resume(state, local_world_size)
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .bucket import Bucket
-from .node import NodeGossip
+from .node import NodeReduction
 
 __all__ = ["NodeAllReduce"]
 
 
-class NodeAllReduce(NodeGossip):
+class NodeAllReduce(NodeReduction):
     """Gossip of node means: an in-place all-reduce of each bucket's gradient block over the node."""
 
     name = "allreduce"

@@ -11,28 +11,31 @@ node use their links at once. Buckets are padded to a multiple of ``L`` elements
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
 
 from ..grad_scaling import GradArgs
 from .bucket import Bucket
-from .node import NodeGossip
+from .node import NodeReduction
+
+if TYPE_CHECKING:
+    from .gossip import GossipStrategy
 
 __all__ = ["NodeShard"]
 
 
-class NodeShard(NodeGossip):
+class NodeShard(NodeReduction):
     """Each rank of a node steps and gossips its ``1/L`` shard of every bucket."""
 
     name = "shard"
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, strategy: "GossipStrategy") -> None:
+        super().__init__(strategy)
         self._gathers: Dict[int, Any] = {}  # the node's all-gathers in flight, by bucket
-        super().__init__(*args, **kwargs)
 
     @property
-    def pad_multiple(self) -> int:  # type: ignore[override]
+    def pad_multiple(self) -> int:
         return self.node.local
 
     def shard_of(self, numel: int) -> Optional[Tuple[int, int]]:
@@ -45,13 +48,13 @@ class NodeShard(NodeGossip):
             saved = int(state["rank"]) % self.node.local
             if saved != self.node.local_rank:
                 raise ValueError(f"checkpoint was saved by rank {state['rank']}, which holds shard {saved} of every "
-                                 f"bucket (intra_node='shard'); this is rank {self.rank}, which holds shard "
+                                 f"bucket (intra_node='shard'); this is rank {self.strategy.rank}, which holds shard "
                                  f"{self.node.local_rank}: load each rank's checkpoint on a rank with the same local rank")
 
     def module_hooks(self, model: nn.Module) -> List[Any]:
         # The node's all-gather of the updated shards is in flight after a step: whoever reads the
         # parameters next (a forward of the model, with or without the wrapper; a state dict) waits.
-        wait = self.policy.wait_params  # through the failure policy: a dead node peer ends it
+        wait = self.strategy.policy.wait_params  # through the failure policy: a dead node peer ends it
         return [model.register_forward_pre_hook(lambda *_: wait()),
                 model.register_state_dict_pre_hook(lambda *_: wait())]
 
@@ -65,7 +68,7 @@ class NodeShard(NodeGossip):
     def grad_args(self, b: Bucket, reduction: Optional[Any]) -> GradArgs:
         self.node.mean(reduction, b.grad)
         b.grad_block.zero_()  # the shard's gradient has a buffer of its own; the block starts the next iteration
-        return self.grad_scaling.bucket_args(b.index, b.grad, self._node_squared_norm)
+        return self.strategy.grad_scaling.bucket_args(b.index, b.grad, self._node_squared_norm)
 
     def _node_squared_norm(self, shard_sq: Tensor) -> Tensor:
         """The node's sum of the shards' squared gradient norms (the whole bucket's), so that every
@@ -82,14 +85,14 @@ class NodeShard(NodeGossip):
         else:  # a node of one rank: its shard is the whole block
             b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
 
-    def drop_node_work(self) -> None:
+    def drop_work(self) -> None:
         """Forget the node's work in flight, the all-gathers of updated shards included (a worker of
         the node died: the node leaves the membership whole)."""
-        super().drop_node_work()
+        super().drop_work()
         self._gathers = {}
 
     def wait_params(self) -> None:
-        for b in self.buckets:
+        for b in self.strategy.buckets:
             work = self._gathers.pop(b.index, None)
             if work is not None:
                 self.node.wait(work, f"the node's all-gather of bucket {b.index}'s updated shards")
