@@ -530,6 +530,43 @@ def _join(rank: int, topology: str = "ring") -> torch.Tensor:
     return out
 
 
+def _skip_and_resume(rank: int) -> Dict[str, Any]:
+    """int8 ring, nonfinite='skip' (the default), with a NaN loss on rank 1 at step 1, and a
+    checkpoint at step 3 resumed in a fresh wrapper: the skipped update (that rank mixes and sends,
+    steps nothing) and the resume, in one run; the continuous run's parameters, and whether the
+    resumed run's equal them bit for bit."""
+    from decentpy import Compression, DecentralizedDataParallel
+
+    def make() -> DecentralizedDataParallel:
+        return DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("sgd"), topology="ring",
+                                         compression=Compression("int8", gamma=GAMMA))
+
+    def run(ddp: DecentralizedDataParallel, ks: range) -> None:
+        for k in ks:
+            x, y = batch(rank, k)
+            loss = loss_fn(ddp(x), y)
+            (loss * float("nan") if (rank, k) == (1, 1) else loss).backward()
+
+    a = make()
+    run(a, range(3))
+    buf = io.BytesIO()
+    torch.save(a.training_state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=False)
+    run(a, range(3, 6))
+    a.wait()
+    want = a.buckets[0].param_block.detach().clone()
+    skipped = a.stats()["skipped_bucket_updates"]
+    a.close()
+    b = make()
+    b.load_training_state_dict(sd)
+    run(b, range(3, 6))
+    b.wait()
+    got = b.buckets[0].param_block.detach().clone()
+    b.close()
+    return {"params": want, "resumed_equal": bool(torch.equal(got, want)), "skipped": skipped}
+
+
 def _all(rank: int, world: int) -> Dict[str, Any]:
     torch.set_num_threads(1)
     return {"train": {c: train_combo(rank, *c, STEPS) for c in COMBOS},
@@ -539,7 +576,7 @@ def _all(rank: int, world: int) -> Dict[str, Any]:
                      "int8-buckets": _linear_mean_buckets(rank)},
             "ckpt": {**{k: _checkpoint(rank, k) for k in ("int8", "bf16")},
                      "int8-aer": _checkpoint(rank, "int8", "alternating-exp-ring")},
-            "refusals": _refusals(rank)}
+            "skip_resume": _skip_and_resume(rank), "refusals": _refusals(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -726,6 +763,28 @@ def test_join_matches_float64_reference(results: List[Dict[str, Any]]) -> None:
     want, stats = simulate_choco(models, opts, grads, group_schedule("complete", n), "int8", GAMMA, 2 + n - 1)
     for rank, r in enumerate(results):
         check_close(r["join_group"], want[rank], stats["unit"], f"join (complete) rank {rank}")
+
+
+def test_skipped_update_and_resume_match_float64_reference(results: List[Dict[str, Any]]) -> None:
+    """Compression x nonfinite='skip' x resume (a pair the other tests leave out): rank 1's step-1
+    update is skipped (its gradient not finite) while it still mixes and sends -- the float64
+    CHOCO re-computation with no gradient for that rank at that step -- and a checkpoint taken two
+    steps later resumes to the same bits."""
+    n = 4
+    models = [make_mlp(0).double() for _ in range(n)]
+    opts = [REF_OPTIMIZERS["sgd"](m) for m in models]
+
+    def grads(i: int, k: int, m: nn.Module) -> None:
+        if (i, k) != (1, 1):
+            x, y = batch(i, k)
+            loss_fn(m(x.double()), y.double()).backward()
+
+    want, stats = simulate_choco(models, opts, grads, pair_schedule(ring_partner(n)), "int8", GAMMA, 6)
+    for rank, r in enumerate(results):
+        sr = r["skip_resume"]
+        assert sr["resumed_equal"], f"rank {rank}: the resumed run differs from the continuous one"
+        assert sr["skipped"] == (1 if rank == 1 else 0), (rank, sr["skipped"])
+        check_close(sr["params"], want[rank], stats["unit"], f"skip + resume rank {rank}")
 
 
 def test_checkpoint_resume_is_exact(results: List[Dict[str, Any]]) -> None:
