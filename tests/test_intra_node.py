@@ -38,6 +38,7 @@ SCENARIOS_4: Dict[str, tuple] = {
     "shard-noview-adam": ("shard", 2, "ring", "adam", 0.0002),
     "shard-rmsprop": ("shard", 2, "complete", "rmsprop", 0.0002),
     "shard-scaler-inf-sgd": ("shard", 2, "complete", "sgd", 0.0002),
+    "allreduce-join-scaler-sgd": ("allreduce", 2, "ring", "sgd", 0.0002),
 }
 INF_RANK, INF_STEP = 1, 2  # in 'shard-scaler-inf-sgd' this rank's loss is inf at this iteration
 SCENARIOS_8: Dict[str, tuple] = {
@@ -235,6 +236,15 @@ def test_join_uneven_inputs(results_4) -> None:
     """Rank 1 runs out after 3 iterations: node 0's gradient is then rank 0's alone."""
     data = [lambda k: [0, 1] if k < JOIN_STOP else [0], [2, 3]]
     _check_node_scenario(results_4, "shard-join-adam", SCENARIOS_4["shard-join-adam"], data=data)
+
+
+def test_join_with_a_grad_scaler_on_node_allreduce(results_4) -> None:
+    """Pairs the other scenarios leave out (issue 43): Join x GradScaler, and intra_node='allreduce'
+    with each. Rank 1 runs out after 3 iterations (node 0's gradient is then rank 0's alone) while a
+    GradScaler scales every loss: the node-level float64 reference of the unscaled run."""
+    data = [lambda k: [0, 1] if k < JOIN_STOP else [0], [2, 3]]
+    _check_node_scenario(results_4, "allreduce-join-scaler-sgd", SCENARIOS_4["allreduce-join-scaler-sgd"],
+                         data=data)
 
 
 def test_grad_scaler_and_clipping(results_4) -> None:
