@@ -84,6 +84,7 @@ class Bucket:
     comm_valid: bool = False          # comm holds a completed exchange for the next mix
     skip_mix: bool = True             # workers are known equal: the next mix is the identity
     stepped: Optional[bool] = None    # a local step ran: None (no), or whether it was skipped (host view)
+    exchange_state: Optional[Any] = None  # what the strategy's exchange keeps for this bucket (compressed: copies)
     # gradients: consumed by the last step (the next backward must not accumulate into them), and
     # the squared norms of the gradients copied in this iteration (see adopt_grad)
     consumed: bool = False

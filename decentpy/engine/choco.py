@@ -34,7 +34,6 @@ from torch import Tensor
 
 from ..compression import Compression
 from ..exchange import ExchangePlan, NoExchange
-from ..grad_scaling import UNSCALED
 from ..optim import CompressedPass
 from .bucket import Bucket
 from .choco_group import GroupExchange, GroupExchanger
@@ -73,7 +72,6 @@ class EdgeCopies:
     group_self: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)  # xhat_i^G
     group_mean: Dict[Tuple[int, ...], Tensor] = field(default_factory=dict)  # M^G
     result: Optional[Tensor] = None  # r of the last group exchange
-    owner: Optional[Any] = field(default=None, compare=False, repr=False)  # the bucket they belong to
 
     def slot(self, buf: Tensor, t: int) -> Tensor:
         """Slot t: ``wire`` bytes at a 4-byte aligned offset (see :func:`slot_stride`)."""
@@ -108,7 +106,6 @@ class CompressedExchange(Exchange):
         self.groups: List[Tuple[int, ...]] = sorted(groups)
         #: receive slots per bucket: the most other members of any step
         self.slots = max(slots, 1)
-        self._copies: Dict[int, EdgeCopies] = {}  # bucket index -> its copies (created at its first pass)
         self._exchanger = GroupExchanger()
 
     def peers_at(self, plan: ExchangePlan) -> List[int]:
@@ -125,9 +122,7 @@ class CompressedExchange(Exchange):
 
     # -- per-bucket state ----------------------------------------------------------------------
     def state_of(self, b: Bucket, create: bool = True) -> Optional[EdgeCopies]:
-        st = self._copies.get(b.index)
-        if st is not None and st.owner is not b:  # the layout was rebuilt: a new bucket at this index
-            st = None
+        st: Optional[EdgeCopies] = b.exchange_state  # (a rebuilt layout's buckets start without)
         if st is None and create:
             if b.param.dtype != torch.float32:
                 raise ValueError(f"compression: bucket {b.index} holds {b.param.dtype} parameters; compressed gossip "
@@ -149,9 +144,9 @@ class CompressedExchange(Exchange):
 
             st = EdgeCopies({j: copy() for j in self.peers}, {j: copy() for j in self.peers}, wire_buffer(1),
                             wire, {g: copy() for g in self.groups}, {g: copy() for g in self.groups},
-                            wire_buffer(1) if self.groups else None, owner=b)
+                            wire_buffer(1) if self.groups else None)
             b.comm = wire_buffer(self.slots)  # the receive bytes, slot t from the t-th other member
-            self._copies[b.index] = st
+            b.exchange_state = st
         return st
 
     def memory_bytes(self) -> int:
@@ -243,7 +238,7 @@ class CompressedExchange(Exchange):
         group_copies = state.get("group_copies") or [{} for _ in buckets]
         for b, copies, gcopies in zip(buckets, state["copies"], group_copies):
             if copies is None:
-                self._copies.pop(b.index, None)
+                b.exchange_state = None
                 continue
             st = self.state_of(b)
             assert st is not None

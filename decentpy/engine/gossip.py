@@ -51,11 +51,11 @@ class GossipStrategy(BucketStrategy):
                  setup: GossipSetup, grad_scaling: BucketGradScaling, bucket_cap_bytes: int,
                  param_as_bucket_view: bool, timeout: datetime.timedelta, group: CommGroup,
                  node: Callable[["GossipStrategy"], NodeMode] = NodeMode,
-                 exchange: Optional[Callable[["GossipStrategy"], Exchange]] = None, failure: str = "raise") -> None:
+                 exchange: Callable[["GossipStrategy"], Exchange] = Exchange, failure: str = "raise") -> None:
         """Local only (no collective): builds the buckets and their optimizers; :meth:`attach` then
         gives the strategy its communicator. Its parts: ``node`` makes the node mode
         (:data:`~decentpy.engine.NODE_MODES`; its ``configure`` made ``setup``); ``exchange`` makes the exchange
-        (:data:`~decentpy.engine.EXCHANGES`; default: the plain one); ``failure`` names the failure
+        (:data:`~decentpy.engine.EXCHANGES`; the plain one by default); ``failure`` names the failure
         policy (:data:`~decentpy.engine.failure.FAILURE_POLICIES`)."""
         self.setup = setup
         self.topology = setup.exchange_topology
@@ -78,7 +78,7 @@ class GossipStrategy(BucketStrategy):
         #: start from them (compressed gossip's public copies); False: it starts from zero
         self.replicas_equal = False
         #: what travels between the ranks, and what the kernel pass takes from it
-        self.exchange: Exchange = (exchange or Exchange)(self)
+        self.exchange: Exchange = exchange(self)
         #: what a failed peer does to this strategy (every operation that can meet one runs through it)
         self.policy: FailurePolicy = make_failure_policy(failure, self)
         #: what the ranks of a node do together (before the layout: it pads and shards the buckets)
