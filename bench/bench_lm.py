@@ -256,8 +256,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--docs", action="store_true", help="also copy the CSVs and the plot into docs/")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--from-csv", default=None, metavar="PATH",
-                   help="train nothing: summarise, plot (and with --docs publish) the rows of an earlier run's bench_lm.csv")
+    p.add_argument("--from-csv", default=None, metavar="PATH[,PATH...]",
+                   help="train nothing: summarise, plot (and with --docs publish) the rows of earlier runs' "
+                        "bench_lm.csv files (comma-separated: e.g. one run per seed or per link, merged)")
     p.add_argument("--quick", action="store_true",
                    help="smoke mode: ddp and aer on loopback, 2 evaluations of a tiny budget")
     args = p.parse_args(argv)
@@ -284,11 +285,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows: List[Dict[str, Any]] = []
     total = 0 if args.from_csv else len(arms) * len(links) * len(seeds)
     if args.from_csv:
-        rows = read_rows(Path(args.from_csv))
-        machine_line = rows[0].get("machine", "") if rows else ""
+        for path in (p for p in args.from_csv.split(",") if p):
+            rows += read_rows(Path(path))
+        machines = list(dict.fromkeys(r.get("machine", "") for r in rows))
+        machine_line = "; ".join(m for m in machines if m)
     else:
         from examples.lm.corpus import load_corpus
         print(load_corpus(args.corpus).describe())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from examples.lm.loop import COLUMNS
+    stamp = {"machine": machine_line if args.from_csv else
+             f"{machine.get('cpu', '')}, {machine.get('cores', '')} cores, torch {machine.get('torch', '')}"}
+
+    def stamped(rs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        # a row read back keeps the machine it was measured on (merged runs may come from several)
+        return [dict(r, machine=r.get("machine") or stamp["machine"]) for r in rs]
+
     done = 0
     for link in (links if total else []):
         for seed in seeds:
@@ -305,6 +318,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"{last['wall_s']:.1f} s, {last['bytes_sent_per_worker'] / 2**20:.1f} MiB sent per worker "
                       f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
                 rows += got
+                # after every run, so that a run cut short (a restart, a timeout) keeps what it measured
+                write_csv(out / "bench_lm.csv", list(COLUMNS) + ["machine"], stamped(rows))
     summary = summarize(rows)
     print(f"\n{'link':11} {'arm':16} {'final bits/byte':>15} {'vs DDP':>8} {'to target s':>12} {'speedup':>8}"
           f" {'to common s':>12} {'speedup':>8}")
@@ -317,13 +332,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{s['link']:11} {s['arm']:16} {s['final_val_bits_per_byte']:15.4f} {vs:>8} {tt:>12} {sp:>8}"
               f" {tc:>12} {sc:>8}")
     print_targets(targets(summary))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from examples.lm.loop import COLUMNS
-    stamp = {"machine": machine_line if args.from_csv else
-             f"{machine.get('cpu', '')}, {machine.get('cores', '')} cores, torch {machine.get('torch', '')}"}
     if not args.from_csv:
-        write_csv(out / "bench_lm.csv", list(COLUMNS) + ["machine"], [dict(r, **stamp) for r in rows])
+        write_csv(out / "bench_lm.csv", list(COLUMNS) + ["machine"], stamped(rows))
         print(f"wrote {out / 'bench_lm.csv'}")
     fields = list(summary[0]) + ["machine"] if summary else ["machine"]
     write_csv(out / "bench_lm_summary.csv", fields, [dict(s, **stamp) for s in summary])
@@ -332,8 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if png is not None:
         print(f"wrote {png}")
     if args.docs:
-        write_csv(ROOT / "docs" / "data" / "bench_lm.csv", list(COLUMNS) + ["machine"],
-                  [dict(r, **stamp) for r in rows])
+        write_csv(ROOT / "docs" / "data" / "bench_lm.csv", list(COLUMNS) + ["machine"], stamped(rows))
         write_csv(ROOT / "docs" / "data" / "bench_lm_summary.csv", list(DOCS_COLUMNS), docs_rows(summary))
         if png is not None:
             shutil.copy(png, ROOT / "docs" / "bench_lm.png")

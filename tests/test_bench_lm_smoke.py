@@ -58,3 +58,30 @@ def test_summary_against_a_hand_computation() -> None:
     assert aer["speedup_vs_ddp_to_target"] == pytest.approx(3.2 / want)
     assert aer["final_val_bits_per_byte"] == pytest.approx(1.9)
     assert aer["vs_ddp_final"] == pytest.approx(1.9 / 2.95 - 1)
+
+
+def test_from_csv_merges_runs_and_keeps_each_rows_machine(tmp_path) -> None:
+    """The full table is run in parts (a seed, a link at a time): ``--from-csv a,b`` summarises their
+    rows together -- two seeds give one summary row per arm with ``seeds`` 2 and the mean of their
+    final losses -- and each row keeps the machine it was measured on."""
+    import csv
+
+    from bench.bench_lm import main
+    from bench.common.tables import write_csv
+    from examples.lm.loop import COLUMNS
+
+    fields = list(COLUMNS) + ["machine"]
+    for seed, machine, ddp, aer in ((0, "machine A", [5.0, 4.0, 3.0, 2.9], [5.0, 3.05, 2.0, 1.9]),
+                                    (1, "machine B", [5.0, 4.0, 3.2, 3.0], [5.0, 3.5, 3.09, 2.1])):
+        rows = _rows("ddp", seed, ddp, [1, 2, 3, 4]) + _rows("decentpy", seed, aer, [1, 2, 3, 4],
+                                                               topology="alternating-exp-ring")
+        write_csv(tmp_path / f"s{seed}.csv", fields, [dict({c: r.get(c) for c in COLUMNS}, machine=machine)
+                                                       for r in rows])
+    out = tmp_path / "out"
+    assert main(["--from-csv", f"{tmp_path / 's0.csv'},{tmp_path / 's1.csv'}", "--no-plot", "--out", str(out)]) == 0
+    with open(out / "bench_lm_summary.csv", newline="") as fh:
+        summary = {r["arm"]: r for r in csv.DictReader(fh)}
+    assert int(summary["ddp"]["seeds"]) == 2 and int(summary["aer"]["seeds"]) == 2
+    assert float(summary["ddp"]["final_val_bits_per_byte"]) == pytest.approx(2.95)
+    assert float(summary["aer"]["final_val_bits_per_byte"]) == pytest.approx(2.0)
+    assert summary["aer"]["machine"] == "machine A; machine B"
