@@ -25,7 +25,6 @@ Exits 0 with "no CUDA device, skipping" when there is no GPU.
 """
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 
 from bench.common.plots import finish_axes, finish_figure, pyplot
 from bench.common.tables import write_outputs
+from tools.cuda_sync import time_ms
 
 COPY_TARGET = 0.85
 SPEEDUP_TARGET = 2.0
@@ -52,21 +52,6 @@ def load_ext():
     if not info.get("cuda_kernels", False):
         return None, "decentpy._C was built without CUDA kernels"
     return kernels, ""
-
-
-def time_ms(fn, runs, warmup):
-    """Median milliseconds of fn() on the current stream, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def copy_ms(total_bytes, runs, warmup):

@@ -28,7 +28,7 @@ from .engine.bucket import Bucket
 from .engine.layout import OptimFn, SchedulerFn
 from .grad_scaling import BucketGradScaling
 from .topology import Topology
-from .topology_edges import hook_edges
+from .topology import hook_edges
 
 logger = logging.getLogger(__name__)
 

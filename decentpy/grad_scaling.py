@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _C
+import decentpy._C as _C  # the compiled extension (a module of the package, not its __init__)
 
 
 @dataclass(frozen=True)

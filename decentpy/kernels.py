@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _C
+import decentpy._C as _C  # the compiled extension (a module of the package, not its __init__)
 
 __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "StepArgs", "step", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes",
            "group_reduce", "wire_regions", "mix", "scale_copy", "NORM_SLOTS",

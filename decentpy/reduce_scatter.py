@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from . import _C
+import decentpy._C as _C  # the compiled extension (a module of the package, not its __init__)
 from .comm import or_world
 
 logger = logging.getLogger(__name__)

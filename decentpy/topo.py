@@ -1,18 +1,5 @@
-"""decent-dp's module path ``decent_dp.topo``: its names, bound to decentpy's topology core.
+"""decent-dp's module path ``decent_dp.topo``: an alias of :mod:`decentpy.topology.decent_dp`
+(``from decentpy.topo import Topology, TopologyReg, Edge`` as decent-dp scripts write it)."""
 
-Nothing is defined here. ``Topology`` is :class:`decentpy.topology_edges.EdgeTopology` (subclass
-it and return one list of :class:`Edge` per step from ``_get_topo_edges()``), ``TopologyReg`` and
-``Edge`` come from the same module, and the built-in classes are what ``TopologyReg.registry``
-lists for decentpy's built-in schedules (:mod:`decentpy.topology`). Inside decentpy, import from
-those modules, never from this one.
-"""
-
-from .topology_edges import Edge, EdgeTopology as Topology, TopologyReg
-
-CompleteTopology = TopologyReg.registry["complete"]
-RingTopology = TopologyReg.registry["ring"]
-OnePeerExpTopology = TopologyReg.registry["one-peer-exp"]
-AlternatingExpRingTopology = TopologyReg.registry["alternating-exp-ring"]
-
-__all__ = ["Edge", "Topology", "TopologyReg", "CompleteTopology", "RingTopology", "OnePeerExpTopology",
-           "AlternatingExpRingTopology"]
+from .topology.decent_dp import *  # noqa: F401,F403
+from .topology.decent_dp import __all__  # noqa: F401

@@ -210,7 +210,8 @@ def fresh_name():
 
     yield make
     for n in names:
-        T._REGISTRY.pop(n, None)
+        if n in T.topology_factories():
+            T.unregister_topology(n)
 
 
 def edges_matrix(edges: List[List[Any]], n: int) -> torch.Tensor:

@@ -68,3 +68,87 @@ def test_the_engine_imports_no_private_name_from_another_package() -> None:
                 if node.module and any(part.startswith("_") for part in node.module.split(".")):
                     bad.append(f"{path.name}: {node.module}")
     assert not bad, bad
+
+
+def _room_imports(package: pathlib.Path, name: str) -> "dict[str, dict[str, list[str]]]":
+    """Room -> room -> the importing files, for every import of the tree under ``package`` (typing-only
+    imports and imports inside functions included: an arrow is an arrow). A room is a top-level
+    module or sub-package; ``__init__`` is the package's face, reached by importing a name that is
+    not a module of it (``decentpy._C``, the compiled extension, is a module of its own)."""
+    import collections
+
+    rooms = {p.stem for p in package.glob("*.py")} | {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+    graph: "dict[str, dict[str, list[str]]]" = collections.defaultdict(lambda: collections.defaultdict(list))
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package)
+        here = rel.parts[0][:-3] if len(rel.parts) == 1 else rel.parts[0]
+        pkg = [name, *rel.parts[:-1]]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                base = pkg[:len(pkg) - node.level + 1] if node.level else []
+                mod = base + (node.module.split(".") if node.module else [])
+                targets = [mod + [a.name] for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name.split(".") for a in node.names]
+            for t in targets:
+                if t[0] != name or len(t) < 2:
+                    continue
+                room = t[1] if t[1] in rooms else "_C" if t[1] == "_C" else "__init__"
+                if room not in (here, "_C"):
+                    graph[here][room].append(rel.as_posix())
+    return graph
+
+
+def _cycle(graph: "dict[str, dict[str, list[str]]]") -> "list[str]":
+    """One cycle of rooms (empty: none)."""
+    state: "dict[str, int]" = {}
+    stack: "list[str]" = []
+
+    def visit(v: str) -> "list[str]":
+        state[v] = 1
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state:
+                found = visit(w)
+                if found:
+                    return found
+        state[v] = 2
+        stack.pop()
+        return []
+
+    for v in list(graph):
+        if v not in state:
+            found = visit(v)
+            if found:
+                return found
+    return []
+
+
+def test_imports_run_one_way_between_the_packages_rooms() -> None:
+    """No import runs back up (docs/architecture.md, "Layers"): the rooms of decentpy/ (its top-level
+    modules and sub-packages) import each other without a cycle, the package's face
+    (``decentpy/__init__.py``) included -- so every room sits on a layer above everything it
+    imports. Inside one room a typing-only back-reference may remain where its module says why."""
+    graph = _room_imports(PACKAGE, "decentpy")
+    cycle = _cycle(graph)
+    assert not cycle, " -> ".join(f"{a} ({graph[a][b][0]})" for a, b in zip(cycle, cycle[1:])) + f" -> {cycle[-1]}"
+    # the layers the architecture names, lowest first: each imports only from layers below it
+    for low, high in (("topology", "comm"), ("comm", "engine"), ("engine", "ddp"), ("engine", "sharding"),
+                      ("ddp", "elastic")):
+        assert high not in graph.get(low, {}), f"{low} imports {high}: {graph[low][high]}"
+
+
+def test_bench_and_tools_depend_in_one_direction() -> None:
+    """The benchmarks use the tools (the process spawner, CUDA timing, tables); no tool imports a
+    benchmark."""
+    root = PACKAGE.parent
+    back = []
+    for path in (root / "tools").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            mods = [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            back += [f"{path.relative_to(root)}: {m}" for m in mods if m == "bench" or m.startswith("bench.")]
+    assert not back, back

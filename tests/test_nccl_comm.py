@@ -28,7 +28,7 @@ try:  # collect fine without a built extension
     from decentpy.comm import nccl as nccl_comm
     from decentpy.comm import select as comm_select
     from decentpy.comm import PeerTimeoutError, TorchCommunicator
-    from decentpy.exchange import plan_exchange
+    from decentpy.comm.plans import plan_exchange
     from decentpy.topology import Group, make_topology
 except Exception as exc:  # pragma: no cover - depends on the install
     pytest.skip(f"decentpy is not importable: {exc}", allow_module_level=True)

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-from bench.bench_kernels_cuda import time_ms
+from tools.cuda_sync import time_ms
 
 
 def kernel() -> None:

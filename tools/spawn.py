@@ -4,7 +4,7 @@ The one spawn harness of the tests (``tests/dist_harness.py`` re-exports it) and
 (``bench/common/launch.py`` adapts it): workers are spawned (not forked), each with one torch
 thread; the parent collects every rank's return value or traceback and kills all of them when the
 deadline passes, so a hang fails fast instead of waiting for a collective's timeout. With ``netns`` each worker first
-enters its network namespace (``bench.common.netlink``: the throttled-link benchmarks) and
+enters its network namespace (:mod:`tools.netns`; made by ``bench.common.netlink`` for the throttled-link benchmarks) and
 ``rank_env`` gives it that namespace's rendezvous address and interface.
 """
 
@@ -49,7 +49,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
             rank_env: Optional[Dict[str, str]] = None) -> None:
     if netns is not None:  # first: every socket this process opens from here on is in the namespace
         try:
-            from bench.common.netlink import enter_netns
+            from tools.netns import enter_netns
 
             enter_netns(netns)
         except BaseException:

@@ -16,7 +16,7 @@ names are ``dpbench-<pid>-...``; :class:`ThrottledNetwork` removes its own at ex
 ``close``, ``atexit``, also after a failure or a SIGTERM), and :func:`cleanup_leftovers` removes those of
 processes that are gone (a run killed with SIGKILL) before a new network is built.
 
-Workers enter their namespace with ``setns(2)`` as the first thing they do (see
+Workers enter their namespace with ``setns(2)`` (:func:`tools.netns.enter_netns`) as the first thing they do (see
 ``tools.spawn.run_workers(netns=...)``): the parent and the workers still talk over pipes, and
 every socket a worker opens afterwards (the rendezvous store, gloo's connections) lives in the
 namespace. ``MASTER_ADDR`` is rank 0's address there and ``GLOO_SOCKET_IFNAME`` the veth end
@@ -29,7 +29,6 @@ namespace. ``MASTER_ADDR`` is rank 0's address there and ``GLOO_SOCKET_IFNAME`` 
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import re
 import shutil
@@ -37,14 +36,12 @@ import subprocess
 from typing import Dict, List, Optional
 
 __all__ = ["LAYOUTS", "IFNAME", "SUBNET", "NetlinkUnavailable", "ThrottledNetwork", "cleanup_leftovers",
-           "enter_netns", "unavailable_reason"]
+           "unavailable_reason"]
 
 LAYOUTS = ("per-worker", "two-nodes")
 IFNAME = "eth0"             # the veth end inside a worker's (node's) namespace
 SUBNET = "10.213.0"         # /24, only inside the namespaces created here
 PREFIX = "dpbench-"
-NETNS_DIR = "/var/run/netns"
-_CLONE_NEWNET = 0x40000000
 
 
 class NetlinkUnavailable(RuntimeError):
@@ -92,19 +89,6 @@ def cleanup_leftovers() -> List[str]:
             _run("ip", "netns", "delete", name, check=False)
             gone.append(name)
     return gone
-
-
-def enter_netns(name: str) -> None:
-    """Move the calling thread (call it first thing in a process, before any other thread or socket
-    exists) into the named network namespace."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
-    try:
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns into network namespace {name!r} failed: {os.strerror(err)}")
-    finally:
-        os.close(fd)
 
 
 def _exit_on_sigterm() -> None:

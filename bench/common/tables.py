@@ -1,4 +1,5 @@
-"""Plain-text report tables, cell formats and CSV files shared by the benchmarks (no dependency)."""
+"""Plain-text report tables, cell formats and CSV files shared by the benchmarks (the table and the
+CSV writer themselves are :mod:`tools.tables`'s, shared with the runtime model)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import csv
 import math
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+from tools.tables import print_table, write_csv
 
 __all__ = ["cell", "check_choices", "csv_list", "fmt", "mib", "percentile", "print_table", "print_targets",
            "write_csv", "write_outputs"]
@@ -39,30 +42,6 @@ def percentile(xs: Sequence[float], q: float) -> float:
 def csv_list(s: str) -> List[str]:
     """A comma-separated command-line value as its non-empty items."""
     return [x.strip() for x in s.split(",") if x.strip()]
-
-
-def print_table(header: Sequence[str], rows: Iterable[Sequence[object]],
-                group: Optional[Callable[[Sequence[str]], object]] = None) -> None:
-    """Right-aligned columns; a blank line between rows whose ``group(row)`` differs."""
-    table = [[str(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in table)) if table else len(h) for i, h in enumerate(header)]
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    last = None
-    for i, r in enumerate(table):
-        key = group(r) if group is not None else None
-        if i > 0 and key != last:
-            print()
-        last = key
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
-
-
-def write_csv(path: Path, fields: Sequence[str], rows: Iterable[Dict[str, Any]]) -> None:
-    """``rows`` (dicts keyed by ``fields``) as a CSV file with a header; the folder is created."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
-        wr = csv.DictWriter(fh, fieldnames=list(fields))
-        wr.writeheader()
-        wr.writerows(rows)
 
 
 def write_outputs(out_dir: Path, name: str, fields: Sequence[str], rows: Iterable[Dict[str, Any]],

@@ -12,7 +12,13 @@
   a collective that would hang on it;
 * :mod:`.failures` -- a peer's failure classified once (:class:`PeerTimeoutError` and its subclasses
   :class:`PeerUnreachableError`, :class:`PeerReportedError`), heartbeats, :class:`PeerWatch`;
-* :mod:`.waits` -- bounded waits (:class:`PeerTimeoutError` is re-exported there).
+* :mod:`.waits` -- bounded waits (:class:`PeerTimeoutError` is re-exported there);
+* :mod:`.plans` -- exchange plans: what one bucket trades with its group at one step (pair, group
+  all-reduce, none), the mix coefficients, and what a communicator must set up for a topology;
+* :mod:`.group_exchange` -- the two-round exchange of compressed chunks within a group of more than
+  two ranks (compressed gossip's group step).
+
+Below the engine: nothing here imports a strategy, a bucket or a wrapper.
 """
 
 from .agreement import (agree_across_ranks, check_on_every_rank, comparable, everyone,

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import _C
-from ..exchange import communication_needs
+import decentpy._C as _C  # the compiled extension (a module of the package, not its __init__)
+from .plans import communication_needs
 from ..topology import Topology
 from .groups import CommGroup
 from .waits import PeerTimeoutError

@@ -1,7 +1,7 @@
 """The exchange primitives over ``torch.distributed`` (the :class:`~decentpy.comm.Communicator`
 interface): a point-to-point exchange on one shared process group, and an in-place all-reduce on a
 sub-group created once, collectively, at construction. Which exchange a step uses is decided by
-:mod:`decentpy.exchange`. Every wait is bounded, and a timeout names the bucket and the peers.
+:mod:`decentpy.comm.plans`. Every wait is bounded, and a timeout names the bucket and the peers.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import _C
-from ..exchange import communication_needs
+import decentpy._C as _C  # the compiled extension (a module of the package, not its __init__)
+from .plans import communication_needs
 from ..topology import Topology
 from .failures import DEFAULT_LIVENESS_TIMEOUT, PeerWatch
 from .groups import CommGroup, SubGroup
@@ -109,7 +109,7 @@ class TorchCommunicator:
                  liveness: Optional[datetime.timedelta] = DEFAULT_LIVENESS_TIMEOUT,
                  needs: Optional[Tuple[bool, List[Tuple[int, ...]]]] = None) -> None:
         """``needs``: what to set up, ``(point to point, collective groups)``; default: what the
-        topology's exchange plans use (:func:`decentpy.exchange.communication_needs`). A strategy
+        topology's exchange plans use (:func:`decentpy.comm.plans.communication_needs`). A strategy
         that exchanges otherwise (compressed gossip: point to point within every group) says so."""
         self.group = group if group is not None else CommGroup()
         self.rank = self.group.rank

@@ -8,7 +8,9 @@
   one registry each: the node mode (:mod:`.node`, :mod:`.node_allreduce`, :mod:`.node_shard`;
   :data:`NODE_MODES`), the exchange (:mod:`.exchanges`, :mod:`.choco`;
   :data:`EXCHANGES`) and the failure policy (:mod:`.failure`; :data:`FAILURE_POLICIES`).
-- :mod:`.sharded_grads`: ``ShardedDataParallel``'s reduce to the owners.
+
+The strategies plug into the driver from where they belong: the gossip strategy and its parts
+here; ``ShardedDataParallel``'s reduce to the owners in :mod:`decentpy.sharding.sharded_grads`.
 """
 
 import functools

@@ -10,7 +10,7 @@ the optimizer update; ``q = Q(x_i - xhat_{i|j'})`` for the next step's partner `
 bytes, ``xhat_{i|j'} += D(q)``; then ``q`` goes to ``j'`` and ``j'``'s lands in the receive bytes.
 One fused kernel pass (:func:`decentpy.kernels.compressed_step`).
 
-Groups of ``m > 2`` ranks (:mod:`decentpy.engine.choco_group`). Rank ``i`` keeps, per bucket and
+Groups of ``m > 2`` ranks (:mod:`decentpy.comm.group_exchange`). Rank ``i`` keeps, per bucket and
 distinct group ``G``, ``xhat_i^G`` and the group's public mean ``M^G``; the fused pass adds the
 received reduced ``r`` to ``M^G`` and mixes ``x_i += gamma s m (M^G - xhat_i^G)`` (``s`` the weight
 of each other member), and sends ``q = Q(x_i - xhat_i^G')`` to the next group as chunks; the owner
@@ -33,10 +33,10 @@ import torch
 from torch import Tensor
 
 from ..compression import Compression
-from ..exchange import ExchangePlan, NoExchange
+from ..comm.group_exchange import GroupExchange, GroupExchanger
+from ..comm.plans import ExchangePlan, NoExchange
 from ..optim import CompressedPass
 from .bucket import Bucket
-from .choco_group import GroupExchange, GroupExchanger
 from .exchanges import Exchange
 
 if TYPE_CHECKING:

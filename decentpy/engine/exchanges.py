@@ -8,7 +8,7 @@ takes from it (:meth:`Exchange.mixing`) and the launch of the next exchange
 (:meth:`Exchange.launch`). It also owns what it keeps beyond the buckets, in checkpoints too.
 
 - :class:`Exchange` (``"plain"``): the whole bucket (or shard) as the exchange plans of
-  :mod:`decentpy.exchange` move it; the kernel mixes the received buffer in.
+  :mod:`decentpy.comm.plans` move it; the kernel mixes the received buffer in.
 - :class:`~decentpy.engine.choco.CompressedExchange` (``"compressed"``): compressed differences
   against tracked public copies (``compression=``).
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from ..exchange import ExchangePlan
+from ..comm.plans import ExchangePlan
 from .bucket import Bucket
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ class Exchange:
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
         """What the communicator must set up, when it differs from what the exchange plans use
-        (None: the plans' needs, see :func:`decentpy.exchange.communication_needs`)."""
+        (None: the plans' needs, see :func:`decentpy.comm.plans.communication_needs`)."""
         return None
 
     def mixing(self, b: Bucket, received: ExchangePlan, nxt: ExchangePlan) -> Dict[str, Any]:

@@ -1,7 +1,7 @@
 """The gossip strategy: bucket-by-bucket mix-and-step inside the backward, composed of parts.
 
 When a bucket's gradients are ready: wait (bounded) for the bucket's exchange launched last
-iteration, ask the exchange plans of this step and the next (:mod:`decentpy.exchange`) and the
+iteration, ask the exchange plans of this step and the next (:mod:`decentpy.comm.plans`) and the
 exchange part what the kernel pass mixes and sends, run one kernel pass over the bucket (mix,
 unscale/clip, the optimizer update, zero the gradient, write the next send buffer), and launch the
 next exchange -- while autograd keeps computing the earlier layers. The sequence is written once,
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from .. import kernels
 from ..comm import CommGroup, Communicator, NonFiniteGradientError, peer_monitor
-from ..exchange import ExchangeSchedule
+from ..comm.plans import ExchangeSchedule
 from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs, SkipVerdict
 from ..topology import Group
 from .bucket import Bucket, BucketPlan
@@ -33,7 +33,7 @@ from .layout import BucketLayout, OptimFn, SchedulerFn
 from .strategy import BucketStrategy, Readiness
 
 if TYPE_CHECKING:
-    from ..topology_edges import Edge
+    from ..topology import Edge
 
 __all__ = ["GossipStrategy"]
 
@@ -120,7 +120,7 @@ class GossipStrategy(BucketStrategy):
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
         """What the communicator must set up when it differs from what the topology's exchange
-        plans use (None: the plans' needs, see :func:`decentpy.exchange.communication_needs`)."""
+        plans use (None: the plans' needs, see :func:`decentpy.comm.plans.communication_needs`)."""
         return self.exchange.communication_needs()
 
     def memory_bytes(self) -> int:

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import _C
+import decentpy._C as _C  # the compiled extension (a module of the package, not its __init__)
 from ..comm import SubGroup, wait_bounded
 
 __all__ = ["Kind", "Message", "Link", "HEADER_SLOTS", "PIPE_TAG"]

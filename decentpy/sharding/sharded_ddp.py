@@ -2,7 +2,7 @@
 
 fairscale's constructor and methods. The partition comes from the sharded optimizer(s)
 (:class:`~decentpy.sharding.OSS`); the reduction is the backward driver's
-:class:`~decentpy.engine.sharded_grads.ShardedGrads` strategy. Fixes over
+:class:`~decentpy.sharding.sharded_grads.ShardedGrads` strategy. Fixes over
 fairscale 0.4.13: ``zero_grad(set_to_none=True)`` (torch's default) trains on fresh gradients
 (fairscale's buckets kept stale ones), ``reduce_fp16`` works with buckets, unused parameters need
 no flag and never hang, and bad input raises on every rank before any collective.
@@ -22,7 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from ..comm import agree_across_ranks, default_timeout, group_ranks, or_world
 from ..comm.failures import start_heartbeat
 from ..engine.driver import BackwardDriver, DriverJoinHook
-from ..engine.sharded_grads import ShardedGrads
+from .sharded_grads import ShardedGrads
 from .oss import OSS, comm_device
 
 __all__ = ["ShardedDataParallel"]

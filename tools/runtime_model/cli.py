@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from bench.common.tables import print_table, write_csv
+from tools.tables import print_table, write_csv
 
 from . import model as runtime_model
 from .fit import calibrate, load_measurements

@@ -38,11 +38,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..kernels import flat_alias
-from .driver import BoundedWait
-from .strategy import BucketStrategy, Readiness
+from ..engine.driver import BoundedWait
+from ..engine.strategy import BucketStrategy, Readiness
 
 if TYPE_CHECKING:
-    from ..sharding.oss import FlatLayout
+    from .oss import FlatLayout
 
 __all__ = ["ShardedGrads"]
 

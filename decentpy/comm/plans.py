@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
-from .topology import Group, Topology
+from ..topology import Group, Topology
 
-if TYPE_CHECKING:  # annotations only: decentpy.comm imports this module
-    from .comm.protocol import Communicator, Work
+if TYPE_CHECKING:
+    from .protocol import Communicator, Work
 
 __all__ = ["ExchangePlan", "NoExchange", "PairExchange", "GroupAllReduce", "plan_exchange", "ExchangeSchedule",
            "communication_needs"]

@@ -30,8 +30,8 @@ from typing import Any, List, Optional, Sequence
 from torch import Tensor
 
 from .. import kernels
-from ..comm import PeerTimeoutError
 from ..compression import Compression, chunk_bounds
+from .waits import PeerTimeoutError
 
 __all__ = ["GroupExchange", "GroupExchanger"]
 

@@ -14,7 +14,7 @@ The built-ins take any world size where a generalisation exists (odd rings, expo
 and AER node counts that are not powers of two), since membership may change between runs; the
 rest fail with :class:`TopologyError` naming the sizes that work. This module owns the one
 registry of names (:func:`register_topology`, :func:`make_topology`, :func:`topology_factories`);
-decent-dp's edge view of it is :mod:`decentpy.topology_edges`.
+decent-dp's edge view of it is :mod:`decentpy.topology.edges`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""decent-dp's edge view of topologies, on decentpy's one registry (:mod:`decentpy.topology`).
+"""decent-dp's edge view of topologies, on decentpy's one registry (:mod:`decentpy.topology.schedules`).
 
 decent-dp describes a step as a list of :class:`Edge` (``ranks`` averaging together, ``weight``
 the self weight ``w``: ``x_i <- w x_i + (1 - w) / (|R| - 1) sum_{j != i} x_j``, and ``group``, a
@@ -18,7 +18,8 @@ decentpy that vocabulary without a second topology model:
 
 Unlike decent-dp, constructing a topology creates no process groups (decentpy's communicator
 builds its own); :meth:`EdgeTopology.create_process_groups` does it on request.
-``decentpy.topo`` re-exports these names under decent-dp's module path.
+``decentpy.topo`` (:mod:`decentpy.topology.decent_dp`) re-exports these names under decent-dp's module
+path.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from .topology import (
+from .schedules import (
     CustomTopology,
     Group,
     Topology,
