@@ -34,6 +34,7 @@ else:
     from .config import show_config  # noqa: E402
     from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
     from .join import Join, Joinable, JoinHook  # noqa: E402
+    from .local_sgd import DiLoCo, LocalSGD  # noqa: E402
     from .pipeline import AsyncPipe, PipelineError  # noqa: E402
     from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
     from .preemption import PreemptionCheckpointer  # noqa: E402
@@ -60,6 +61,8 @@ else:
         "NonFiniteGradientError",
         "PreemptionCheckpointer",
         "Join",
+        "DiLoCo",
+        "LocalSGD",
         "Joinable",
         "JoinHook",
         "ReduceScatterBucketer",

@@ -1,0 +1,288 @@
+"""torchft-shaped local-steps training for scripts that keep their own torch optimizer:
+:class:`DiLoCo` (and Streaming DiLoCo, with fragments) and :class:`LocalSGD`, without a Manager or
+a Lighthouse, with the outer exchange over any decentpy topology.
+
+Used as torchft's are: a context around a plain training loop that calls
+``inner_optimizer.step()``; an optimizer post-step hook counts the inner steps and runs the outer
+step of a fragment when it is due. torchft 0.2.0's keyword arguments keep their meaning
+(``sync_every``, ``backup_device``, ``pin_memory``, ``fragment_sync_delay``,
+``fragment_update_alpha``); ``topology=`` (default ``"complete"``: DiLoCo's exact mean) and
+``group=`` are decentpy's. A torchft script ports by deleting its Manager and the manager
+argument (docs/migration/torchft.md).
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from ..comm import CommGroup, check_on_every_rank, default_timeout, or_world
+from ..topology import Topology, make_topology
+from .outer import Fragment, TopologyMixer
+
+__all__ = ["DiLoCo", "LocalSGD"]
+
+logger = logging.getLogger(__name__)
+
+TopologyLike = Union[str, Topology]
+
+
+def _topology(topology: TopologyLike, world: int) -> Topology:
+    if isinstance(topology, Topology):
+        if topology.world_size != world:
+            raise ValueError(f"topology {topology.name!r} is for {topology.world_size} ranks, the group has {world}")
+        return topology
+    if not isinstance(topology, str):
+        raise TypeError(f"topology must be a registered name (e.g. 'complete', 'ring') or a decentpy Topology, got "
+                        f"{type(topology).__name__}")
+    return make_topology(topology, world, 1)
+
+
+class _LocalSteps:
+    """What DiLoCo and LocalSGD share: the group, the topology's mixer, the inner-optimizer hook,
+    the context protocol and the initial broadcast."""
+
+    def __init__(self, modules: Sequence[nn.Module], inner_optimizer: Optimizer, sync_every: int,
+                 topology: TopologyLike, group: Optional[dist.ProcessGroup], comm: str,
+                 broadcast_parameters: bool, check: Any) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
+                               "torch.distributed.init_process_group(...) first")
+        pg = or_world(group)
+        self._group = CommGroup(pg)
+        found: List[Topology] = []
+
+        def local_checks() -> None:
+            if not isinstance(inner_optimizer, Optimizer):
+                raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
+            if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+                raise ValueError(f"sync_every must be an int >= 1 (inner steps between outer steps), got {sync_every!r}")
+            found.append(_topology(topology, self._group.size))
+            check()
+
+        # Bad input raises on every rank before the first collective (the communicator's groups).
+        check_on_every_rank(local_checks, f"{type(self).__name__}(...)", pg)
+        self.topology = found[0]
+        self._inner = inner_optimizer
+        self._sync_every = sync_every
+        self._local_step = 0
+        #: outer steps completed (the index of the topology's schedule for the next one)
+        self.outer_steps = 0
+        self._hooks: List[Any] = []
+        self._closed = False
+        if broadcast_parameters:
+            with torch.no_grad():
+                src = self._group.to_global(0)
+                for m in modules:
+                    for t in list(m.parameters()) + list(m.buffers()):
+                        dist.broadcast(t.data, src=src, group=pg)
+        device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
+        self._mixer = TopologyMixer(self.topology, self._group, default_timeout(), comm, device=device)
+
+    def __enter__(self) -> "_LocalSteps":
+        if self._closed:
+            raise RuntimeError(f"this {type(self).__name__} was closed (its context ended); build a new one")
+        self._hooks.append(self._inner.register_step_post_hook(self._step_post_hook))
+        return self
+
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> bool:
+        self.close()
+        return False
+
+    def close(self) -> None:
+        """Remove the hook and release the communicator (the end of the context does this)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if not self._closed:
+            self._closed = True
+            self._mixer.close()
+
+    @property
+    def local_step(self) -> int:
+        """Inner steps since the last outer step."""
+        return self._local_step
+
+    def _step_post_hook(self, _optim: Optimizer, _args: Tuple[Any, ...], _kwargs: Dict[str, Any]) -> None:
+        self._local_step += 1
+        self._after_inner_step()
+
+    def _after_inner_step(self) -> None:
+        raise NotImplementedError
+
+
+class DiLoCo(_LocalSteps):
+    """DiLoCo (and Streaming DiLoCo) over a decentpy topology; torchft 0.2.0's ``DiLoCo`` without
+    the Manager.
+
+    Args:
+        model_fragments: the model (one fragment) or its fragments (modules whose parameters are
+            disjoint; Streaming DiLoCo synchronises them at staggered steps).
+        inner_optimizer: the script's own optimizer over the model (e.g. AdamW); the outer steps
+            run from its post-step hook.
+        outer_optimizer: over the fragments' parameters (one, or one per fragment); DiLoCo's is
+            ``torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)``.
+        sync_every: inner steps between two outer steps of the same fragment (``H``); with ``F``
+            fragments one fragment is synchronised every ``sync_every / F`` inner steps.
+        backup_device: where the global copies live (default: the CPU, as in torchft).
+        pin_memory: pin the CPU copies when CUDA is available.
+        fragment_sync_delay: inner steps that run while a fragment's exchange is in flight (the
+            exchange starts that many steps before the fragment's outer step; Streaming DiLoCo's
+            ``tau``).
+        fragment_update_alpha: after the outer step, the fragment's parameters move this fraction of
+            the way back to the local parameters of those inner steps (0: the new global copy).
+        topology: the outer exchange's topology: ``"complete"`` (default; the exact mean of the
+            pseudo-gradients, DiLoCo), or any registered name or Topology (a gossip outer step: the
+            global copies and pseudo-gradients mixed with a few peers, see
+            :mod:`decentpy.local_sgd.outer`).
+        group: the process group of the replicas (default: the world).
+        comm: ``"torch"`` (default), ``"nccl"`` or ``"auto"``, as for DecentralizedDataParallel.
+        broadcast_parameters: start every replica from the group's first rank's parameters (the
+            global copies must agree; torchft's Manager heals a replica for the same reason).
+
+    ``use_bucketization`` and ``bucket_cap_mb`` are accepted for torchft scripts: each fragment
+    already travels as one buffer per dtype. ``should_quantize=True`` (a compressed outer exchange)
+    is refused until it exists rather than silently sending full precision.
+    """
+
+    def __init__(self, model_fragments: Union[nn.Module, Sequence[nn.Module]], inner_optimizer: Optimizer,
+                 outer_optimizer: Union[Optimizer, Sequence[Optimizer]], sync_every: int,
+                 backup_device: Optional[torch.device] = None, pin_memory: bool = True,
+                 use_bucketization: bool = False, bucket_cap_mb: Optional[int] = None, should_quantize: bool = False,
+                 fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, *,
+                 topology: TopologyLike = "complete", group: Optional[dist.ProcessGroup] = None, comm: str = "torch",
+                 broadcast_parameters: bool = True) -> None:
+        fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
+        outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer]
+
+        def check() -> None:
+            if not fragments or not all(isinstance(f, nn.Module) for f in fragments):
+                raise TypeError("model_fragments must be an nn.Module or a non-empty list of them")
+            if not all(isinstance(o, Optimizer) for o in outers):
+                raise TypeError("outer_optimizer must be a torch.optim.Optimizer or a list of them (one per fragment)")
+            if len(outers) not in (1, len(fragments)):
+                raise ValueError(f"{len(outers)} outer optimizers for {len(fragments)} fragments: give one, or one "
+                                 "per fragment")
+            if should_quantize:
+                raise ValueError("should_quantize=True: a compressed outer exchange is not available in decentpy yet; "
+                                 "leave it False (the exchange is full precision, as torchft's is on CPUs)")
+            if sync_every < len(fragments) or sync_every % len(fragments):
+                raise ValueError(f"sync_every={sync_every} must be a multiple of the number of fragments "
+                                 f"({len(fragments)}): one fragment is synchronised every sync_every / fragments steps")
+            period = sync_every // len(fragments)
+            if isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int) or \
+                    not 0 <= fragment_sync_delay < period:
+                raise ValueError(f"fragment_sync_delay must be an int in [0, {period}) (sync_every / fragments = "
+                                 f"{period}: a fragment's exchange must complete before its next one), got "
+                                 f"{fragment_sync_delay!r}")
+            if not 0.0 <= float(fragment_update_alpha) <= 1.0:
+                raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
+            seen: Dict[int, int] = {}
+            for i, f in enumerate(fragments):
+                for p in f.parameters():
+                    if id(p) in seen:
+                        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in fragments {seen[id(p)]} and {i}: "
+                                         "the fragments' parameters must be disjoint")
+                    seen[id(p)] = i
+            for i, o in enumerate(outers):
+                mine = ({id(p) for p in fragments[i].parameters()} if len(outers) > 1 else set(seen))
+                owned = {id(p) for g in o.param_groups for p in g["params"]}
+                if not mine <= owned:
+                    raise ValueError(f"outer optimizer {i} does not hold every parameter of "
+                                     f"{'fragment ' + str(i) if len(outers) > 1 else 'the model'}: build it over "
+                                     "those parameters (the outer step sets their .grad and steps them)")
+
+        super().__init__(fragments, inner_optimizer, sync_every, topology, group, comm, broadcast_parameters, check)
+        self._period = sync_every // len(fragments)
+        self._delay = fragment_sync_delay
+        self._send_globals = not self._mixer.complete
+        self._fragments = [Fragment(i, [p for p in f.parameters() if p.requires_grad],
+                                    outers[i] if len(outers) > 1 else outers[0], backup_device, pin_memory,
+                                    fragment_update_alpha) for i, f in enumerate(fragments)]
+        for f in self._fragments:
+            f.save()
+        logger.info("DiLoCo: %d fragment(s), one outer step every %d inner steps over %s (%s)", len(fragments),
+                    self._period, self.topology.name, "exact mean" if self._mixer.complete else "gossip")
+
+    @property
+    def fragments(self) -> int:
+        return len(self._fragments)
+
+    def _current(self) -> Fragment:
+        return self._fragments[self.outer_steps % len(self._fragments)]
+
+    def _after_inner_step(self) -> None:
+        if self._local_step == self._period - self._delay:
+            # Same fragment and tag on every rank, in the same order: every pair of peers matches.
+            f = self._current()
+            f.prepare(self._mixer, self.outer_steps, 16 * f.index, self._send_globals)
+        if self._local_step == self._period:
+            self._current().perform(self._send_globals)
+            self.outer_steps += 1
+            self._local_step = 0
+
+    def sync(self) -> None:
+        """Run the due fragment's outer step now (its exchange started if it was not yet)."""
+        f = self._current()
+        if not f.in_flight:
+            f.prepare(self._mixer, self.outer_steps, 16 * f.index, self._send_globals)
+        f.perform(self._send_globals)
+        self.outer_steps += 1
+        self._local_step = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The step counters, and per fragment its global copy, outer optimizer state and any
+        exchange in flight: with the model's and the inner optimizer's state dicts, a resume
+        continues bit for bit."""
+        return {"local_step": self._local_step, "outer_steps": self.outer_steps, "sync_every": self._sync_every,
+                "topology": self.topology.name, "fragments": [f.state_dict() for f in self._fragments]}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if len(state["fragments"]) != len(self._fragments) or state["sync_every"] != self._sync_every:
+            raise ValueError(f"the checkpoint has {len(state['fragments'])} fragment(s) and sync_every="
+                             f"{state['sync_every']}; this DiLoCo has {len(self._fragments)} and {self._sync_every}")
+        for f, s in zip(self._fragments, state["fragments"]):
+            f.load_state_dict(s)
+        self._local_step = int(state["local_step"])
+        self.outer_steps = int(state["outer_steps"])
+
+
+class LocalSGD(_LocalSteps):
+    """Local SGD: every ``sync_every`` inner steps the parameters are mixed with the topology's
+    group (``"complete"``: averaged over every replica, torchft's ``LocalSGD``); torchft 0.2.0's
+    ``LocalSGD`` without the Manager."""
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer, sync_every: int, *,
+                 topology: TopologyLike = "complete", group: Optional[dist.ProcessGroup] = None, comm: str = "torch",
+                 broadcast_parameters: bool = True) -> None:
+        def check() -> None:
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+        super().__init__([model], optimizer, sync_every, topology, group, comm, broadcast_parameters, check)
+        self._fragment = Fragment(0, [p for p in model.parameters() if p.requires_grad], None, None, False, 0.0)
+
+    def _after_inner_step(self) -> None:
+        if self._local_step >= self._sync_every:
+            self.sync()
+
+    def sync(self) -> None:
+        """Mix the parameters now."""
+        self._fragment.average_params(self._mixer, self.outer_steps, 0)
+        self.outer_steps += 1
+        self._local_step = 0
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"local_step": self._local_step, "outer_steps": self.outer_steps}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self._local_step = int(state["local_step"])
+        self.outer_steps = int(state["outer_steps"])
+
