@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import io
 import math
+import time
 from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 from torch import nn
 
-from compression_reference import (CODE_MAX, INT8_BLOCK, flat_layout, group_schedule, one_peer_exp_partner,
-                                   pair_schedule, quantize64, ring_partner, simulate_choco)
+from compression_reference import (CODE_MAX, INT8_BLOCK, FlatModels, flat_layout, group_schedule,
+                                   one_peer_exp_partner, pair_schedule, quantize64, ring_partner, simulate_choco)
 from dist_harness import run_workers
 from reference import IN, OUT, batch, decentpy_optim_fn, loss_fn, make_mlp, REF_OPTIMIZERS
 
@@ -513,13 +514,14 @@ def _amp_and_clip(rank: int) -> Dict[str, Any]:
     return out
 
 
-def _join(rank: int, topology: str = "ring") -> torch.Tensor:
+def _join(rank: int, topology: str = "ring", nonfinite: str = "skip") -> torch.Tensor:
     """int8 under Join: rank r has 2 + r batches; a rank out of data keeps mixing and sending (in a
-    group: its chunks, and the reduction of its own chunk)."""
+    group: its chunks, and the reduction of its own chunk). ``nonfinite='ignore'``: no gradient norm
+    is taken at all (the default 'skip' takes one per bucket)."""
     from decentpy import Compression, DecentralizedDataParallel
 
     ddp = DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("sgd"), topology=topology,
-                                    compression=Compression("int8", gamma=GAMMA))
+                                    compression=Compression("int8", gamma=GAMMA), nonfinite=nonfinite)
     with ddp.join():
         for k in range(2 + rank):
             x, y = batch(rank, k)
@@ -567,16 +569,68 @@ def _skip_and_resume(rank: int) -> Dict[str, Any]:
     return {"params": want, "resumed_equal": bool(torch.equal(got, want)), "skipped": skipped}
 
 
+# 'raise' on node shards: rank RAISE_RANK's loss is NaN at iteration RAISE_STEP (see _raise_on_node_shards)
+RAISE_RANK, RAISE_STEP, RAISE_ITERS = 1, 1, 6
+
+
+def _raise_on_node_shards(rank: int, world: int) -> Dict[str, Any]:
+    """intra_node='shard' + int8 + nonfinite='raise' (2 nodes of 2 ranks, AdamW): rank 1's loss is NaN
+    at iteration 1. Its node's reduce-scatter spreads the NaN to both shards, so both ranks of node 0
+    skip the update (after the mix, which already happened), send finite compressed shards and raise
+    NonFiniteGradientError at the end of that backward; node 1 learns it through the error board while
+    waiting for node 0 (a PeerNonFiniteError at iteration 2 or 3). What each rank holds afterwards: its
+    shard of the parameters and its shard's optimizer state (the node's all-gather may be in flight:
+    the other shard is not read). Run last in the spawn: the error board keeps the report."""
+    from decentpy import Compression, DecentralizedDataParallel, NonFiniteGradientError
+
+    model = make_mlp(0)
+    ddp = DecentralizedDataParallel(model, decentpy_optim_fn("adamw"), topology="ring", intra_node="shard",
+                                    local_world_size=2, compression=Compression("int8", gamma=GAMMA),
+                                    nonfinite="raise")
+    err: Dict[str, Any] = {"type": None}
+    done = 0
+    try:
+        for k in range(RAISE_ITERS):
+            x, y = batch(rank, k)
+            loss = loss_fn(ddp(x), y)
+            (loss * float("nan") if (rank, k) == (RAISE_RANK, RAISE_STEP) else loss).backward()
+            done = k + 1
+        ddp.wait()
+    except NonFiniteGradientError as exc:
+        err = {"type": type(exc).__name__, "text": str(exc), "rank": exc.rank, "step": getattr(exc, "step", None)}
+    b = ddp.buckets[0]
+    opt = b.state_optimizer
+    state: Dict[str, torch.Tensor] = {}
+    for name in ("exp_avg", "exp_avg_sq"):
+        flat = torch.zeros(b.hi - b.lo, dtype=torch.float64)
+        for piece, off in zip(b.pieces, b.piece_offsets):
+            flat[off:off + piece.numel()] = opt.state[piece][name].detach().double().reshape(-1)
+        state[name] = flat
+    steps = sorted({float(opt.state[piece]["step"]) for piece in b.pieces})
+    # every rank is done before any leaves: the job's store lives in rank 0's process, and a rank still
+    # waiting for its error would otherwise find the store gone instead of the report
+    store = torch.distributed.distributed_c10d._get_default_store()
+    store.add("test_raise_on_node_shards_done", 1)
+    deadline = time.monotonic() + 60
+    while int(store.add("test_raise_on_node_shards_done", 0)) < world and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {"error": err, "done": done, "n_buckets": len(ddp.buckets), "numel": b.numel,
+            "lo": b.lo, "hi": b.hi, "shard": b.param_block[b.lo:b.hi].detach().double().clone(), "state": state,
+            "steps": steps}
+
+
 def _all(rank: int, world: int) -> Dict[str, Any]:
     torch.set_num_threads(1)
     return {"train": {c: train_combo(rank, *c, STEPS) for c in COMBOS},
             "amp_clip": _amp_and_clip(rank), "join": _join(rank), "join_group": _join(rank, "complete"),
+            "join_ignore": _join(rank, nonfinite="ignore"),
             "mean": {**{k: _linear_mean(rank, k) for k in ("int8", "bf16", "int4")},
                      "int8-aer": _linear_mean(rank, "int8", "alternating-exp-ring"),
                      "int8-buckets": _linear_mean_buckets(rank)},
             "ckpt": {**{k: _checkpoint(rank, k) for k in ("int8", "bf16")},
                      "int8-aer": _checkpoint(rank, "int8", "alternating-exp-ring")},
-            "skip_resume": _skip_and_resume(rank), "refusals": _refusals(rank)}
+            "skip_resume": _skip_and_resume(rank), "refusals": _refusals(rank),
+            "raise_shard": _raise_on_node_shards(rank, world)}  # last: after a 'raise' the error board holds it
 
 
 @pytest.fixture(scope="module")
@@ -763,6 +817,100 @@ def test_join_matches_float64_reference(results: List[Dict[str, Any]]) -> None:
     want, stats = simulate_choco(models, opts, grads, group_schedule("complete", n), "int8", GAMMA, 2 + n - 1)
     for rank, r in enumerate(results):
         check_close(r["join_group"], want[rank], stats["unit"], f"join (complete) rank {rank}")
+
+
+def test_join_with_nonfinite_ignore_matches_float64_reference(results: List[Dict[str, Any]]) -> None:
+    """Compression x nonfinite='ignore' and nonfinite x Join (pairs the other tests leave out): int8
+    on the ring under Join (rank r has 2 + r batches) with no gradient norm taken at all; the
+    gradients are finite, so the run is the float64 CHOCO re-computation of the uneven inputs."""
+    n = 4
+    models = [make_mlp(0).double() for _ in range(n)]
+    opts = [REF_OPTIMIZERS["sgd"](m) for m in models]
+
+    def grads(i: int, k: int, m: nn.Module) -> None:
+        if k < 2 + i:
+            x, y = batch(i, k)
+            loss_fn(m(x.double()), y.double()).backward()
+
+    want, stats = simulate_choco(models, opts, grads, pair_schedule(ring_partner(n)), "int8", GAMMA, 2 + n - 1)
+    for rank, r in enumerate(results):
+        check_close(r["join_ignore"], want[rank], stats["unit"], f"join, nonfinite='ignore', rank {rank}")
+
+
+def _raise_reference(iters: int) -> Tuple[List[torch.Tensor], List[Dict[str, Any]], Dict[str, float]]:
+    """The 'raise' scenario's nodes after ``iters`` iterations of the float64 node-level CHOCO
+    re-computation (2 node workers, each bucket compressed in 2 shards) in which node 0 has no
+    gradient at RAISE_STEP (it mixes and sends, its optimizer does not step): each node's flat
+    parameters, and its AdamW state in the same flat layout (``exp_avg``, ``exp_avg_sq``; ``step``:
+    the set of the parameters' step counts)."""
+    models = [make_mlp(0).double() for _ in range(2)]
+    opts = [REF_OPTIMIZERS["adamw"](m) for m in models]
+
+    def grads(node: int, k: int, m: nn.Module) -> None:
+        if (node, k) == (RAISE_RANK // 2, RAISE_STEP):
+            return
+        for r in (2 * node, 2 * node + 1):
+            x, y = batch(r, k)
+            (loss_fn(m(x.double()), y.double()) / 2).backward()
+
+    want, stats = simulate_choco(models, opts, grads, pair_schedule(lambda k, i: 1 - i), "int8", GAMMA, iters,
+                                 shards=2)
+    flat = FlatModels(models)
+    states: List[Dict[str, Any]] = []
+    for i, o in enumerate(opts):
+        st: Dict[str, Any] = {}
+        for name in ("exp_avg", "exp_avg_sq"):
+            t = torch.zeros(flat.total, dtype=torch.float64)
+            for p, off in zip(flat.params[i], flat.offsets):
+                t[off:off + p.numel()] = o.state[p][name].reshape(-1)
+            st[name] = t
+        st["step"] = sorted({float(o.state[p]["step"]) for p in flat.params[i]})
+        states.append(st)
+    return want, states, stats
+
+
+def test_nonfinite_raise_on_node_shards_with_int8_raises_everywhere_without_corruption(
+        results: List[Dict[str, Any]]) -> None:
+    """nonfinite='raise' x intra_node='shard' and x compression (pairs the other tests leave out):
+    rank 1's NaN loss at iteration 1 raises NonFiniteGradientError on every rank -- on node 0 (rank 0
+    through the node's reduction) at that iteration, on node 1 (a PeerNonFiniteError) while it waits
+    for node 0 -- and each rank's shard of the parameters and of the AdamW state is the float64
+    reference of the iterations before the raise, nothing non-finite anywhere: node 0 mixed at
+    iteration 1 but did not step (its step counts stay 1); node 1 raised at iteration 2 or 3, before
+    mixing (which of the two is timing: the report may win over node 0's last exchange)."""
+    refs = {iters: _raise_reference(iters) for iters in (RAISE_STEP + 1, RAISE_STEP + 2, RAISE_STEP + 3)}
+    _, total = flat_layout([p.shape for p in reversed(list(make_mlp(0).parameters()))])
+    for rank, r in enumerate(results):
+        run, node = r["raise_shard"], rank // 2
+        err = run["error"]
+        assert err["type"] is not None, f"rank {rank}: trained {run['done']} iterations and raised nothing"
+        assert "not finite" in err["text"], (rank, err)
+        if node == RAISE_RANK // 2:  # its own node's gradient: raised at that iteration, naming itself
+            assert err["type"] == "NonFiniteGradientError" and err["rank"] == rank and err["step"] == RAISE_STEP, \
+                (rank, err)
+            assert run["done"] == RAISE_STEP, (rank, run["done"])
+            candidates = [RAISE_STEP + 1]
+        else:  # a peer node's report, naming a rank of node 0
+            assert err["type"] == "PeerNonFiniteError" and err["rank"] in (0, 1), (rank, err)
+            assert run["done"] in (RAISE_STEP + 1, RAISE_STEP + 2), (rank, run["done"])
+            candidates = [run["done"]]
+        assert run["n_buckets"] == 1 and run["numel"] == total
+        lo, hi = (rank % 2) * total // 2, (rank % 2 + 1) * total // 2
+        assert (run["lo"], run["hi"]) == (lo, hi), (rank, run["lo"], run["hi"])
+        assert bool(torch.isfinite(run["shard"]).all()), f"rank {rank}: non-finite parameters after the raise"
+        for iters in candidates:
+            want, states, stats = refs[iters]
+            what = f"raise: rank {rank} after {iters} iterations"
+            check_close(run["shard"], want[node][lo:hi], stats["unit"], what)
+            assert run["steps"] == states[node]["step"], (what, run["steps"], states[node]["step"])
+            for name in ("exp_avg", "exp_avg_sq"):
+                got, ref = run["state"][name], states[node][name][lo:hi]
+                err_max = float((got - ref).abs().max())
+                # (fp32 against float64 gradients: ~1e-5 of the largest value seen; a step more or less: ~1)
+                assert err_max <= 1e-3 * float(ref.abs().max()), f"{what}: {name} differs by {err_max:.3g}"
+            # not vacuous: one iteration more is far outside the tolerance of check_close
+            later = refs[iters + 1][0][node][lo:hi]
+            assert float((later - run["shard"]).abs().max()) > 10 * stats["unit"], what
 
 
 def test_skipped_update_and_resume_match_float64_reference(results: List[Dict[str, Any]]) -> None:

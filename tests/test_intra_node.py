@@ -41,6 +41,15 @@ SCENARIOS_4: Dict[str, tuple] = {
     "allreduce-join-scaler-sgd": ("allreduce", 2, "ring", "sgd", 0.0002),
 }
 INF_RANK, INF_STEP = 1, 2  # in 'shard-scaler-inf-sgd' this rank's loss is inf at this iteration
+# Join x resume, each in one run: rank 1 runs out of data after JOIN_STOP iterations, every rank takes a
+# checkpoint before iteration RESUME_AT (all still have data) and a fresh wrapper resumes from it under
+# Join; name -> (intra_node, local_world_size, topology, optimizer, bucket MiB) as above
+RESUME_SCENARIOS: Dict[str, tuple] = {
+    "allreduce-ignore-join-resume-adam": ("allreduce", 2, "ring", "adam", 0.0002),  # nonfinite='ignore'
+    "shard-scaler-inf-join-resume-adam": ("shard", 2, "complete", "adam", 0.0002),  # + a GradScaler, an inf
+}
+RESUME_AT = 2
+SCALER_INF = (3, 3)  # (rank, iteration): an inf loss after the checkpoint, while rank 1 has joined
 SCENARIOS_8: Dict[str, tuple] = {
     "shard-complete-sgd": ("shard", 2, "complete", "sgd", 0.0002),
     "shard-ring-adam": ("shard", 2, "ring", "adam", 25),
@@ -128,6 +137,58 @@ def _checkpoint(rank: int) -> Dict[str, Any]:
     return {"straight": straight, "resumed": resumed, "wrong_shard": wrong_shard}
 
 
+def _join_resume(rank: int, name: str, spec: tuple) -> Dict[str, Any]:
+    """Uneven inputs under Join with a checkpoint before iteration RESUME_AT, and a fresh wrapper (other
+    initial parameters, a GradScaler with another initial scale) resuming from it under Join: the
+    uninterrupted run's parameters and scaler, and the resumed run's. 'ignore': nonfinite='ignore'.
+    'scaler': a GradScaler (growth every 2 clean iterations) and an inf loss at SCALER_INF, after the
+    checkpoint: that rank's node skips its update and its scalers back off."""
+    from decentpy import DecentralizedDataParallel
+
+    intra, local, topo, opt, cap = spec
+    scaled = "scaler" in name
+
+    def wrap(seed: int, init_scale: float) -> tuple:
+        model = make_mlp(seed=seed)
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2) if scaled else None
+        ddp = DecentralizedDataParallel(model, decentpy_optim_fn(opt), topology=topo, local_world_size=local,
+                                        intra_node=intra, bucket_size_in_mb=cap, scaler=scaler,
+                                        nonfinite="ignore" if "ignore" in name else "skip")
+        return model, ddp, scaler
+
+    def run(ddp: Any, scaler: Any, start: int, saved: Optional[List[Any]] = None) -> List[float]:
+        scales = []
+        with ddp.join():
+            for k in range(start, JOIN_STOP if rank == 1 else STEPS):
+                if saved is not None and k == RESUME_AT:
+                    saved.append(copy.deepcopy(ddp.training_state_dict()))
+                x, y = batch(rank, k)
+                loss = loss_fn(ddp(x), y)
+                if scaled and (rank, k) == SCALER_INF:
+                    loss = loss * float("inf")
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+                if scaler is not None:
+                    scales.append(scaler.get_scale())
+        ddp.wait()
+        return scales
+
+    model, ddp, scaler = wrap(0 if rank == 0 else 100 + rank, 2.0 ** 10)
+    saved: List[Any] = []
+    out: Dict[str, Any] = {"scales": run(ddp, scaler, 0, saved)}
+    out["params"] = _params(model)
+    out["scaler"] = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
+    out["skipped"] = ddp.stats()["skipped_steps"]
+    ddp.close()
+    model2, ddp2, scaler2 = wrap(7, 2.0)
+    out["fresh_scale"] = scaler2.get_scale() if scaler2 is not None else None
+    ddp2.load_training_state_dict(saved[0])
+    run(ddp2, scaler2, RESUME_AT)
+    out["resumed"] = _params(model2)
+    out["scaler_resumed"] = copy.deepcopy(scaler2.state_dict()) if scaler2 is not None else None
+    ddp2.close()
+    return out
+
+
 def _torch_ddp(rank: int) -> Dict[str, torch.Tensor]:
     """One node of 4 = torch DDP with torch AdamW (decentpy's 'torch_adamw' groups)."""
     import torch.distributed as dist
@@ -149,6 +210,7 @@ def _torch_ddp(rank: int) -> Dict[str, torch.Tensor]:
 def run_all(rank: int, world: int, scenarios: Dict[str, tuple]) -> Dict[str, Any]:
     out = {name: _train(rank, name, spec) for name, spec in scenarios.items()}
     if world == 4:
+        out.update({name: _join_resume(rank, name, spec) for name, spec in RESUME_SCENARIOS.items()})
         out["checkpoint"] = _checkpoint(rank)
         out["torch_ddp"] = _torch_ddp(rank)
     return out
@@ -165,8 +227,10 @@ def results_8() -> List[Dict[str, Any]]:
 
 
 def _node_reference(world: int, spec: tuple, data: Optional[List[Any]] = None,
-                    grad_hook: Optional[Callable] = None, micro_batches: int = 1) -> List[Dict[str, torch.Tensor]]:
-    """Node-level decentralized training: one worker per node, gradient = mean over its ranks."""
+                    grad_hook: Optional[Callable] = None, micro_batches: int = 1,
+                    skip: Optional[Callable[[int, int], bool]] = None) -> List[Dict[str, torch.Tensor]]:
+    """Node-level decentralized training: one worker per node, gradient = mean over its ranks
+    (``skip(node, k)``: that node only mixes at iteration k)."""
     from decentpy.topology import node_topology
 
     _, local, topo, opt, _ = spec
@@ -174,7 +238,7 @@ def _node_reference(world: int, spec: tuple, data: Optional[List[Any]] = None,
     t = node_topology(topo, nodes)
     data = data if data is not None else [list(range(g * local, (g + 1) * local)) for g in range(nodes)]
     per_node = simulate(nodes, t.mixing_matrix, opt, STEPS, data_ranks=data, grad_hook=grad_hook,
-                        micro_batches=micro_batches)
+                        micro_batches=micro_batches, skip=skip)
     return [per_node[r // local] for r in range(world)]
 
 
@@ -245,6 +309,59 @@ def test_join_with_a_grad_scaler_on_node_allreduce(results_4) -> None:
     data = [lambda k: [0, 1] if k < JOIN_STOP else [0], [2, 3]]
     _check_node_scenario(results_4, "allreduce-join-scaler-sgd", SCENARIOS_4["allreduce-join-scaler-sgd"],
                          data=data)
+
+
+def _check_resumed_bit_for_bit(results: List[Dict[str, Any]], name: str) -> None:
+    for r, res in enumerate(results):
+        a, b = res[name]["params"], res[name]["resumed"]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), \
+            f"{name}: rank {r}: the resumed run differs"
+
+
+def test_join_and_resume_with_nonfinite_ignore_on_node_allreduce(results_4) -> None:
+    """Pairs the other scenarios leave out: nonfinite='ignore' x intra_node='allreduce', nonfinite x
+    Join, Join x resume. No gradient norm is taken; rank 1 runs out after 3 iterations (node 0's
+    gradient is then rank 0's alone): the node-level float64 reference; a checkpoint taken before
+    iteration 2 resumes under Join to the same bits."""
+    name = "allreduce-ignore-join-resume-adam"
+    data = [lambda k: [0, 1] if k < JOIN_STOP else [0], [2, 3]]
+    got = [r[name]["params"] for r in results_4]
+    assert_close_params(got, _node_reference(4, RESUME_SCENARIOS[name], data=data), rtol=2e-5, atol=2e-5,
+                        what=name)
+    _check_resumed_bit_for_bit(results_4, name)
+
+
+def test_grad_scaler_resume_with_join_and_a_skipped_node_on_shards(results_4) -> None:
+    """Pairs the other scenarios leave out: GradScaler x resume, Join x resume (and nonfinite='skip'
+    x Join). A GradScaler on every rank, rank 1 out of data after 3 iterations, rank 3's loss inf at
+    iteration 3 (after the checkpoint, in the Join): node 1 skips that update and both its scalers
+    back off; the node-level float64 reference of the unscaled run with that skip. The resumed run
+    (a fresh GradScaler with another initial scale) equals the uninterrupted one bit for bit,
+    parameters and scaler state."""
+    name = "shard-scaler-inf-join-resume-adam"
+    inf_rank, inf_step = SCALER_INF
+    node = inf_rank // 2
+    data = [lambda k: [0, 1] if k < JOIN_STOP else [0], [2, 3]]
+    want = _node_reference(4, RESUME_SCENARIOS[name], data=data, skip=lambda i, k: (i, k) == (node, inf_step))
+    got = [r[name]["params"] for r in results_4]
+    assert_close_params(got, want, rtol=2e-5, atol=2e-5, what=name)
+    _check_resumed_bit_for_bit(results_4, name)
+    for r, res in enumerate(results_4):
+        run = res[name]
+        assert run["skipped"] == (1 if r // 2 == node else 0), (r, run["skipped"])
+        # torch's GradScaler rule: x2 after every 2 clean iterations, x0.5 at an overflow (then the count restarts)
+        want_scales, scale, clean = [], 2.0 ** 10, 0
+        for k in range(JOIN_STOP if r == 1 else STEPS):
+            if r // 2 == node and k == inf_step:
+                scale, clean = scale / 2, 0
+            else:
+                clean += 1
+                if clean == 2:
+                    scale, clean = scale * 2, 0
+            want_scales.append(scale)
+        assert run["scales"] == want_scales, (r, run["scales"], want_scales)
+        assert run["fresh_scale"] != run["scaler"]["scale"], "the resumed scaler would equal it without loading"
+        assert run["scaler_resumed"] == run["scaler"], (r, run["scaler_resumed"], run["scaler"])
 
 
 def test_grad_scaler_and_clipping(results_4) -> None:
