@@ -22,7 +22,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from .comm import CommGroup, agree_across_ranks, default_timeout
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
-from .engine import NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, exchange_for, ownership
+from .engine import (NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy, OuterOptimFn, check_intra_node,
+                     exchange_for, ownership)
 from .compression import Compression, resolve_compression
 from .engine.bucket import Bucket
 from .engine.layout import OptimFn, SchedulerFn
@@ -97,6 +98,15 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             node averages its gradients and every rank steps the whole model (replicated state) and
             gossips it with its counterparts on the peer nodes. With either, ``topology`` runs over
             the nodes (names with ``n`` = number of nodes).
+        local_steps: ``H`` (default 1: gossip every step). With ``H > 1`` every rank takes ``H`` inner
+            steps (the fused optimizer of ``optim_fn``, inside the backward) without exchanging, then
+            an outer step: its pseudo-gradient (global copy minus parameters) is exchanged over
+            ``topology`` -- ``'complete'`` averages it, DiLoCo; any other topology mixes the global copy
+            and the pseudo-gradient with its group of that outer step, a gossip outer step -- while the
+            backward finishes, and before the next forward ``outer_optim`` steps from the (mixed) global
+            copy. ``intra_node='gossip'`` only, without ``compression`` for now (docs/guide/local_sgd.md).
+        outer_optim: a bucket's flat parameter block (a one-tensor list) -> its outer optimizer (any
+            torch optimizer); default DiLoCo's ``SGD(lr=0.7, momentum=0.9, nesterov=True)``.
     """
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
@@ -125,6 +135,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         nonfinite: str = "skip",
         compression: Union[None, str, Compression] = None,
         broadcast_parameters: bool = True,
+        local_steps: int = 1,
+        outer_optim: Optional[OuterOptimFn] = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -192,11 +204,18 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             if comm == "nccl":  # libnccl and the GPU, checked here: the agreement below raises on every rank
                 resolve_comm(comm, self._params[0].device, self._group)
             self._check_dense_gradients()
+            if (local_steps != 1 or outer_optim is not None) and intra_node != "gossip":
+                raise ValueError(f"local_steps with intra_node={intra_node!r} is not available yet; use "
+                                 "intra_node='gossip' (every rank a replica)")
+            if outer_optim is not None and not callable(outer_optim):
+                raise TypeError(f"outer_optim must be callable ([flat parameter block] -> Optimizer), got "
+                                f"{type(outer_optim).__name__}")
+            exchange = exchange_for(self._compression, local_steps, outer_optim)
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._strategy: GossipStrategy = GossipStrategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
                 self._bucket_size, self._param_as_bucket_view, self._timeout, self._group,
-                node=node_mode, exchange=exchange_for(self._compression), failure=self._failure_policy)
+                node=node_mode, exchange=exchange, failure=self._failure_policy)
             if self._compression is not None:
                 self._check_compressible()
             self._driver = BackwardDriver()
@@ -209,7 +228,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "bucket_size_in_mb": bucket_size_in_mb, "comm": comm, "grad_clip_norm": self._grad_clip_norm,
             "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
             "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg, "nonfinite": nonfinite,
-            "compression": repr(self._compression),
+            "compression": repr(self._compression), "local_steps": local_steps, "outer_optim": outer_optim,
         }
         wants_edges = False
         if failure is None:

@@ -43,7 +43,7 @@ def test_one_gossip_strategy_composed_of_registered_parts() -> None:
                                  GossipStrategy, NodeMode)
 
     assert list(NODE_MODES) == ["gossip", "shard", "allreduce"]
-    assert list(EXCHANGES) == ["plain", "compressed"] and list(FAILURE_POLICIES) == ["raise", "elastic"]
+    assert list(EXCHANGES) == ["plain", "compressed", "local-steps"] and list(FAILURE_POLICIES) == ["raise", "elastic"]
     for registry, base in ((NODE_MODES, NodeMode), (EXCHANGES, Exchange), (FAILURE_POLICIES, FailurePolicy)):
         for name, cls in registry.items():
             assert issubclass(cls, base) and cls.name == name, (name, cls)

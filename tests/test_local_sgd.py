@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dist_harness import run_workers
-from reference import batch, loss_fn, make_mlp
+from reference import REF_OPTIMIZERS, batch, decentpy_optim_fn, loss_fn, make_mlp
 
 N = 4
 H = 4            # inner steps per outer step (per fragment: H / fragments)
@@ -275,6 +275,42 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - the message is the result
             errors[name] = f"{type(exc).__name__}: {exc}"
     out["errors"] = errors
+
+    # -- the engine: DecentralizedDataParallel(local_steps=H), the fused AdamW inside the backward ---
+    def engine(topology: str, upto: int, state: Optional[Dict[str, Any]] = None, start: int = 0,
+               **kw: Any) -> Tuple[torch.Tensor, Any]:
+        m = make_mlp(0)
+        ddp = decentpy.DecentralizedDataParallel(m, decentpy_optim_fn("adamw"), topology=topology, local_steps=H,
+                                                 **kw)
+        if state is not None:
+            ddp.load_training_state_dict(state)
+        saved = None
+        for k in range(start, upto):
+            if k == 5 and state is None:
+                saved = copy.deepcopy(ddp.training_state_dict())
+            x, y = batch(rank, k)
+            loss_fn(ddp(x), y).backward()
+        ddp.wait()
+        got = _flat(m)
+        ddp.close()
+        return got, saved
+
+    out["engine_complete"], _ = engine("complete", steps)
+    ref = make_mlp(0)
+    ref_inner = REF_OPTIMIZERS["adamw"](ref)
+    _plain_diloco(rank, world, [list(ref.parameters())], ref_inner, [_outer(ref.parameters())], ref, steps, 0, 0.0)
+    out["engine_complete_ref"] = _flat(ref)
+    out["engine_ring"], saved = engine("ring", steps, param_as_bucket_view=False)
+    out["engine_ring_resumed"], _ = engine("ring", steps, state=saved, start=5, param_as_bucket_view=False)
+    errors = {}
+    for name, kw in {"zero": dict(local_steps=0), "shard": dict(local_steps=4, intra_node="shard", local_world_size=2),
+                     "compressed": dict(local_steps=4, compression="int8")}.items():
+        try:
+            decentpy.DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adamw"), **kw)
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001 - the message is the result
+            errors[name] = f"{type(exc).__name__}: {exc}"
+    out["engine_errors"] = errors
     return out
 
 
@@ -316,7 +352,7 @@ def test_equals_torchft_diloco(results: List[Dict[str, Any]], kind: str) -> None
                                    msg=lambda m: f"rank {rank}: {m}")
 
 
-def _float64_ring() -> Tuple[List[torch.Tensor], List[List[torch.Tensor]]]:
+def _float64_ring(inner: Any = None) -> Tuple[List[torch.Tensor], List[List[torch.Tensor]]]:
     """The four replicas in one process, float64: torch's AdamW inner steps, at each outer step the
     ring's mixing matrix W(k) applied to the global copies and to the pseudo-gradients, torch's
     Nesterov SGD from the mixed global copy."""
@@ -324,7 +360,7 @@ def _float64_ring() -> Tuple[List[torch.Tensor], List[List[torch.Tensor]]]:
 
     topo = make_topology("ring", N, 1)
     models = [make_mlp(0).double() for _ in range(N)]
-    inners = [_inner(m) for m in models]
+    inners = [(inner or _inner)(m) for m in models]
     outers = [_outer(m.parameters()) for m in models]
     globals_ = [[p.detach().clone() for p in m.parameters()] for m in models]
     history = [[torch.cat([g.reshape(-1) for g in gl]) for gl in globals_]]
@@ -393,3 +429,32 @@ def test_bad_input_raises_on_every_rank(results: List[Dict[str, Any]]) -> None:
         msg = r["errors"]["one_rank"]
         assert msg is not None, rank
         assert ("sync_every must be an int >= 1" in msg) if rank == 1 else ("rank 1" in msg), (rank, msg)
+
+
+def test_engine_local_steps_complete_is_diloco(results: List[Dict[str, Any]]) -> None:
+    """DecentralizedDataParallel(local_steps=H) on the complete topology: the fused AdamW inside the
+    backward for H iterations, then DiLoCo's outer step -- the plain-torch DiLoCo with torch's AdamW
+    to float32 rounding (the fused kernel and torch's AdamW differ in the last bits)."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["engine_complete"], r["engine_complete_ref"], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(r["engine_complete"], results[0]["engine_complete"], rtol=0, atol=0)
+
+
+def test_engine_local_steps_ring_matches_float64_reference_and_resumes(results: List[Dict[str, Any]]) -> None:
+    """A gossip outer step on the ring (separate parameters, param_as_bucket_view=False): the float64
+    four-replica re-computation with torch's AdamW; a checkpoint at iteration 5 resumes bit for bit."""
+    final, _ = _float64_ring(REF_OPTIMIZERS["adamw"])
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["engine_ring"].double(), final[rank], rtol=1e-4, atol=2e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert torch.equal(r["engine_ring"], r["engine_ring_resumed"]), f"rank {rank}: the resumed run differs"
+
+
+def test_engine_local_steps_bad_input(results: List[Dict[str, Any]]) -> None:
+    want = {"zero": "local_steps must be an int >= 1", "shard": "local_steps with intra_node='shard'",
+            "compressed": "local_steps with compression="}
+    for rank, r in enumerate(results):
+        for name, text in want.items():
+            msg = r["engine_errors"][name]
+            assert msg is not None and text in msg, (rank, name, msg)

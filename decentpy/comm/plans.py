@@ -19,8 +19,10 @@ Built-in plans, with ``w`` the group's self weight and ``s = (1 - w) / (|R| - 1)
 from __future__ import annotations
 
 import abc
+import datetime
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from ..topology import Group, Topology
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from .protocol import Communicator, Work
 
 __all__ = ["ExchangePlan", "NoExchange", "PairExchange", "GroupAllReduce", "plan_exchange", "ExchangeSchedule",
-           "communication_needs"]
+           "communication_needs", "BufferMix"]
 
 
 class ExchangePlan(abc.ABC):
@@ -155,3 +157,31 @@ def communication_needs(topology: Topology) -> Tuple[bool, List[Tuple[int, ...]]
         if plan.collective_ranks is not None and plan.collective_ranks not in collective:
             collective.append(plan.collective_ranks)
     return p2p, collective
+
+
+class BufferMix:
+    """A whole buffer mixed with the plan's group, outside the kernel pass (the outer steps of local
+    steps training: a global copy, a pseudo-gradient): started here, :meth:`wait` leaves
+    ``a x + b recv`` in the buffer with the plan's coefficients (the exact mean for a group that
+    averages). The buffer must not be written until then."""
+
+    def __init__(self, plan: ExchangePlan, comm: "Communicator", tag: int, buf: Tensor,
+                 timeout: datetime.timedelta) -> None:
+        self.plan, self.buf, self.timeout = plan, buf, timeout
+        self.recv: Optional[Tensor] = None
+        self.work: Optional["Work"] = None
+        if plan.mixes:
+            scale = plan.send_scale()
+            # a pair receives into its own buffer; a group all-reduces the pre-scaled copy in place
+            self.recv = torch.empty_like(buf) if scale is None else buf * scale
+            self.work = plan.launch(comm, tag, buf, self.recv)
+
+    def wait(self) -> Tensor:
+        """The mixed buffer (waits for the exchange, bounded by the timeout)."""
+        if self.work is not None:
+            work, self.work = self.work, None
+            work.wait(self.timeout)
+            a, b = self.plan.mix_coefficients(1.0)
+            self.buf.mul_(a).add_(self.recv, alpha=b)
+            self.recv = None
+        return self.buf

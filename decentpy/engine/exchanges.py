@@ -11,6 +11,8 @@ takes from it (:meth:`Exchange.mixing`) and the launch of the next exchange
   :mod:`decentpy.comm.plans` move it; the kernel mixes the received buffer in.
 - :class:`~decentpy.engine.choco.CompressedExchange` (``"compressed"``): compressed differences
   against tracked public copies (``compression=``).
+- :class:`~decentpy.engine.local_steps.LocalStepsExchange` (``"local-steps"``): ``H`` inner steps
+  without exchange, then an outer step over the topology (``local_steps=``, DiLoCo).
 
 Adding an exchange: subclass :class:`Exchange`, override :meth:`~Exchange.mixing` and
 :meth:`~Exchange.launch` (and the state methods if it keeps any), register it in
@@ -71,6 +73,10 @@ class Exchange:
         """Bytes the exchange keeps beyond the buckets' own buffers."""
         return 0
 
+    def wait_params(self) -> None:
+        """Complete whatever of the exchange still writes the parameters (local steps: the outer step),
+        before they are read again: the next forward, a checkpoint, a layout rebuild."""
+
     def close(self) -> None:
         """Release what the exchange holds (threads, buffers)."""
 
@@ -81,5 +87,5 @@ class Exchange:
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
         """Restore :meth:`state_dict` (after the bucket layout was restored)."""
         if state is not None:
-            raise ValueError(f"the checkpoint was saved with compression={state['kind']!r}; this run has none "
-                             "(pass the same compression to resume)")
+            raise ValueError(f"the checkpoint was saved with the {state['kind']!r} exchange (compression= or "
+                             "local_steps=); this run has neither (pass the same arguments to resume)")

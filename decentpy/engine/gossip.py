@@ -148,6 +148,7 @@ class GossipStrategy(BucketStrategy):
 
     def settle_layout(self, order: Sequence[int]) -> None:
         self.settle()  # nothing pending may point at buckets a rebuild replaces
+        self.exchange.wait_params()
         self.layout.settle(order)
 
     def begin_iteration(self, in_join: bool, active: bool) -> None:
@@ -337,6 +338,7 @@ class GossipStrategy(BucketStrategy):
     def wait_params(self) -> None:
         """Wait for whatever still writes the parameters after a step (before they are used again)."""
         self.node_mode.wait_params()
+        self.exchange.wait_params()
 
     def drop_node_work(self) -> None:
         """Forget the node's own collectives in flight without waiting (after one of them failed: the

@@ -30,48 +30,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..comm import CommGroup, select_communicator
-from ..comm.plans import ExchangeSchedule, GroupAllReduce, NoExchange, PairExchange
+from ..comm.plans import BufferMix, ExchangeSchedule
 from ..topology import Topology
 
-__all__ = ["TopologyMixer", "Mixing", "Fragment", "is_complete"]
-
-
-def is_complete(topology: Topology) -> bool:
-    """Every step is one group of every rank with weight ``1/n``: the mix is the exact mean."""
-    n = topology.world_size
-    for step in range(topology.period):
-        g = topology.group_of(0, step)
-        if len(g.ranks) != n or abs(g.weight - 1.0 / n) > 1e-12:
-            return False
-    return True
-
-
-class Mixing:
-    """One buffer's outer exchange in flight: :meth:`wait` leaves the mix in the buffer."""
-
-    def __init__(self, comm: object, plan: object, tag: int, buf: Tensor, timeout: datetime.timedelta) -> None:
-        self.plan, self.buf, self.timeout = plan, buf, timeout
-        self.recv: Optional[Tensor] = None
-        self.work = None
-        if isinstance(plan, PairExchange):
-            self.recv = torch.empty_like(buf)
-            self.work = plan.launch(comm, tag, buf, self.recv)  # type: ignore[arg-type]
-        elif isinstance(plan, GroupAllReduce):
-            # the plan's pre-scaled buffer (s x), summed in place over the group
-            self.recv = buf * plan.send_scale()
-            self.work = plan.launch(comm, tag, buf, self.recv)  # type: ignore[arg-type]
-        elif not isinstance(plan, NoExchange):
-            raise TypeError(f"internal error: no outer exchange for the plan {plan!r}")
-
-    def wait(self) -> Tensor:
-        """The mixed buffer (``a x + b recv`` with the plan's coefficients)."""
-        if self.work is not None:
-            work, self.work = self.work, None
-            work.wait(self.timeout)
-            a, b = self.plan.mix_coefficients(1.0)  # type: ignore[attr-defined]
-            self.buf.mul_(a).add_(self.recv, alpha=b)
-            self.recv = None
-        return self.buf
+__all__ = ["TopologyMixer", "Fragment"]
 
 
 class TopologyMixer:
@@ -85,12 +47,12 @@ class TopologyMixer:
         self.timeout = timeout
         self.schedule = ExchangeSchedule(topology, group.rank)
         self.comm = select_communicator(comm, topology, timeout, device=device, group=group)
-        self.complete = is_complete(topology)
+        self.complete = topology.is_exact_average()
 
-    def launch(self, step: int, tag: int, buf: Tensor) -> Mixing:
+    def launch(self, step: int, tag: int, buf: Tensor) -> BufferMix:
         """Start mixing ``buf`` with this rank's group at outer step ``step`` (``tag``: one per buffer
         in flight at once)."""
-        return Mixing(self.comm, self.schedule.at(step), tag, buf, self.timeout)
+        return BufferMix(self.schedule.at(step), self.comm, tag, buf, self.timeout)
 
     def close(self) -> None:
         self.comm.close()
@@ -125,7 +87,7 @@ class Fragment:
             dev = backup_device if backup_device is not None else torch.device("cpu")
             t = torch.empty(p.shape, dtype=p.dtype, device=dev)
             self.backup.append(t.pin_memory() if pin and t.device.type == "cpu" else t)
-        self._pending: List[Mixing] = []
+        self._pending: List[BufferMix] = []
         self._mixed: Optional[List[Tensor]] = None  # results read back by state_dict (an exchange in flight)
 
     @torch.no_grad()

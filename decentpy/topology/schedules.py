@@ -380,6 +380,13 @@ class Topology:
                     seen[g.ranks] = g
         return list(seen.values())
 
+    def is_exact_average(self) -> bool:
+        """Every step is one group of every rank with weight ``1/n``: each mix is the exact mean
+        (``complete``, and any schedule that equals it)."""
+        n = self.world_size
+        return all(len(g.ranks) == n and abs(g.weight - 1.0 / n) <= _WEIGHT_ATOL
+                   for step in range(self.period) for g in self.groups(step))
+
     def mixing_matrix(self, step: int) -> torch.Tensor:
         """The float64 ``[n, n]`` mixing matrix ``W`` of ``step``: row i mixes worker i."""
         idx = self._index(step)

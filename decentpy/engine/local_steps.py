@@ -1,0 +1,178 @@
+"""Local steps with an outer optimizer (``DecentralizedDataParallel(local_steps=H, outer_optim=...)``):
+an exchange part of the gossip strategy (:mod:`decentpy.engine.exchanges`).
+
+For ``H`` iterations each bucket takes the fused in-backward inner step and exchanges nothing (the
+kernel pass mixes nothing, nothing is launched). After the inner step of every ``H``-th iteration
+the bucket's pseudo-gradient ``delta = theta - x`` (``theta`` its global copy, the parameters at
+the start of the window) starts its outer exchange over the topology's plan of that outer step
+(:class:`decentpy.comm.plans.BufferMix`): on a topology that averages exactly (``complete``) the
+pseudo-gradients are averaged and the global copies, equal on every rank, stay home -- DiLoCo; on
+any other the buffer ``[theta; delta]`` is mixed with the group -- a gossip outer step, whose mean
+over the replicas is DiLoCo's update with the mean pseudo-gradient. The exchange runs while the rest
+of the backward computes; before the parameters are used again (the next forward, a checkpoint,
+``global_avg``: :meth:`LocalStepsExchange.wait_params`) the outer step completes: the bucket's
+parameters become the mixed global copy, its ``.grad`` the mixed pseudo-gradient, the bucket's
+outer optimizer (a torch optimizer over the flat block; DiLoCo's Nesterov SGD by default) steps,
+and the result is the new global copy.
+
+The same algorithm for scripts with their own torch optimizer: :mod:`decentpy.local_sgd`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..comm.plans import BufferMix, ExchangePlan
+from .bucket import Bucket
+from .exchanges import Exchange
+
+if TYPE_CHECKING:  # a part is handed the strategy it serves (annotations only)
+    from .gossip import GossipStrategy
+
+__all__ = ["LocalStepsExchange", "OuterOptimFn", "diloco_outer_optim"]
+
+#: a bucket's flat parameter block -> its outer optimizer
+OuterOptimFn = Callable[[List[Tensor]], Optimizer]
+
+
+def diloco_outer_optim(params: List[Tensor]) -> Optimizer:
+    """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclass
+class OuterState:
+    """A bucket's global copy, its outer optimizer (over ``block``, the flat tensor it steps) and the
+    outer exchange in flight."""
+
+    theta: Tensor
+    block: Tensor
+    optimizer: Optimizer
+    pending: Optional[BufferMix] = None
+
+
+class LocalStepsExchange(Exchange):
+    """``H`` inner steps without exchange, then the outer step (see the module)."""
+
+    name = "local-steps"
+
+    def __init__(self, strategy: "GossipStrategy", local_steps: int, outer_optim: Optional[OuterOptimFn] = None) -> None:
+        super().__init__(strategy)
+        if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(f"local_steps must be an int >= 1 (inner steps per outer step), got {local_steps!r}")
+        self.local_steps = local_steps
+        self.outer_optim: OuterOptimFn = outer_optim if outer_optim is not None else diloco_outer_optim
+        #: the global copies are equal on every rank and only the pseudo-gradients travel
+        self.exact = strategy.topology.is_exact_average()
+        #: outer steps completed (the index of the topology's schedule for the next one)
+        self.outer_steps = 0
+        # The parameters at the start of the first window, by parameter, while the bucket layout is
+        # provisional: a bucket built later (the layout rebuilt after the first backward) takes its
+        # global copy from here, not from parameters that already took inner steps.
+        self._window_start: Optional[Dict[int, Tensor]] = None
+
+    def state_of(self, b: Bucket) -> OuterState:
+        st: Optional[OuterState] = b.exchange_state
+        if st is None:
+            layout = self.strategy.layout
+            if self._window_start is None and not layout.final and self.outer_steps == 0:
+                self._window_start = {id(p): p.detach().clone() for p in layout.params}
+            b.gather_params()
+            block = b.param
+            theta = block.detach().clone()
+            if self._window_start is not None:
+                for p, off in zip(b.params, b.offsets):
+                    theta[off:off + p.numel()].copy_(self._window_start[id(p)].reshape(-1))
+            st = OuterState(theta, block, self.outer_optim([block]))
+            b.exchange_state = st
+            if layout.final and all(c.exchange_state is not None for c in self.strategy.buckets):
+                self._window_start = None
+        return st
+
+    def _sync_step(self) -> bool:
+        """This iteration ends a window of ``H`` inner steps."""
+        return (self.strategy.step + 1) % self.local_steps == 0
+
+    def mixing(self, b: Bucket, received: ExchangePlan, nxt: ExchangePlan) -> Dict[str, Any]:
+        """Nothing is mixed in the kernel pass (the inner step only); the global copy is taken at the
+        bucket's first pass, before any inner step."""
+        self.state_of(b)
+        return {"recv": None, "mix_a": 1.0, "mix_b": 0.0, "send_scale": None,
+                "prev_skip": self.strategy.deferred_skip_flag(b)}
+
+    def launch(self, b: Bucket, nxt: ExchangePlan) -> Optional[Any]:
+        """After the window's last inner step: the pseudo-gradient's outer exchange (kept here, not
+        in ``b.work``: it completes in :meth:`wait_params`, before the next forward)."""
+        if not self._sync_step():
+            return None
+        s = self.strategy
+        st = self.state_of(b)
+        with torch.no_grad():
+            delta = st.theta - st.block
+            buf = delta if self.exact else torch.cat([st.theta, delta])
+        assert s.comm is not None, "internal error: the strategy has no communicator (attach() first)"
+        st.pending = BufferMix(s.plans.at(self.outer_steps), s.comm, b.index, buf, s.timeout)
+        return None
+
+    @torch.no_grad()
+    def wait_params(self) -> None:
+        """Complete the outer step of every bucket whose exchange is in flight (before the parameters
+        are read again)."""
+        done = False
+        for b in self.strategy.buckets:
+            st: Optional[OuterState] = b.exchange_state
+            if st is None or st.pending is None:
+                continue
+            mixed, st.pending = st.pending.wait(), None
+            n = st.block.numel()
+            if not self.exact:
+                st.block.copy_(mixed[:n])
+                st.block.grad = mixed[n:]
+            else:
+                st.block.copy_(st.theta)
+                st.block.grad = mixed
+            st.optimizer.step()
+            st.block.grad = None
+            st.theta.copy_(st.block)
+            b.scatter_params()
+            done = True
+        if done:
+            self.outer_steps += 1
+            self._window_start = None  # a bucket built from now on starts from the new global copy
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """The global copies and outer optimizers' states (the strategy completes every outer step
+        first: nothing is in flight)."""
+        out: List[Optional[Dict[str, Any]]] = []
+        for b in self.strategy.buckets:
+            st: Optional[OuterState] = b.exchange_state
+            out.append(None if st is None else {"theta": st.theta.clone(), "optimizer": st.optimizer.state_dict()})
+        return {"kind": self.name, "local_steps": self.local_steps, "outer_steps": self.outer_steps, "buckets": out}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        if state is None or state.get("kind") != self.name:
+            raise ValueError(f"the checkpoint was saved {'without' if state is None else 'with another'} exchange "
+                             f"({None if state is None else state.get('kind')!r}); this run uses local_steps="
+                             f"{self.local_steps} (the global copies and outer optimizers are part of the state)")
+        if state["local_steps"] != self.local_steps:
+            raise ValueError(f"the checkpoint was saved with local_steps={state['local_steps']}, this run has "
+                             f"local_steps={self.local_steps}")
+        buckets = self.strategy.buckets
+        if len(state["buckets"]) != len(buckets):
+            raise ValueError(f"the checkpoint has outer state for {len(state['buckets'])} buckets, this run has "
+                             f"{len(buckets)}")
+        self.outer_steps = int(state["outer_steps"])
+        for b, saved in zip(buckets, state["buckets"]):
+            if saved is None:
+                b.exchange_state = None
+                continue
+            st = self.state_of(b)
+            st.theta.copy_(saved["theta"])
+            st.optimizer.load_state_dict(saved["optimizer"])
