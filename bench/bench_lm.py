@@ -54,6 +54,10 @@ ARMS: Dict[str, Dict[str, Any]] = {
     "aer": dict(mode="decentpy", topology="alternating-exp-ring"),
     "aer-int8": dict(mode="decentpy", topology="alternating-exp-ring", compression="int8"),
     "shard-aer-int8": dict(mode="decentpy", topology="alternating-exp-ring", compression="int8", intra_node="shard"),
+    # local steps (DiLoCo): H inner steps, then the outer Nesterov step; 'complete' = DiLoCo's exact mean
+    "diloco-8": dict(mode="decentpy", topology="complete", local_steps=8),
+    "diloco-32": dict(mode="decentpy", topology="complete", local_steps=32),
+    "diloco-32-aer": dict(mode="decentpy", topology="alternating-exp-ring", local_steps=32),
 }
 DEFAULT_ARMS = ("ddp", "aer", "aer-int8", "shard-aer-int8", "decent-dp-aer")
 DEFAULT_LINKS = ("loopback", "100")
@@ -69,6 +73,8 @@ def arm_name(row: Dict[str, Any]) -> str:
             if row["mode"] == "decentpy" and row.get("intra_node", "gossip") != fields.get("intra_node", "gossip"):
                 continue
             if row["mode"] == "decentpy" and (row.get("compression") or "none") != fields.get("compression", "none"):
+                continue
+            if int(row.get("local_steps") or 1) != int(fields.get("local_steps", 1)):
                 continue
             return name
     return f"{row['mode']}-{row.get('topology')}"

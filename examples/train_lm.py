@@ -67,6 +67,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--local-world-size", type=int, default=2,
                    help="workers per (simulated) node for node-aware topologies and --intra-node "
                         "(clamped to the number of workers)")
+    p.add_argument("--local-steps", type=int, default=1, metavar="H",
+                   help="decentpy: H inner steps between outer steps (DiLoCo's outer Nesterov step over the topology; "
+                        "'complete' = DiLoCo); 1: gossip every step")
     p.add_argument("--preset", default="small", choices=sorted(model.PRESETS), help="model size")
     p.add_argument("--tokens", type=_count, default=1_000_000,
                    help="token budget over all workers (steps = tokens / (global batch x context))")
@@ -109,7 +112,7 @@ def make_spec(args: argparse.Namespace) -> loop.RunSpec:
     """The arm the options describe; --eval-every becomes a number of evaluations."""
     spec = loop.RunSpec(mode=args.mode, topology=args.topology,
                         compression=None if args.compression == "none" else args.compression,
-                        intra_node=args.intra_node, preset=args.preset, tokens=args.tokens, seed=args.seed,
+                        intra_node=args.intra_node, local_steps=args.local_steps, preset=args.preset, tokens=args.tokens, seed=args.seed,
                         evals=args.evals, val_windows=args.val_windows, lr=args.lr, global_batch=args.global_batch,
                         context=args.context, local_world_size=args.local_world_size, log_every=args.log_every)
     if args.eval_every is not None:

@@ -184,6 +184,8 @@ def test_bad_presets_and_specs_name_the_value() -> None:
         L.RunSpec(global_batch=6).check(4)
     with pytest.raises(ValueError, match="mode 'ddp' takes neither"):
         L.RunSpec(mode="ddp", compression="int8").check(2)
+    with pytest.raises(ValueError, match="local_steps=4 is decentpy's"):
+        L.RunSpec(mode="decentpy", compression="int8", local_steps=4).check(2)
 
 
 def test_schedule_evaluates_at_least_eight_times_and_spends_the_budget() -> None:
@@ -255,7 +257,7 @@ def _every_mode(rank: int, world: int, small_dir: str) -> Dict[str, Any]:
     corpus = C.load_corpus(small_dir)
     runs = []
     for mode, kw in (("ddp-powersgd", {}), ("decentpy", {"compression": "int8", "topology": "complete"}),
-                     ("decent-dp", {"topology": "ring"})):
+                     ("decent-dp", {"topology": "ring"}), ("decentpy", {"topology": "complete", "local_steps": 4})):
         spec = L.RunSpec(mode=mode, tokens=2048, evals=2, val_windows=16, context=32, global_batch=8, lr=3e-3, **kw)
         runs.append(L.run_arm(spec, corpus))
     return {"stdout": out.getvalue(), "cli_rows": cli_rows, "runs": runs}
@@ -286,4 +288,7 @@ def test_every_mode_trains_from_the_same_model_and_reports_its_rows(small_dir: s
     # PowerSGD's two plain steps send the gradients, its 6 compressed steps less
     assert 2 * params * 4 < runs[0][-1]["bytes_sent_per_worker"] < 4 * params * 4
     assert runs[1][-1]["compression"] == "int8" and runs[1][-1]["intra_node"] == "gossip"
+    # DiLoCo (local_steps=4, complete, 2 workers): 2 outer steps in 8, each sends the pseudo-gradient once
+    assert runs[3][-1]["local_steps"] == 4 and runs[0][-1]["local_steps"] == 1 and runs[3][-1]["fragments"] == 1
+    assert params * 4 * 2 <= runs[3][-1]["bytes_sent_per_worker"] <= params * 4 * 2 * 1.05, (runs[3][-1], params)
     assert runs[0][-1]["topology"] == "allreduce" and runs[0][-1]["intra_node"] is None

@@ -78,7 +78,8 @@ BETAS = (0.9, 0.95)
 EPS = 1e-8
 
 #: the columns of a row, in order (the benchmark's CSV writes them so)
-COLUMNS = ("framework", "mode", "topology", "compression", "intra_node", "link_mbit", "workers", "preset", "seed",
+COLUMNS = ("framework", "mode", "topology", "compression", "intra_node", "local_steps", "fragments", "link_mbit",
+           "workers", "preset", "seed",
            "step", "tokens", "wall_s", "bytes_sent_per_worker", "val_bits_per_byte",
            "val_bits_per_byte_workers_mean", "consensus_distance", "skipped_steps", "train_bits_per_byte",
            "tokens_per_s", "lr", "params", "bytes_source", "corpus", "corpus_bytes", "corpus_hash", "device")
@@ -93,6 +94,7 @@ class RunSpec:
     topology: str = "ring"  # decentpy and decent-dp only
     compression: Optional[str] = None  # decentpy only
     intra_node: str = "gossip"  # decentpy only
+    local_steps: int = 1  # decentpy only: H inner steps between outer steps (DiLoCo; 1: gossip every step)
     preset: str = "small"
     tokens: int = 1_000_000  # the budget: steps = tokens // (global_batch * context)
     seed: int = 0
@@ -118,6 +120,13 @@ class RunSpec:
         if self.mode != "decentpy" and (self.compression is not None or self.intra_node != "gossip"):
             raise ValueError(f"compression={self.compression!r} / intra_node={self.intra_node!r} are decentpy's "
                              f"options; mode {self.mode!r} takes neither (use mode 'decentpy')")
+        if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
+            raise ValueError(f"local_steps must be an int >= 1, got {self.local_steps!r}")
+        if self.local_steps > 1 and (self.mode != "decentpy" or self.compression is not None or
+                                     self.intra_node != "gossip"):
+            raise ValueError(f"local_steps={self.local_steps} is decentpy's, with intra_node='gossip' and no "
+                             f"compression (got mode {self.mode!r}, compression={self.compression!r}, intra_node="
+                             f"{self.intra_node!r})")
         if self.tokens < 1 or self.evals < 1 or self.val_windows < 1:
             raise ValueError(f"tokens, evals and val_windows must be >= 1, got {self.tokens}, {self.evals}, "
                              f"{self.val_windows}")
@@ -292,7 +301,7 @@ class _DecentpyArm(_Arm):
                                      weight_decay=spec.weight_decay, eps=EPS)
         self.ddp = DecentralizedDataParallel(model, optim_fn, _scheduler_fn(cfg.lr, sched), topology=spec.topology,
                                              local_world_size=lws, intra_node=spec.intra_node,
-                                             compression=spec.compression)
+                                             compression=spec.compression, local_steps=spec.local_steps)
 
     def train_step(self, x: Tensor, y: Tensor) -> Tensor:
         loss = _loss(self.ddp(x), y)
@@ -483,7 +492,9 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
         topology=spec.topology if spec.mode in ("decentpy", "decent-dp") else "allreduce",
         compression=(spec.compression or "none") if spec.mode == "decentpy" else
         (f"powersgd-rank{POWERSGD_RANK}" if spec.mode == "ddp-powersgd" else "none"),
-        intra_node=spec.intra_node if spec.mode == "decentpy" else None, link_mbit=spec.link_mbit, workers=n,
+        intra_node=spec.intra_node if spec.mode == "decentpy" else None,
+        local_steps=spec.local_steps if spec.mode == "decentpy" else 1, fragments=1, link_mbit=spec.link_mbit,
+        workers=n,
         preset=spec.preset, seed=spec.seed, params=count_parameters(model), bytes_source=arm.bytes_source,
         corpus=corpus.name, corpus_bytes=corpus.n_bytes, corpus_hash=corpus.list_hash, device=str(device))
 
