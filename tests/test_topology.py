@@ -831,3 +831,24 @@ def test_topology_has_one_owner():
             if not rel.startswith("topology/") and mod.split(".")[-1] in ("topology", "schedules", "edges", "decent_dp"):
                 private = [n for n in names if n.startswith("_") and not n.startswith("__")]
                 assert not private, f"{rel} imports private names from {mod}: {private}"
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7, 8])
+def test_random_pairs_is_the_documented_draw_and_reaches_consensus(n):
+    """Step s pairs consecutive ranks of the s-th shuffle of range(n) by random.Random(0x5EED + n)
+    (docs/concepts/topologies.md), a rank left over keeps itself; the same schedule on every call; the
+    mean never moves and one period mixes far towards consensus."""
+    import random
+
+    t = topo.make_topology("random-pairs", n, 1)
+    again = topo.make_topology("random-pairs", n, 1)
+    rng = random.Random(0x5EED + n)
+    assert t.period == 64
+    for s in range(t.period):
+        perm = list(range(n))
+        rng.shuffle(perm)
+        want = {(tuple(sorted(perm[i:i + 2])), 0.5) for i in range(0, n - 1, 2)}
+        want |= {((r,), 1.0) for r in range(n) if n % 2 and r == perm[-1]}
+        assert as_set(t.groups(s)) == want, (n, s)
+        assert as_set(again.groups(s)) == want
+    assert _consensus_periods(t, periods=1) < 1e-3

@@ -23,6 +23,7 @@ import difflib
 import logging
 import math
 import operator
+import random
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -38,6 +39,7 @@ __all__ = [
     "RingTopology",
     "OnePeerExpTopology",
     "AlternatingExpRingTopology",
+    "RandomPairsTopology",
     "CustomTopology",
     "register_topology",
     "available_topologies",
@@ -535,6 +537,39 @@ class OnePeerExpTopology(Topology):
                 for pairs in _exp_matchings(n)]
 
 
+class RandomPairsTopology(Topology):
+    """A random perfect matching at every step, ``w = 1/2``; period ``RANDOM_PAIRS_PERIOD``.
+
+    Step ``s`` pairs consecutive ranks of a permutation drawn by Python's ``random.Random`` seeded
+    with ``RANDOM_PAIRS_SEED + n`` (``shuffle`` of ``range(n)``, one per step in order): a pure
+    function of ``n``, the same on every rank and every run. For odd ``n`` the permutation's last rank
+    keeps itself at that step. Random pairings spread information like an expander (NoLoCo's and
+    gossip-DiLoCo's outer steps pair replicas at random). Every step is a set of pairs, so a pair's
+    exchange is point to point; compressed gossip keeps a pair of public copies per distinct partner,
+    which here is most of the ranks: prefer it with local steps (no copies) or a fixed schedule.
+    """
+
+    name = "random-pairs"
+
+    def _build(self) -> List[List[Group]]:
+        n = self.world_size
+        if n == 1:
+            return self._single_rank_schedule()
+        rng = random.Random(RANDOM_PAIRS_SEED + n)
+        steps = []
+        for _ in range(RANDOM_PAIRS_PERIOD):
+            perm = list(range(n))
+            rng.shuffle(perm)
+            pairs = [tuple(sorted(perm[i:i + 2])) for i in range(0, n - 1, 2)]
+            steps.append(_sorted_groups([Group(p, 0.5) for p in pairs] + _singletons(n, pairs)))
+        return steps
+
+
+#: steps of the random-pairs schedule before it repeats, and the seed its pairings are drawn from
+RANDOM_PAIRS_PERIOD = 64
+RANDOM_PAIRS_SEED = 0x5EED
+
+
 def _aer_size_message(n: int, local: int, nodes: int) -> str:
     """Why AER refuses ``(n, local)`` and the ``local_world_size`` values that would work, worded the
     same for both rules: on one machine a smaller ``local_world_size`` simulates several nodes, and
@@ -1005,3 +1040,4 @@ register_topology("complete", CompleteTopology)
 register_topology("ring", RingTopology)
 register_topology("one-peer-exp", OnePeerExpTopology)
 register_topology("alternating-exp-ring", AlternatingExpRingTopology)
+register_topology("random-pairs", RandomPairsTopology)
