@@ -254,18 +254,42 @@ def start_heartbeat() -> None:
         peer_monitor()
 
 
+class _WakeOnStop(threading.Event):
+    """The waiter's stop event: setting it also wakes the thread from its queue."""
+
+    def __init__(self, jobs: "queue.Queue[Any]") -> None:
+        super().__init__()
+        self._jobs = jobs
+
+    def set(self) -> None:
+        super().set()
+        self._jobs.put(None)
+
+
 class _Waiter:
     """One daemon thread that runs blocking ``work.wait(timeout)`` calls, so the caller can watch
     the peers meanwhile (gloo closes the connection when a wait with a short timeout expires, so a
-    wait cannot be sliced, and its works have no future to poll)."""
+    wait cannot be sliced, and its works have no future to poll).
+
+    A wait given up on (a peer failed: the caller raised) keeps its thread inside the backend, GIL
+    released, until the connection closes; if that happens while Python finalizes, the thread's
+    return for the GIL ends in ``std::terminate`` (decentpy/comm/exit.py), so the thread is stopped
+    at exit like the heartbeat's: woken if idle, joined briefly if blocked -- peers exiting at the
+    same time close the connection within that window."""
 
     def __init__(self) -> None:
-        self._jobs: "queue.Queue[Tuple[Callable[[], Any], threading.Event, List[Any]]]" = queue.Queue()
-        threading.Thread(target=self._run, name="decentpy-waiter", daemon=True).start()
+        self._jobs: "queue.Queue[Optional[Tuple[Callable[[], Any], threading.Event, List[Any]]]]" = queue.Queue()
+        self._stop = _WakeOnStop(self._jobs)
+        thread = threading.Thread(target=self._run, name="decentpy-waiter", daemon=True)
+        thread.start()
+        stop_at_exit(self._stop, [thread])
 
     def _run(self) -> None:
         while True:
-            fn, done, box = self._jobs.get()
+            job = self._jobs.get()
+            if job is None or self._stop.is_set():
+                return
+            fn, done, box = job
             try:
                 box.append(("ok", fn()))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
