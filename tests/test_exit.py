@@ -75,7 +75,7 @@ def test_exit_with_a_wait_given_up_on_still_inside_the_backend(tmp_path: "os.Pat
     with open(path, "w") as f:
         f.write(WAIT_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for run in range(3):
+    for run in range(2):
         proc = torchrun(path, 2, {"PYTHONPATH": root}, timeout=90)
         assert "raised PeerReportedError" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
         assert "terminate called" not in proc.stderr, f"run {run}: {proc.stderr[-2000:]}"
