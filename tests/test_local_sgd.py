@@ -276,6 +276,45 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             errors[name] = f"{type(exc).__name__}: {exc}"
     out["errors"] = errors
 
+    # -- a time budget: odd ranks twice as slow, the pseudo-gradients weighted by their inner steps --
+    speed = 1.0 + rank % 2          # seconds per inner step on this rank's (fake) clock
+    now = [0.0]
+    model = make_mlp(0)
+    inner = _inner(model)
+    d = decentpy.DiLoCo(model, inner, _outer(model.parameters()), sync_every=None, sync_every_s=4.0,
+                        clock=lambda: now[0])
+    fast_steps = 3 * 4                # 3 windows of 4 s: 4 inner steps a window, or 2 when slow
+    n_steps = fast_steps // int(speed)
+    with d:
+        for k in range(n_steps):
+            x, y = batch(rank, k)
+            inner.zero_grad()
+            loss_fn(model(x), y).backward()
+            now[0] += speed
+            inner.step()
+    out["timed_outer_steps"] = d.outer_steps
+    out["timed"] = _flat(model)
+    ref = make_mlp(0)                 # weighted DiLoCo written out: sum s_j delta_j / sum s_j
+    ref_inner = _inner(ref)
+    ref_outer = _outer(ref.parameters())
+    per = 4 // int(speed)
+    backup = [p.detach().clone() for p in ref.parameters()]
+    for k in range(n_steps):
+        _train(ref, ref_inner, rank, range(k, k + 1))
+        if (k + 1) % per == 0:
+            with torch.no_grad():
+                total = torch.tensor([float(per)])
+                dist.all_reduce(total)
+                for p, b in zip(ref.parameters(), backup):
+                    g = (b - p) * per
+                    dist.all_reduce(g)
+                    p.copy_(b)
+                    p.grad = g / total
+            ref_outer.step()
+            ref_outer.zero_grad()
+            backup = [p.detach().clone() for p in ref.parameters()]
+    out["timed_ref"] = _flat(ref)
+
     # -- the engine: DecentralizedDataParallel(local_steps=H), the fused AdamW inside the backward ---
     def engine(topology: str, upto: int, state: Optional[Dict[str, Any]] = None, start: int = 0,
                **kw: Any) -> Tuple[torch.Tensor, Any]:
@@ -407,6 +446,16 @@ def test_gossip_mean_global_copy_follows_diloco(results: List[Dict[str, Any]]) -
         opt.step()
         got = torch.stack([r["ring_globals"][k + 1].double() for r in results]).mean(0)
         torch.testing.assert_close(got, mean_model.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"outer step {k}: {m}")
+
+
+def test_time_budget_weights_the_pseudo_gradients_by_inner_steps(results: List[Dict[str, Any]]) -> None:
+    """sync_every_s: in each 4 s window the fast ranks take 4 inner steps, the slow ones (half the
+    speed) 2; three outer steps on every rank, each the mean of the pseudo-gradients weighted by the
+    steps behind them -- a plain re-computation of that weighted DiLoCo, to float32 rounding."""
+    for rank, r in enumerate(results):
+        assert r["timed_outer_steps"] == 3, (rank, r["timed_outer_steps"])
+        torch.testing.assert_close(r["timed"], r["timed_ref"], rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(r["timed"], results[0]["timed"], rtol=0, atol=0)
 
 
 def test_local_sgd_averages_every_h_steps(results: List[Dict[str, Any]]) -> None:

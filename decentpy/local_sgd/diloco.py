@@ -14,8 +14,10 @@ argument (docs/migration/torchft.md).
 from __future__ import annotations
 
 import logging
+import math
+import time
 from types import TracebackType
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -48,9 +50,10 @@ class _LocalSteps:
     """What DiLoCo and LocalSGD share: the group, the topology's mixer, the inner-optimizer hook,
     the context protocol and the initial broadcast."""
 
-    def __init__(self, modules: Sequence[nn.Module], inner_optimizer: Optimizer, sync_every: int,
+    def __init__(self, modules: Sequence[nn.Module], inner_optimizer: Optimizer, sync_every: Optional[int],
                  topology: TopologyLike, group: Optional[dist.ProcessGroup], comm: str,
-                 broadcast_parameters: bool, check: Any) -> None:
+                 broadcast_parameters: bool, check: Any, sync_every_s: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
                                "torch.distributed.init_process_group(...) first")
@@ -61,7 +64,14 @@ class _LocalSteps:
         def local_checks() -> None:
             if not isinstance(inner_optimizer, Optimizer):
                 raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
-            if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            if sync_every_s is not None:
+                if sync_every is not None:
+                    raise ValueError(f"give sync_every (inner steps) or sync_every_s (seconds), not both: got "
+                                     f"sync_every={sync_every!r}, sync_every_s={sync_every_s!r}")
+                if isinstance(sync_every_s, bool) or not isinstance(sync_every_s, (int, float)) or \
+                        not (math.isfinite(sync_every_s) and sync_every_s > 0):
+                    raise ValueError(f"sync_every_s must be a number of seconds > 0, got {sync_every_s!r}")
+            elif isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
                 raise ValueError(f"sync_every must be an int >= 1 (inner steps between outer steps), got {sync_every!r}")
             found.append(_topology(topology, self._group.size))
             check()
@@ -71,6 +81,9 @@ class _LocalSteps:
         self.topology = found[0]
         self._inner = inner_optimizer
         self._sync_every = sync_every
+        self._sync_every_s = None if sync_every_s is None else float(sync_every_s)
+        self._clock = clock
+        self._window_start = clock()
         self._local_step = 0
         #: outer steps completed (the index of the topology's schedule for the next one)
         self.outer_steps = 0
@@ -89,6 +102,7 @@ class _LocalSteps:
         if self._closed:
             raise RuntimeError(f"this {type(self).__name__} was closed (its context ended); build a new one")
         self._hooks.append(self._inner.register_step_post_hook(self._step_post_hook))
+        self._window_start = self._clock()  # a time budget counts from the start of training
         return self
 
     def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
@@ -146,6 +160,12 @@ class DiLoCo(_LocalSteps):
         comm: ``"torch"`` (default), ``"nccl"`` or ``"auto"``, as for DecentralizedDataParallel.
         broadcast_parameters: start every replica from the group's first rank's parameters (the
             global copies must agree; torchft's Manager heals a replica for the same reason).
+        sync_every_s: a time budget instead of ``sync_every`` (pass ``sync_every=None``): each replica
+            takes as many inner steps as fit in this many seconds, then the outer step, whose
+            pseudo-gradients are weighted by the inner steps behind them (``sum s_j delta_j / sum
+            s_j`` over the group), so replicas of different speeds need no per-replica tuning; a slow
+            replica reaches the exchange at most one of its inner steps late. One fragment.
+        clock: the time source of ``sync_every_s`` (seconds; ``time.monotonic``).
 
     ``use_bucketization`` and ``bucket_cap_mb`` are accepted for torchft scripts: each fragment
     already travels as one buffer per dtype. ``should_quantize=True`` (a compressed outer exchange)
@@ -153,12 +173,13 @@ class DiLoCo(_LocalSteps):
     """
 
     def __init__(self, model_fragments: Union[nn.Module, Sequence[nn.Module]], inner_optimizer: Optimizer,
-                 outer_optimizer: Union[Optimizer, Sequence[Optimizer]], sync_every: int,
+                 outer_optimizer: Union[Optimizer, Sequence[Optimizer]], sync_every: Optional[int],
                  backup_device: Optional[torch.device] = None, pin_memory: bool = True,
                  use_bucketization: bool = False, bucket_cap_mb: Optional[int] = None, should_quantize: bool = False,
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, *,
                  topology: TopologyLike = "complete", group: Optional[dist.ProcessGroup] = None, comm: str = "torch",
-                 broadcast_parameters: bool = True) -> None:
+                 broadcast_parameters: bool = True, sync_every_s: Optional[float] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer]
 
@@ -173,6 +194,13 @@ class DiLoCo(_LocalSteps):
             if should_quantize:
                 raise ValueError("should_quantize=True: a compressed outer exchange is not available in decentpy yet; "
                                  "leave it False (the exchange is full precision, as torchft's is on CPUs)")
+            if sync_every_s is not None:
+                if len(fragments) > 1 or fragment_sync_delay:
+                    raise ValueError("sync_every_s (a time budget) runs one fragment without fragment_sync_delay; "
+                                     "streaming fragments take sync_every (inner steps)")
+                return
+            if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+                return  # (the common check names it)
             if sync_every < len(fragments) or sync_every % len(fragments):
                 raise ValueError(f"sync_every={sync_every} must be a multiple of the number of fragments "
                                  f"({len(fragments)}): one fragment is synchronised every sync_every / fragments steps")
@@ -199,8 +227,9 @@ class DiLoCo(_LocalSteps):
                                      f"{'fragment ' + str(i) if len(outers) > 1 else 'the model'}: build it over "
                                      "those parameters (the outer step sets their .grad and steps them)")
 
-        super().__init__(fragments, inner_optimizer, sync_every, topology, group, comm, broadcast_parameters, check)
-        self._period = sync_every // len(fragments)
+        super().__init__(fragments, inner_optimizer, sync_every, topology, group, comm, broadcast_parameters, check,
+                         sync_every_s, clock)
+        self._period = sync_every // len(fragments) if sync_every is not None else 0
         self._delay = fragment_sync_delay
         self._send_globals = not self._mixer.complete
         self._fragments = [Fragment(i, [p for p in f.parameters() if p.requires_grad],
@@ -208,8 +237,9 @@ class DiLoCo(_LocalSteps):
                                     fragment_update_alpha) for i, f in enumerate(fragments)]
         for f in self._fragments:
             f.save()
-        logger.info("DiLoCo: %d fragment(s), one outer step every %d inner steps over %s (%s)", len(fragments),
-                    self._period, self.topology.name, "exact mean" if self._mixer.complete else "gossip")
+        logger.info("DiLoCo: %d fragment(s), one outer step every %s over %s (%s)", len(fragments),
+                    f"{self._sync_every_s:g} s" if self._sync_every_s is not None else f"{self._period} inner steps",
+                    self.topology.name, "exact mean" if self._mixer.complete else "gossip")
 
     @property
     def fragments(self) -> int:
@@ -219,6 +249,18 @@ class DiLoCo(_LocalSteps):
         return self._fragments[self.outer_steps % len(self._fragments)]
 
     def _after_inner_step(self) -> None:
+        if self._sync_every_s is not None:
+            # A time budget: as many inner steps as fit, then the outer step, the pseudo-gradients
+            # weighted by the inner steps behind them. A slow replica reaches the exchange at most one
+            # of its inner steps after the budget: the others wait for no more than that.
+            if self._clock() - self._window_start >= self._sync_every_s:
+                f = self._fragments[0]
+                f.prepare(self._mixer, self.outer_steps, 0, self._send_globals, weight=float(self._local_step))
+                f.perform(self._send_globals)
+                self.outer_steps += 1
+                self._local_step = 0
+                self._window_start = self._clock()
+            return
         if self._local_step == self._period - self._delay:
             # Same fragment and tag on every rank, in the same order: every pair of peers matches.
             f = self._current()

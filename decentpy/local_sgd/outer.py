@@ -88,6 +88,7 @@ class Fragment:
             t = torch.empty(p.shape, dtype=p.dtype, device=dev)
             self.backup.append(t.pin_memory() if pin and t.device.type == "cpu" else t)
         self._pending: List[BufferMix] = []
+        self._weighted = False  # the exchange in flight carries weighted pseudo-gradients
         self._mixed: Optional[List[Tensor]] = None  # results read back by state_dict (an exchange in flight)
 
     @torch.no_grad()
@@ -101,15 +102,23 @@ class Fragment:
         return bool(self._pending) or self._mixed is not None
 
     @torch.no_grad()
-    def prepare(self, mixer: TopologyMixer, step: int, tag: int, send_globals: bool) -> None:
-        """The pseudo-gradient of the inner steps so far, and its exchange (started, not awaited)."""
+    def prepare(self, mixer: TopologyMixer, step: int, tag: int, send_globals: bool,
+                weight: Optional[float] = None) -> None:
+        """The pseudo-gradient of the inner steps so far, and its exchange (started, not awaited).
+        ``weight``: the pseudo-gradient is mixed as ``sum w_j delta_j / sum w_j`` over the group (the
+        weights travel as one more element of the buffer)."""
         if self.in_flight:
             raise RuntimeError(f"internal error: fragment {self.index} prepared twice")
+        self._weighted = weight is not None
         for k, idx in enumerate(self.groups):
             parts = []
             if send_globals:
                 parts += [self.backup[i].to(self.params[i].device).reshape(-1) for i in idx]
-            parts += [(self.backup[i].to(self.params[i].device) - self.params[i].detach()).reshape(-1) for i in idx]
+            deltas = [(self.backup[i].to(self.params[i].device) - self.params[i].detach()).reshape(-1) for i in idx]
+            if weight is not None:
+                deltas = [d * weight for d in deltas]
+                deltas.append(torch.full((1,), weight, dtype=deltas[0].dtype, device=deltas[0].device))
+            parts += deltas
             self._pending.append(mixer.launch(step, tag + k, torch.cat(parts)))
 
     def wait(self) -> List[Tensor]:
@@ -129,6 +138,11 @@ class Fragment:
         for idx, flat in zip(self.groups, mixed):
             sub = [self.params[i] for i in idx]
             n = sum(p.numel() for p in sub)
+            if self._weighted:  # sum w_j delta_j / sum w_j (no inner step anywhere in the group: no move)
+                total = flat[-1]
+                flat = flat[:-1]
+                body = flat[n:] if send_globals else flat
+                body.div_(total.clamp(min=torch.finfo(body.dtype).tiny))  # (no host sync; all weights 0: all deltas 0)
             if send_globals:
                 theta, delta = _split(flat[:n], sub), _split(flat[n:], sub)
             else:
