@@ -861,3 +861,204 @@ def test_cli_compression_only(tmp_path, capsys):
     assert png.is_file() or png.with_suffix(".svg").is_file()
     with pytest.raises(SystemExit):
         cli.main(["--compression-only", "--out", str(tmp_path), "--compression-gpus", "12"])
+
+
+# ---------------------------------------------------------------------------------------------
+# local steps: DiLoCo and gossip DiLoCo
+# ---------------------------------------------------------------------------------------------
+
+NO_KERNELS = replace(HW, mem_bw=math.inf)  # kernel passes cost nothing
+
+
+def _kernels(wl, hw):
+    """(inner Adam step, DiLoCo outer step) seconds, by hand."""
+    return 7.0 * wl.model_bytes / hw.mem_bw, 11.0 * wl.model_bytes / hw.mem_bw
+
+
+@pytest.mark.parametrize("n,local", [(64, 8), (16, 1), (8, 8)])
+def test_diloco_h1_without_overlap_is_one_allreduce_per_iteration(n, local):
+    hw = replace(HW, overlap=0.0)
+    allreduce = rm.allreduce_time(WL.model_bytes, n, local, hw)
+    t, exposed = rm.diloco_iteration_time(n, local, WL, replace(hw, mem_bw=math.inf), 1)
+    assert t == pytest.approx(WL.compute_s + allreduce, rel=1e-12)
+    assert exposed == pytest.approx(allreduce, rel=1e-12)
+    k_in, k_out = _kernels(WL, hw)
+    t = rm.diloco_iteration_time(n, local, WL, hw, 1)[0]
+    assert t == pytest.approx(WL.compute_s + allreduce + k_in + k_out, rel=1e-12)
+
+
+def test_local_steps_hand_computed_with_overlap():
+    n, local, h = 64, 8, 4
+    fwd, bwd = WL.compute_s / 3, 2 * WL.compute_s / 3
+    k_in, k_out = _kernels(WL, HW)
+    a = rm.allreduce_time(WL.model_bytes, n, local, HW)
+    e = rm.allreduce_time(WL.bucket_bytes, n, local, HW)  # the last bucket: exposed
+    outer = fwd + e + max(bwd, a - e) + k_in + k_out
+    t, exposed = rm.diloco_iteration_time(n, local, WL, HW, h)
+    assert t == pytest.approx(((h - 1) * (WL.compute_s + k_in) + outer) / h, rel=1e-12)
+    assert exposed == pytest.approx((e + max(bwd, a - e) - bwd) / h, rel=1e-12)
+    # a gossip outer step on AER: its step's 2M buffer, the mix's 6 M bytes more kernel traffic
+    steps = rm.step_comm_times("alternating-exp-ring", n, local, 2 * WL.model_bytes, HW)
+    tails = rm.step_comm_times("alternating-exp-ring", n, local, 2 * WL.bucket_bytes, HW)
+    outer = np.mean([fwd + e + max(bwd, a - e) for a, e in zip(steps, tails)]) + k_in + k_out \
+        + 6.0 * WL.model_bytes / HW.mem_bw
+    t = rm.gossip_diloco_iteration_time("alternating-exp-ring", n, local, WL, HW, h)[0]
+    assert t == pytest.approx(((h - 1) * (WL.compute_s + k_in) + outer) / h, rel=1e-12)
+
+
+def test_utilisation_tends_to_one_as_local_steps_grow():
+    wl, n, local = rm.local_steps_workload(), 512, 8
+    hw = rm.gpu_hardware(25.0)
+    solo = rm.solo_iteration_time(wl, hw)
+    assert solo == pytest.approx(wl.compute_s + 7.0 * wl.model_bytes / hw.mem_bw, rel=1e-12)
+    for name in ("complete", "alternating-exp-ring"):
+        for kind in (None, "int8"):
+            ts = {h: rm.local_steps_iteration_time(name, n, local, wl, hw, h, kind)[0]
+                  for h in (1, 16, 256, 10 ** 6)}
+            us = [rm.compute_utilisation(ts[h], wl, hw) for h in sorted(ts)]
+            assert all(a < b for a, b in zip(us, us[1:])) and us[-1] == pytest.approx(1, abs=1e-5)
+            # T = T_solo + (outer step's extra) / H: the extra does not depend on H
+            assert (ts[16] - solo) * 16 == pytest.approx((ts[256] - solo) * 256, rel=1e-9)
+
+
+def test_gossip_diloco_sends_twice_diloco_bytes_per_outer_step_for_pairs():
+    m = WL.model_bytes
+    # two workers, one per node: DiLoCo's all-reduce moves M through each NIC, a gossip outer
+    # step's pair 2M (global copy and pseudo-gradient), each one way at a time (full duplex)
+    for name in ("one-peer-exp", "ring"):
+        pair = rm.outer_exchange_times(name, 2, 1, m, BYTES_ONLY)  # every step of the period
+        assert pair.tolist() == pytest.approx([2 * m / HW.inter_bw] * len(pair))
+    diloco = rm.outer_exchange_times("complete", 2, 1, m, BYTES_ONLY)
+    assert diloco.tolist() == pytest.approx([m / HW.inter_bw])
+    # int8: one wire of the 2M buffer against one of the M pseudo-gradient (plus a block scale)
+    pair = rm.outer_exchange_times("one-peer-exp", 2, 1, m, BYTES_ONLY, "int8")[0]
+    assert pair == pytest.approx(_int8_wire(2 * m) / HW.inter_bw, rel=1e-12)
+    diloco = rm.outer_exchange_times("complete", 2, 1, m, BYTES_ONLY, "int8")[0]
+    assert diloco == pytest.approx(_int8_wire(m) / HW.inter_bw, rel=1e-12)
+    assert pair == pytest.approx(2 * diloco, rel=1e-6)
+    # one-peer-exp on 16 single-GPU nodes: every outer step a pair, 2M each way
+    steps = rm.outer_exchange_times("one-peer-exp", 16, 1, m, HW)
+    assert steps.tolist() == pytest.approx([HW.inter_lat + 2 * m / HW.inter_bw] * len(steps))
+
+
+def test_int8_outer_exchange_by_hand():
+    m, local = WL.model_bytes, 8
+    intra = rm.allreduce_time(m, local, local, HW)  # fp32 reduce-scatter + all-gather in a node
+    # DiLoCo on 2 nodes: each GPU's 1/8 shard, int8, to the same GPU of the other node
+    got = rm.outer_exchange_times("complete", 16, local, m, HW, "int8")
+    assert got.tolist() == pytest.approx(
+        [intra + HW.inter_lat + local * _int8_wire(m / local) / HW.inter_bw], rel=1e-12)
+    # AER on 2 nodes: the node-pair step as above for the 2M buffer, the intra-node step fp32
+    got = rm.outer_exchange_times("alternating-exp-ring", 16, local, m, HW, "int8")
+    intra2 = rm.allreduce_time(2 * m, local, local, HW)
+    assert sorted(got.tolist()) == pytest.approx(
+        [intra2, intra2 + HW.inter_lat + local * _int8_wire(2 * m / local) / HW.inter_bw],
+        rel=1e-12)
+    # one node: nothing crosses a NIC, nothing is compressed
+    assert rm.outer_exchange_times("complete", 8, 8, m, HW, "int8").tolist() == [intra]
+    assert rm.outer_kernel_time("complete", 8, 8, WL, HW, "int8") == \
+        rm.outer_kernel_time("complete", 8, 8, WL, HW)
+    # kernels: error feedback, quantise and dequantise of the GPU's shard
+    extra = (4 * m / local + 2 * _int8_wire(m / local)) / HW.mem_bw
+    assert rm.outer_kernel_time("complete", 16, local, WL, HW, "int8") == pytest.approx(
+        11 * m / HW.mem_bw + extra, rel=1e-12)
+
+
+def test_bandwidth_for_utilisation_reaches_the_target():
+    wl = rm.local_steps_workload()
+    for mode in (rm.LocalStepsMode("ddp"), rm.LocalStepsMode("gossip", "alternating-exp-ring"),
+                 rm.LocalStepsMode("local-steps", "complete", 32, "int8"),
+                 rm.LocalStepsMode("local-steps", "alternating-exp-ring", 128)):
+        for target in (0.90, 0.95):
+            g = rm.bandwidth_for_utilisation(mode, 64, target)
+            assert rm.utilisation_at(mode, 64, g) >= target
+            assert rm.utilisation_at(mode, 64, g * (1 - 2e-4)) < target  # the least, to 1e-4
+            assert rm.utilisation_at(mode, 64, g) == pytest.approx(target, abs=1e-3)
+    # DiLoCo, by hand (full overlap, the all-reduce longer than the backward): T = T_solo + (A - B
+    # + K_out) / H, so A = B - K_out + H T_solo (1 / u - 1) solved for the NIC bandwidth
+    h, n, local, u = 32, 512, 8, 0.9
+    hw0 = rm.gpu_hardware(1.0)
+    solo, k_out = rm.solo_iteration_time(wl, hw0), 11 * wl.model_bytes / hw0.mem_bw
+    a = 2 * wl.compute_s / 3 - k_out + h * solo * (1 / u - 1)
+    nodes = n // local
+    rest = a - rm.allreduce_time(wl.model_bytes, n, local, replace(hw0, inter_bw=math.inf))
+    gbps = 2 * (nodes - 1) / nodes * wl.model_bytes / rest / rm.GBIT
+    mode = rm.LocalStepsMode("local-steps", "complete", h)
+    assert rm.bandwidth_for_utilisation(mode, n, u) == pytest.approx(gbps, rel=2e-4)
+    # out of reach: the kernel passes alone cap AER every step below 99.5%
+    assert rm.bandwidth_for_utilisation(rm.LocalStepsMode("gossip", "alternating-exp-ring"),
+                                        64, 0.995) is None
+    with pytest.raises(ValueError, match="target"):
+        rm.bandwidth_for_utilisation(mode, n, 1.0)
+
+
+def test_int8_lowers_the_needed_bandwidth_of_the_outer_exchange():
+    for topo in ("complete", "alternating-exp-ring"):
+        for h in (32, 128):
+            for n in (64, 512):
+                fp32 = rm.bandwidth_for_utilisation(rm.LocalStepsMode("local-steps", topo, h), n,
+                                                    0.9)
+                int8 = rm.bandwidth_for_utilisation(
+                    rm.LocalStepsMode("local-steps", topo, h, "int8"), n, 0.9)
+                assert int8 < 0.3 * fp32  # 0.254x the NIC bytes, fp32 inside the node
+
+
+def test_local_steps_modes_and_checks():
+    names = [m.name for m in rm.LOCAL_STEPS_MODES]
+    assert names[:3] == ["allreduce", "alternating-exp-ring", "alternating-exp-ring+int8"]
+    assert "diloco-H32+int8" in names and "diloco-alternating-exp-ring-H128" in names
+    assert len(set(names)) == len(names) == 11
+    assert cli.label("diloco-H32+int8") == "DiLoCo H=32+int8"
+    assert cli.label("diloco-alternating-exp-ring-H128") == "AER-DiLoCo H=128"
+    with pytest.raises(ValueError, match="local_steps"):
+        rm.LocalStepsMode("gossip", "ring", 4)
+    with pytest.raises(ValueError, match="compression"):
+        rm.LocalStepsMode("ddp", compression="int8")
+    with pytest.raises(ValueError, match="compression kind"):
+        rm.LocalStepsMode("local-steps", "complete", 8, "fp8")
+    with pytest.raises(ValueError, match="positive integer"):
+        rm.diloco_iteration_time(64, 8, WL, HW, 0)
+    with pytest.raises(ValueError, match="DiLoCo"):
+        rm.gossip_diloco_iteration_time("complete", 64, 8, WL, HW, 8)
+    assert not rm.LocalStepsMode("local-steps", "alternating-exp-ring", 8).valid(8, 8)
+
+
+def test_local_steps_table():
+    rows = rm.local_steps_table((64, 4096))
+    assert len(rows) == 11 * 2
+    by = {(r["mode"], r["gpus"]): r for r in rows}
+    for n in (64, 4096):
+        need = {m: by[(m, n)]["gbps_for_90pct"] for m, _ in by if _ == n}
+        # the model's findings: local steps need a fraction of every-step AER's bandwidth, less
+        # with larger H and with int8; int8 hurts AER every step on 8-GPU nodes (compressed
+        # chunks of its 16-GPU node-pair group); AER-DiLoCo the same at every scale
+        assert need["diloco-H128"] < need["diloco-H32"] < need["alternating-exp-ring"] \
+            < need["alternating-exp-ring+int8"]
+        assert need["diloco-H32+int8"] < need["diloco-H32"]
+        for r in (by[(m, n)] for m in need):
+            assert r["gbps_for_90pct"] is None or r["gbps_for_95pct"] is None \
+                or r["gbps_for_90pct"] < r["gbps_for_95pct"]
+    # DDP's ring all-reduce: 2 (N - 1) latencies in its exposed last bucket cap it at 512 nodes
+    assert by[("allreduce", 4096)]["gbps_for_90pct"] is None
+    assert by[("allreduce", 4096)]["util_at_400gbps"] < 0.9
+    assert by[("diloco-alternating-exp-ring-H32", 64)]["gbps_for_90pct"] == pytest.approx(
+        by[("diloco-alternating-exp-ring-H32", 4096)]["gbps_for_90pct"], rel=1e-3)
+
+
+def test_cli_local_steps_only(tmp_path, capsys):
+    table = tmp_path / "docs" / "data" / "runtime_local_steps.csv"
+    png = tmp_path / "docs" / "runtime_local_steps.png"
+    assert cli.main(["--local-steps-only", "--out", str(tmp_path), "--local-steps-gpus", "64",
+                     "512", "--local-steps-n", "64", "--local-steps-csv", str(table),
+                     "--local-steps-plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "Local steps at scale" in text and "AER-DiLoCo H=128+int8" in text
+    lines = table.read_text().splitlines()
+    assert lines[0] == ("mode,GPUs (nodes),Gb/s for 90%,Gb/s for 95%,util. at 25 Gb/s,"
+                        "util. at 100 Gb/s,util. at 400 Gb/s")
+    assert len(lines) == 1 + 11 * 2
+    assert lines[1].startswith("DDP-AR,64 (8),")
+    assert (tmp_path / "runtime_local_steps.csv").is_file()
+    assert png.is_file() or png.with_suffix(".svg").is_file()
+    with pytest.raises(SystemExit):
+        cli.main(["--local-steps-only", "--out", str(tmp_path), "--local-steps-gpus", "12"])

@@ -1,5 +1,5 @@
 """Command line of the runtime model: prediction tables, consensus, published comparison, the
-hybrid modes and compressed gossip at scale, calibration on measured step times, CSVs and plots.
+hybrid modes, compressed gossip and local steps (DiLoCo) at scale, calibration on measured step times, CSVs and plots.
 
 Run ``python -m tools.runtime_model --help`` (``__main__.py`` runs :func:`main`). Apart from the
 model so that importing the model loads no command line, plotting or SciPy: the model is
@@ -31,6 +31,10 @@ from .model import (
     HYBRID_INTER_GBPS,
     HYBRID_LOCAL,
     HYBRID_MODES,
+    LOCAL_STEPS_GBPS,
+    LOCAL_STEPS_GPUS,
+    LOCAL_STEPS_MODES,
+    LOCAL_STEPS_TARGETS,
     PUBLISHED_RANGE,
     SHARD_PREFIX,
     TOPOLOGIES,
@@ -42,12 +46,15 @@ from .model import (
     hybrid_table,
     iteration_times,
     iterations_to_10x,
+    local_steps_table,
+    local_steps_workload,
     mode_name,
     published_table,
     spectral_gap,
     topology_valid,
+    utilisation_at,
 )
-from .plots import SHORT, label, plot_hybrid, plot_iteration_times
+from .plots import SHORT, label, plot_hybrid, plot_iteration_times, plot_local_steps
 
 __all__ = ["main"]
 
@@ -100,11 +107,27 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--compression-plot", default=None,
                    help="plot of compressed gossip at scale (default: OUT/runtime_compression.png; "
                    "the docs' figure is docs/runtime_compression.png)")
+    p.add_argument("--local-steps-only", action="store_true",
+                   help="only local steps at scale (DDP; AER every step, fp32 and int8; DiLoCo and "
+                   "AER-DiLoCo, H=32 and 128, fp32 and int8 outer exchange, on the hybrid table's "
+                   "GPU cluster with its transformer): the NIC Gb/s per node each needs for 90%% "
+                   "and 95%% compute utilisation, table, OUT/runtime_local_steps.csv and plot")
+    p.add_argument("--local-steps-gpus", type=int, nargs="+", default=list(LOCAL_STEPS_GPUS),
+                   help="GPU counts (multiples of 8) of the local-steps table, its CSVs and plot")
+    p.add_argument("--local-steps-n", type=int, default=512,
+                   help="GPU count of the plot's utilisation-against-bandwidth panel")
+    p.add_argument("--local-steps-csv", default=None,
+                   help="also write the printed local-steps table, cell for cell, to this CSV "
+                   "(the docs' table is docs/data/runtime_local_steps.csv)")
+    p.add_argument("--local-steps-plot", default=None,
+                   help="plot of local steps at scale (default: OUT/runtime_local_steps.png; the "
+                   "docs' figure is docs/runtime_local_steps.png)")
     args = p.parse_args(argv)
-    bad = [g for g in args.compression_gpus if g < 1 or g % HYBRID_LOCAL]
-    if bad:
-        p.error(f"--compression-gpus: {bad} are not positive multiples of {HYBRID_LOCAL} (GPUs "
-                "per node)")
+    for flag, counts in (("--compression-gpus", args.compression_gpus),
+                         ("--local-steps-gpus", args.local_steps_gpus + [args.local_steps_n])):
+        bad = [g for g in counts if g < 1 or g % HYBRID_LOCAL]
+        if bad:
+            p.error(f"{flag}: {bad} are not positive multiples of {HYBRID_LOCAL} (GPUs per node)")
     return args
 
 
@@ -132,11 +155,12 @@ def _plot_panels(rows: List[Dict[str, object]], keys: Sequence[str]
     return panels
 
 
-def _cluster_line() -> str:
+def _cluster_line(gpus: Sequence[int] = HYBRID_GPUS,
+                  nic: str = "/".join(f"{g:g}" for g in HYBRID_INTER_GBPS) + " Gb/s") -> str:
     """The assumed GPU cluster of the tables at scale, for their headings."""
-    return (f"{HYBRID_GPUS[0]}-{HYBRID_GPUS[-1]} GPUs, {HYBRID_LOCAL} per node, NVLink "
-            f"{GPU_INTRA_BW / 1e9:g} GB/s/GPU, NIC {'/'.join(f'{g:g}' for g in HYBRID_INTER_GBPS)} "
-            f"Gb/s per node (shared by its {HYBRID_LOCAL} GPUs), latency intra "
+    return (f"{min(gpus)}-{max(gpus)} GPUs, {HYBRID_LOCAL} per node, NVLink "
+            f"{GPU_INTRA_BW / 1e9:g} GB/s/GPU, NIC {nic} "
+            f"per node (shared by its {HYBRID_LOCAL} GPUs), latency intra "
             f"{GPU_INTRA_LAT * 1e6:g} us inter {GPU_INTER_LAT * 1e6:g} us, kernels "
             f"{GPU_MEM_BW / 1e9:g} GB/s, full overlap; weak scaling (32 images / 4096 tokens per "
             "GPU)")
@@ -220,6 +244,69 @@ def _compression_report(out_dir: Path, gpus: Sequence[int], table_csv: Optional[
     return written
 
 
+def _gbps_cell(g: Optional[float]) -> str:
+    """A needed bandwidth for the tables: 3 significant digits, 'out of reach' for None."""
+    return "out of reach" if g is None else f"{g:.3g}"
+
+
+def _local_steps_report(out_dir: Path, gpus: Sequence[int], n_plot: int,
+                        table_csv: Optional[str], plot_path: Optional[str]) -> List[Path]:
+    """Print the local-steps table at ``gpus``, write its CSVs (OUT: every row, numbers;
+    ``table_csv``: the printed cells) and the plot (utilisation against bandwidth at ``n_plot``
+    GPUs, bandwidth for 90% against the GPU count); returns the paths written."""
+    wl = local_steps_workload()
+    counts = sorted(set(gpus))
+    rows = local_steps_table(counts)
+    targets = [round(t * 100) for t in LOCAL_STEPS_TARGETS]
+    print(f"Local steps at scale: {_cluster_line(counts, 'X Gb/s (varied)')}; Transformer-110M "
+          f"({wl.model_bytes / 1e6:.0f} MB fp32, {wl.compute_s * 1e3:.1f} ms "
+          "forward+backward per GPU). DDP = hierarchical all-reduce every step; AER = gossip every "
+          "step on alternating-exp-ring (+int8: decentpy's compressed gossip); DiLoCo H=h = "
+          "local_steps=h on complete (one all-reduce of the pseudo-gradient per h steps); "
+          "AER-DiLoCo = a gossip outer step on AER (global copy and pseudo-gradient, 2 models); the "
+          "outer exchange overlaps the rest of the h-th backward only; +int8 outer exchange "
+          "(planned in decentpy, modelled): exact fp32 inside the node, each GPU's "
+          f"1/{HYBRID_LOCAL} shard int8 across nodes")
+    print("compute utilisation = (forward + backward + Adam step of one GPU alone) / iteration "
+          "time; NIC Gb/s per node needed to reach it (bisection; out of reach: latencies and "
+          "kernel passes cap it below the target)")
+    gb = list(LOCAL_STEPS_GBPS)
+    header = ["mode", "GPUs (nodes)", *[f"Gb/s for {t}%" for t in targets],
+              *[f"util. at {g:g} Gb/s" for g in gb]]
+    table = [[label(r["mode"]), f"{r['gpus']} ({r['nodes']})",
+              *[_gbps_cell(r[f"gbps_for_{t}pct"]) for t in targets],
+              *["n/a" if r[f"util_at_{g:g}gbps"] is None else f"{100 * r[f'util_at_{g:g}gbps']:.1f}%"
+                for g in gb]] for r in rows]
+    print_table(header, table, group=lambda row: row[0])
+    written = []
+    csv_path = out_dir / "runtime_local_steps.csv"
+    write_csv(csv_path, list(rows[0]), rows)
+    written.append(csv_path)
+    if table_csv:
+        path = Path(table_csv)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", newline="") as fh:
+            wr = csv.writer(fh)
+            wr.writerow(header)
+            wr.writerows(table)
+        written.append(path)
+    grid = [10 ** (k / 20) for k in range(0, 61)]  # 1 .. 1000 Gb/s
+    utilisation = {m.name: [utilisation_at(m, n_plot, g, HYBRID_LOCAL, wl) if m.valid(
+        n_plot, HYBRID_LOCAL) else None for g in grid] for m in LOCAL_STEPS_MODES}
+    first = targets[0]
+    needed = {m.name: [r[f"gbps_for_{first}pct"] for r in rows if r["mode"] == m.name]
+              for m in LOCAL_STEPS_MODES}
+    png = Path(plot_path) if plot_path else out_dir / "runtime_local_steps.png"
+    written.append(plot_local_steps(
+        png, n_plot, grid, utilisation, counts, needed, first / 100,
+        f"Local steps (DiLoCo) against an exchange every step: Transformer-110M "
+        f"({wl.model_bytes / 1e6:.0f} MB, {wl.compute_s * 1e3:.1f} ms forward+backward per GPU), "
+        f"{HYBRID_LOCAL} GPUs per node, NVLink intra-node\nanalytic model "
+        "(tools/runtime_model), not a measurement; the int8 outer exchange is planned in decentpy, "
+        "not implemented"))
+    return written
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Print the tables, calibrate when the measured CSV exists, write the CSVs and the plot."""
     args = _parse(argv)
@@ -234,7 +321,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = [n for n in (2 ** k for k in range(3, 13)) if n <= args.max_n and n % local == 0]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if args.hybrid_only or args.compression_only:
+    if args.hybrid_only or args.compression_only or args.local_steps_only:
         paths = []
         if args.hybrid_only:
             paths += _hybrid_report(out_dir, args.hybrid_plot)
@@ -243,6 +330,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print()
             paths += _compression_report(out_dir, args.compression_gpus, args.compression_csv,
                                          args.compression_plot)
+        if args.local_steps_only:
+            if paths:
+                print()
+            paths += _local_steps_report(out_dir, args.local_steps_gpus, args.local_steps_n,
+                                         args.local_steps_csv, args.local_steps_plot)
         print(f"\nwrote {', '.join(map(str, paths))}")
         return 0
 
@@ -330,6 +422,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print()
     hybrid_paths += _compression_report(out_dir, args.compression_gpus, args.compression_csv,
                                         args.compression_plot)
+    print()
+    hybrid_paths += _local_steps_report(out_dir, args.local_steps_gpus, args.local_steps_n,
+                                        args.local_steps_csv, args.local_steps_plot)
 
     print()
     ms, used = [], []

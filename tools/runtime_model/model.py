@@ -146,6 +146,40 @@ docs/compression.md; byte counts from decentpy.compression, the model restates n
   consensus rate is taken as uncompressed (``gamma = 1`` with bf16 / int8: docs/compression.md's
   runs end at the same consensus distance; a group's re-quantised mean is not modelled either).
 
+Local steps (decentpy ``DecentralizedDataParallel(local_steps=H)``: DiLoCo on ``complete``, a gossip
+outer step on any other topology; docs/guide/local_sgd.md):
+
+* H - 1 inner iterations exchange nothing: ``T_in = T_c + K_in`` with ``K_in = kernel_traffic_ddp *
+  M / mem_bw`` (the fused inner Adam step inside the backward, nothing mixed, not hidden).
+* The H-th: each bucket's pseudo-gradient starts its outer exchange after its inner step and
+  overlaps only the rest of that backward (it must complete before the next forward): DDP's shape,
+  ``T_out,t = F + _bucketed(B, X_t(M), X_t(b)) + K_in + K_out``, X_t(x) the outer exchange of a
+  model of x bytes at the outer step t (outer step k runs the topology's step k mod period), b =
+  ``min(bucket_bytes, M)`` the last bucket, exposed. ``K_out = kernel_traffic_outer * M / mem_bw``
+  (pseudo-gradient and outer optimizer), plus ``kernel_traffic_outer_mix * M / mem_bw`` for a gossip
+  outer step's mix, plus the int8 passes below. Mean iteration: ``((H - 1) T_in + mean_t T_out,t) /
+  H``; with overlap == 1 the outer step exposes ``b's exchange + max(0, X - b's - B)``.
+* X_t: ``complete`` (DiLoCo): the hierarchical all-reduce of the M-byte pseudo-gradient (the global
+  copies are equal everywhere and stay home). Another topology (gossip DiLoCo): the buffer [theta;
+  delta], 2M bytes, mixed with the group of step t, costed as uncompressed gossip of 2M (pairs point
+  to point, M -> 2M each way: twice DiLoCo's bytes; groups the hierarchical all-reduce).
+* ``compression="int8"`` of the outer exchange (planned in decentpy, refused there today; an option
+  here): on ``complete`` and ``alternating-exp-ring``, whose groups are whole nodes, exact in the
+  node and int8 across: the fp32 ring reduce-scatter of the buffer over the node's L ranks, each
+  rank's 1/L shard exchanged int8 with the same shard of the group's other nodes (sharded
+  compressed gossip's node rows: a pair of nodes one message of ``wire_bytes(x / 4 / L)`` each way,
+  a group of k > 2 nodes -- all N for ``complete`` -- the two rounds of compressed chunks; L flows per
+  NIC, 0.254x the fp32 NIC bytes), the fp32 all-gather in the node: ``X = allreduce_time(x, L, L) +
+  node rows``. Other topologies: decentpy's compressed gossip of the 2M buffer (point to point, the
+  rows of every-step compressed gossip). Kernels: error feedback, quantise and dequantise, ``4 y + 2
+  wire_bytes(y)`` per compressed y bytes of a rank (its shard on the node-level path).
+* Compute utilisation ``= T_solo / T``, ``T_solo = T_c + K_in``: the share of an iteration that one
+  GPU alone would also spend (forward, backward, its Adam step), so it tends to 1 as H grows.
+  :func:`bandwidth_for_utilisation` bisects (on a log scale) the per-node NIC speed at which a mode
+  reaches a target utilisation on :func:`gpu_hardware`'s cluster (iteration time never grows with
+  bandwidth). Not modelled: the outer optimizer's effect on convergence (how large H may be),
+  Streaming DiLoCo's fragments, ``fragment_sync_delay``.
+
 Consensus: ``gap`` = 1 - |lambda_2| of the period-averaged mixing matrix, from
 ``decentpy.topology`` for n <= ``EXACT_GAP_MAX_N`` and from closed forms beyond (checked equal
 in the tests): complete 1, ring (1 - cos(2 pi / n)) / 2 (n even), one-peer-exp 1 / log2(n)
@@ -213,6 +247,22 @@ __all__ = [
     "published_scenarios",
     "published_table",
     "PUBLISHED_RANGE",
+    "outer_exchange_times",
+    "outer_kernel_time",
+    "local_steps_iteration_time",
+    "diloco_iteration_time",
+    "gossip_diloco_iteration_time",
+    "solo_iteration_time",
+    "compute_utilisation",
+    "LocalStepsMode",
+    "LOCAL_STEPS_MODES",
+    "LOCAL_STEPS_GPUS",
+    "LOCAL_STEPS_TARGETS",
+    "LOCAL_STEPS_GBPS",
+    "local_steps_workload",
+    "utilisation_at",
+    "bandwidth_for_utilisation",
+    "local_steps_table",
 ]
 
 TOPOLOGIES: Tuple[str, ...] = ("complete", "ring", "one-peer-exp", "alternating-exp-ring")
@@ -254,6 +304,13 @@ class Workload:
     # write), this rank's for the mix (read) and for the next send (read, write). The q (or r)
     # received and the q sent add 2 W; a group's chunk reduction is counted apart (no parameter).
     kernel_traffic_choco: float = 12.0
+    # Local steps' outer step (fp32, per outer step): the pseudo-gradient delta = theta - x (read
+    # 2, write 1), the outer Nesterov SGD from the global copy (read p, g, buf; write buf, p) and
+    # the parameters set to the result, kept as the new global copy (read 1, write 2).
+    kernel_traffic_outer: float = 11.0
+    # A gossip outer step's mix of the buffer [theta; delta] with its group's (read own 2 and
+    # received 2, write 2); DiLoCo's all-reduce reduces inside the collective.
+    kernel_traffic_outer_mix: float = 6.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -941,4 +998,259 @@ def compression_table(gpus: Sequence[int] = HYBRID_GPUS, local: int = HYBRID_LOC
                         row[f"{topo}_copies"] = (compressed_copies(topo, n, local)
                                                  if topology_valid(topo, n, local) else None)
                 rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# local steps: DiLoCo and gossip DiLoCo (module docstring), and what they buy at scale
+# ----------------------------------------------------------------------------------------------
+
+#: Topologies whose groups are whole nodes: an int8 outer exchange is exact inside the node (fp32
+#: reduce-scatter / all-gather) and int8 across nodes, each rank sending its 1/L shard.
+NODE_LEVEL_INT8: Tuple[str, ...] = ("complete", "alternating-exp-ring")
+
+
+def _outer_buffers(name: str) -> int:
+    """Model-sized buffers of one outer exchange: DiLoCo's pseudo-gradient on ``complete`` (the
+    global copies are equal and stay home), or a gossip outer step's global copy and
+    pseudo-gradient."""
+    return 1 if name == "complete" else 2
+
+
+def _check_local_steps(local_steps: int) -> int:
+    if int(local_steps) != local_steps or local_steps < 1:
+        raise ValueError(f"local_steps must be a positive integer, got {local_steps!r}")
+    return int(local_steps)
+
+
+def outer_exchange_times(name: str, n: int, local: int, nbytes: float, hw: Hardware,
+                         compression: Optional[str] = None) -> np.ndarray:
+    """Per outer step of the topology's period, the seconds of the outer exchange of a model (or a
+    bucket) of ``nbytes`` parameter bytes: ``complete`` (DiLoCo), the hierarchical all-reduce of
+    the pseudo-gradient; another topology (gossip DiLoCo), the buffer [global copy; pseudo-gradient]
+    of 2 ``nbytes`` mixed with the group of the step, costed as uncompressed gossip of it.
+    ``compression='int8'`` (or another decentpy kind): on :data:`NODE_LEVEL_INT8` topologies exact
+    in the node and compressed across nodes (the intra ring all-reduce of the buffer plus sharded
+    compressed gossip's node rows of its 1/L shards); elsewhere decentpy's compressed gossip of the
+    buffer, point to point (module docstring)."""
+    kind = _compression_kind(compression)
+    _valid_topology(name, n, local)
+    x = _outer_buffers(name) * nbytes
+    if kind is None:
+        if name == "complete":
+            return np.array([allreduce_time(x, n, local, hw)])
+        return step_comm_times(name, n, local, x, hw)
+    if name in NODE_LEVEL_INT8:
+        nodes = _check_nodes(n, local)
+        intra = allreduce_time(x, local, local, hw)  # reduce-scatter + all-gather in the node
+        if nodes == 1:
+            return np.array([intra])
+        rows = compressed_node_topology_rows(name, nodes, kind, _numel(x / local))
+        return intra + _step_times(rows, float(local), hw)  # the node's L shard flows per NIC
+    return step_comm_times(name, n, local, x, hw, kind)
+
+
+def outer_kernel_time(name: str, n: int, local: int, wl: Workload, hw: Hardware,
+                      compression: Optional[str] = None) -> float:
+    """Seconds of one outer step's memory-bound passes (not hidden): the pseudo-gradient and the
+    outer optimizer (``kernel_traffic_outer``), a gossip outer step's mix
+    (``kernel_traffic_outer_mix``), and with compression the error feedback, quantisation and
+    dequantisation of what the rank compresses, ``4 y + 2 wire_bytes(y)`` for y bytes (the buffer,
+    or its 1/L shard on the node-level path)."""
+    kind = _compression_kind(compression)
+    m = wl.model_bytes
+    traffic = wl.kernel_traffic_outer * m
+    if name != "complete":
+        traffic += wl.kernel_traffic_outer_mix * m
+    if kind is not None and n > 1:
+        x = _outer_buffers(name) * m
+        node_level = name in NODE_LEVEL_INT8
+        if not (node_level and n == local):  # one node: nothing crosses a NIC, nothing compressed
+            y = x / local if node_level else x
+            traffic += 4.0 * y + 2.0 * wire_bytes(kind, _numel(y))
+    return traffic / hw.mem_bw
+
+
+def local_steps_iteration_time(name: str, n: int, local: int, wl: Workload, hw: Hardware,
+                               local_steps: int, compression: Optional[str] = None
+                               ) -> Tuple[float, float]:
+    """(mean iteration time, mean exposed outer communication per iteration) of local steps:
+    ``local_steps`` = H - 1 iterations without communication and one outer step whose exchange on
+    topology ``name`` (``complete``: DiLoCo; another: gossip DiLoCo) overlaps the rest of the
+    H-th backward only, like DDP's buckets (the last bucket exposed); averaged over the outer
+    steps of the topology's period (module docstring)."""
+    h = _check_local_steps(local_steps)
+    fwd, bwd = _fwd_bwd(wl)
+    k_in = wl.kernel_traffic_ddp * wl.model_bytes / hw.mem_bw
+    full = outer_exchange_times(name, n, local, wl.model_bytes, hw, compression)
+    tail = outer_exchange_times(name, n, local, min(wl.bucket_bytes, wl.model_bytes), hw,
+                                compression)
+    backward = np.array([_bucketed(bwd, a, e, hw.overlap) for a, e in zip(full, tail)])
+    outer = fwd + float(np.mean(backward)) + k_in + outer_kernel_time(name, n, local, wl, hw,
+                                                                      compression)
+    inner = wl.compute_s + k_in
+    return ((h - 1) * inner + outer) / h, float(np.mean(backward) - bwd) / h
+
+
+def diloco_iteration_time(n: int, local: int, wl: Workload, hw: Hardware, local_steps: int,
+                          compression: Optional[str] = None) -> Tuple[float, float]:
+    """DiLoCo (``topology='complete'``): :func:`local_steps_iteration_time` on ``complete``."""
+    return local_steps_iteration_time("complete", n, local, wl, hw, local_steps, compression)
+
+
+def gossip_diloco_iteration_time(name: str, n: int, local: int, wl: Workload, hw: Hardware,
+                                 local_steps: int, compression: Optional[str] = None
+                                 ) -> Tuple[float, float]:
+    """Gossip DiLoCo on topology ``name`` (not ``complete``): :func:`local_steps_iteration_time`."""
+    if name == "complete":
+        raise ValueError("'complete' is DiLoCo, not a gossip outer step: diloco_iteration_time")
+    return local_steps_iteration_time(name, n, local, wl, hw, local_steps, compression)
+
+
+def solo_iteration_time(wl: Workload, hw: Hardware) -> float:
+    """One GPU alone: forward + backward and its Adam step (``kernel_traffic_ddp``), no exchange."""
+    return wl.compute_s + wl.kernel_traffic_ddp * wl.model_bytes / hw.mem_bw
+
+
+def compute_utilisation(iteration_s: float, wl: Workload, hw: Hardware) -> float:
+    """The share of an iteration of ``iteration_s`` seconds that one GPU alone would also spend
+    (:func:`solo_iteration_time` / iteration_s): 1 when communication costs nothing."""
+    return solo_iteration_time(wl, hw) / iteration_s
+
+
+@dataclass(frozen=True)
+class LocalStepsMode:
+    """A mode of the local-steps comparison: ``kind`` 'ddp' (all-reduce DDP), 'gossip' (gossip
+    every step on ``topology``) or 'local-steps' (``local_steps`` inner steps, then an outer
+    exchange on ``topology``: DiLoCo on 'complete', gossip DiLoCo on another); ``compression``:
+    None or a decentpy kind ('int8'), never with DDP."""
+
+    kind: str
+    topology: str = "complete"
+    local_steps: int = 1
+    compression: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("ddp", "gossip", "local-steps"):
+            raise ValueError(f"kind must be 'ddp', 'gossip' or 'local-steps', got {self.kind!r}")
+        if self.kind == "ddp" and (self.compression is not None or self.topology != "complete"):
+            raise ValueError("DDP all-reduces the gradients: no topology, no compression")
+        if self.kind != "local-steps" and self.local_steps != 1:
+            raise ValueError(f"{self.kind!r} exchanges every step: local_steps must be 1")
+        _check_local_steps(self.local_steps)
+        _compression_kind(self.compression)
+
+    @property
+    def name(self) -> str:
+        """'allreduce', the topology, 'diloco-H<H>' or 'diloco-<topology>-H<H>' ('+int8')."""
+        if self.kind == "ddp":
+            return "allreduce"
+        if self.kind == "gossip":
+            return mode_name(self.topology, self.compression)
+        base = ("diloco" if self.topology == "complete" else f"diloco-{self.topology}")
+        return mode_name(f"{base}-H{self.local_steps}", self.compression)
+
+    def valid(self, n: int, local: int) -> bool:
+        """Whether the mode runs on n GPUs, ``local`` per node (its topology fits)."""
+        return self.kind == "ddp" or topology_valid(self.topology, n, local)
+
+    def iteration_time(self, n: int, local: int, wl: Workload, hw: Hardware) -> float:
+        """The mode's mean iteration time (s)."""
+        if self.kind == "ddp":
+            return ddp_iteration_time(n, local, wl, hw)[0]
+        if self.kind == "gossip":
+            return decentralized_iteration_time(self.topology, n, local, wl, hw,
+                                                self.compression)[0]
+        return local_steps_iteration_time(self.topology, n, local, wl, hw, self.local_steps,
+                                          self.compression)[0]
+
+
+_AER = "alternating-exp-ring"
+#: DDP; AER every step, fp32 and int8; DiLoCo and gossip DiLoCo over AER, H = 32 and 128, fp32 and
+#: int8 (the int8 outer exchange is planned in decentpy: modelled, not implemented).
+LOCAL_STEPS_MODES: Tuple[LocalStepsMode, ...] = (
+    LocalStepsMode("ddp"),
+    LocalStepsMode("gossip", _AER), LocalStepsMode("gossip", _AER, compression="int8"),
+    *(LocalStepsMode("local-steps", topo, h, c)
+      for topo in ("complete", _AER) for h in (32, 128) for c in (None, "int8")),
+)
+LOCAL_STEPS_GPUS: Tuple[int, ...] = tuple(2 ** k for k in range(6, 13))  # 64 .. 4096
+LOCAL_STEPS_TARGETS: Tuple[float, ...] = (0.90, 0.95)
+LOCAL_STEPS_GBPS: Tuple[float, ...] = (25.0, 100.0, 400.0)  # utilisation columns of the table
+
+
+def local_steps_workload() -> Workload:
+    """The transformer of the published scenarios at the hybrid table's weak scaling: 110M fp32
+    parameters (440 MB), 4096 tokens per GPU (77.6 ms of forward + backward)."""
+    return hybrid_workloads()["Transformer-110M"]
+
+
+def utilisation_at(mode: LocalStepsMode, n: int, inter_gbps: float, local: int = HYBRID_LOCAL,
+                   wl: Optional[Workload] = None, hardware=gpu_hardware) -> float:
+    """Compute utilisation of ``mode`` on n GPUs, ``local`` per node, with ``inter_gbps`` Gb/s per
+    node NIC (``hardware``: Gb/s -> Hardware, default :func:`gpu_hardware`; ``wl`` default
+    :func:`local_steps_workload`)."""
+    wl = local_steps_workload() if wl is None else wl
+    hw = hardware(inter_gbps)
+    return compute_utilisation(mode.iteration_time(n, local, wl, hw), wl, hw)
+
+
+def bandwidth_for_utilisation(mode: LocalStepsMode, n: int, target: float,
+                              local: int = HYBRID_LOCAL, wl: Optional[Workload] = None,
+                              hardware=gpu_hardware, lo: float = 0.01, hi: float = 1e5,
+                              rel_tol: float = 1e-4) -> Optional[float]:
+    """The per-node NIC bandwidth (Gb/s) at which ``mode`` reaches utilisation ``target`` on n
+    GPUs: bisection on a log scale between ``lo`` and ``hi`` Gb/s (the iteration time never grows
+    with the bandwidth) to a relative ``rel_tol``; the returned bandwidth reaches the target.
+    ``lo`` when already reached there, None when not even at ``hi`` (latencies and kernel
+    passes cap the utilisation below 1)."""
+    if not 0.0 < target < 1.0:
+        raise ValueError(f"target must be in (0, 1), got {target!r}")
+    if not mode.valid(n, local):
+        raise ValueError(f"{mode.name} does not run on n={n}, L={local}")
+
+    def reaches(gbps: float) -> bool:
+        return utilisation_at(mode, n, gbps, local, wl, hardware) >= target
+
+    if not reaches(hi):
+        return None
+    if reaches(lo):
+        return lo
+    while hi / lo > 1.0 + rel_tol:
+        mid = math.sqrt(lo * hi)
+        if reaches(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def local_steps_table(gpus: Sequence[int] = LOCAL_STEPS_GPUS, local: int = HYBRID_LOCAL,
+                      targets: Sequence[float] = LOCAL_STEPS_TARGETS,
+                      gbps: Sequence[float] = LOCAL_STEPS_GBPS,
+                      modes: Sequence[LocalStepsMode] = LOCAL_STEPS_MODES
+                      ) -> List[Dict[str, object]]:
+    """Per mode and GPU count, on :func:`gpu_hardware`'s cluster with :func:`local_steps_workload`:
+    the NIC bandwidth per node needed for each target utilisation (``gbps_for_<pct>pct``, None
+    where out of reach), and the utilisation and iteration time at each of ``gbps``."""
+    wl = local_steps_workload()
+    rows = []
+    for mode in modes:
+        for n in gpus:
+            row: Dict[str, object] = dict(
+                mode=mode.name, kind=mode.kind, topology=mode.topology,
+                local_steps=mode.local_steps, compression=mode.compression or "", gpus=n,
+                nodes=_check_nodes(n, local), local=local, model_mb=wl.model_bytes / 1e6,
+                compute_ms=wl.compute_s * 1e3)
+            valid = mode.valid(n, local)
+            for t in targets:
+                row[f"gbps_for_{round(t * 100)}pct"] = (
+                    bandwidth_for_utilisation(mode, n, t, local, wl) if valid else None)
+            for g in gbps:
+                hw = gpu_hardware(g)
+                it = mode.iteration_time(n, local, wl, hw) if valid else None
+                row[f"util_at_{g:g}gbps"] = (None if it is None
+                                             else compute_utilisation(it, wl, hw))
+                row[f"iter_ms_at_{g:g}gbps"] = None if it is None else it * 1e3
+            rows.append(row)
     return rows

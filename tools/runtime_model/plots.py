@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Dict, List, Optional
 
-__all__ = ["SHORT", "label", "plot_iteration_times", "plot_hybrid"]
+__all__ = ["SHORT", "label", "plot_iteration_times", "plot_hybrid", "plot_local_steps"]
 
 # Short labels of the methods, for plot legends and table headers.
 SHORT: Dict[str, str] = {
@@ -26,8 +26,14 @@ _STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "v"), ("-", "D"), ("--", 
 
 
 def label(name: str) -> str:
-    """Short label of a method: SHORT's, with a compression suffix kept ('AER+int8')."""
+    """Short label of a method: SHORT's, with a compression suffix kept ('AER+int8'); local steps
+    (model.LocalStepsMode.name) as 'DiLoCo H=32' (complete) or 'AER-DiLoCo H=32' (a gossip outer
+    step on AER)."""
     topology, plus, kind = name.partition("+")
+    if topology.startswith("diloco-"):
+        topo, _, h = topology[len("diloco-"):].rpartition("H")
+        topo = topo.rstrip("-")
+        return (f"{SHORT.get(topo, topo)}-" if topo else "") + f"DiLoCo H={h}" + plus + kind
     return SHORT.get(topology, topology) + plus + kind
 
 
@@ -106,12 +112,77 @@ def plot_hybrid(path_png: Path, ns: List[int],
     return path_png
 
 
-def _plot_svg(path: Path, ns: List[int], series: Dict[str, List[Optional[float]]], title: str
-              ) -> Path:
-    """The same plot as plain SVG, so a machine without matplotlib still gets a picture."""
+def _local_steps_style(name: str) -> Dict[str, object]:
+    """Line style of a local-steps comparison mode: a colour per family (DDP, AER every step,
+    DiLoCo, AER-DiLoCo; darker for H=128), dashed with int8, a marker per H."""
+    base, _, kind = name.partition("+")
+    h128 = base.endswith("-H128")
+    if base == "allreduce":
+        color, marker = "black", "D"
+    elif base.startswith("diloco-H"):
+        color, marker = ("tab:red" if h128 else "tab:orange"), ("s" if h128 else "o")
+    elif base.startswith("diloco-"):
+        color, marker = ("darkgreen" if h128 else "tab:green"), ("s" if h128 else "o")
+    else:
+        color, marker = "tab:blue", "^"
+    return dict(color=color, marker=marker, linestyle="--" if kind else "-")
+
+
+def plot_local_steps(path_png: Path, n: int, gbps: List[float],
+                     utilisation: Dict[str, List[Optional[float]]], gpus: List[int],
+                     needed: Dict[str, List[Optional[float]]], target: float, title: str) -> Path:
+    """Two panels: each mode's compute utilisation against the NIC bandwidth per node at ``n``
+    GPUs (``utilisation[mode]`` at ``gbps``), and the bandwidth each mode needs for ``target``
+    utilisation against the GPU count (``needed[mode]`` at ``gpus``, None: out of reach, no
+    point); a PNG with matplotlib, else an SVG of the second panel. Returns the path written."""
+    plt = _pyplot()
+    if plt is None:
+        return _plot_svg(path_png.with_suffix(".svg"), gpus, needed, title, scale=1.0,
+                         unit="Gb/s")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.6))
+    for name, ys in utilisation.items():
+        pts = [(g, 100.0 * u) for g, u in zip(gbps, ys) if u is not None]
+        if pts:
+            style = _local_steps_style(name)
+            left.plot(*zip(*pts), lw=1.5, alpha=0.85, label=label(name), color=style["color"],
+                      linestyle=style["linestyle"])
+    for pct in (90, 95):
+        left.axhline(pct, color="grey", lw=0.8, linestyle=":")
+    left.set_xscale("log")
+    left.set_ylim(50, 100.5)
+    left.set_xlabel("NIC bandwidth per node (Gb/s)")
+    left.set_ylabel("predicted compute utilisation (%)")
+    left.set_title(f"compute utilisation at {n} GPUs", fontsize=9)
+    left.grid(True, which="both", alpha=0.3)
+    for name, ys in needed.items():
+        pts = [(g, y) for g, y in zip(gpus, ys) if y is not None]
+        if pts:
+            style = _local_steps_style(name)
+            right.plot(*zip(*pts), ms=4, lw=1.5, alpha=0.85, label=label(name), **style)
+    right.set_xscale("log", base=2)
+    right.set_yscale("log")
+    right.set_xlabel("GPUs n (8 per node)")
+    right.set_ylabel(f"NIC Gb/s per node for {100 * target:.0f}% utilisation")
+    right.set_title(f"bandwidth needed for {100 * target:.0f}% (no point: out of reach)",
+                    fontsize=9)
+    right.grid(True, which="both", alpha=0.3)
+    handles, labels = right.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=6, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.09, 1, 1))
+    path_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path_png, dpi=110)
+    plt.close(fig)
+    return path_png
+
+
+def _plot_svg(path: Path, ns: List[int], series: Dict[str, List[Optional[float]]], title: str,
+              scale: float = 1e3, unit: str = "ms") -> Path:
+    """The same plot as plain SVG, so a machine without matplotlib still gets a picture (values
+    times ``scale``, in ``unit``: seconds as ms by default)."""
     w, h, pad = 720, 420, 60
     xs = [math.log2(n) for n in ns]
-    ys = [y * 1e3 for v in series.values() for y in v if y is not None]
+    ys = [y * scale for v in series.values() for y in v if y is not None]
     x0, x1 = min(xs), max(xs) if max(xs) > min(xs) else min(xs) + 1
     y0, y1 = 0.0, max(ys) * 1.05 if ys else 1.0
     sx = lambda x: pad + (x - x0) / (x1 - x0) * (w - 2 * pad)  # noqa: E731
@@ -125,9 +196,10 @@ def _plot_svg(path: Path, ns: List[int], series: Dict[str, List[Optional[float]]
     for n, x in zip(ns, xs):
         parts.append(f'<text x="{sx(x)}" y="{h - pad + 15}" font-size="10" '
                      f'text-anchor="middle">{n}</text>')
-    parts.append(f'<text x="10" y="{pad - 8}" font-size="10">{y1:.0f} ms</text>')
+    parts.append(f'<text x="10" y="{pad - 8}" font-size="10">{y1:.0f} {unit}</text>')
     for i, (name, vals) in enumerate(series.items()):
-        pts = " ".join(f"{sx(x):.1f},{sy(y * 1e3):.1f}" for x, y in zip(xs, vals) if y is not None)
+        pts = " ".join(f"{sx(x):.1f},{sy(y * scale):.1f}" for x, y in zip(xs, vals)
+                       if y is not None)
         c = colors[i % len(colors)]
         parts.append(f'<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="2"/>')
         parts.append(f'<text x="{w - pad + 5}" y="{pad + 14 * i}" font-size="10" fill="{c}">'
