@@ -153,8 +153,12 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         # the loss every arm of the link reached (the worst final loss, mean over seeds): a wall-time
         # comparison that exists even where an arm never reaches DDP's target (an arm one of whose
         # seeds stops short of it shows none)
+        # (over the every-step arms: a local-steps arm far behind would move it to early training; such
+        # an arm shows a time only where it reaches that loss)
+        every_step = [a for a in arms if ARMS.get(a, {}).get("local_steps", 1) == 1] or arms
         common = max(statistics.mean(float(max(v, key=lambda r: r["tokens"])["val_bits_per_byte"])
-                                     for (lk, a, _), v in runs.items() if lk == link and a == arm) for arm in arms)
+                                     for (lk, a, _), v in runs.items() if lk == link and a == arm)
+                     for arm in every_step)
 
         def mean_time(arm: str, loss: float) -> Optional[float]:
             ts = [time_to(v, loss) for (lk, a, _), v in runs.items() if lk == link and a == arm]
@@ -237,11 +241,22 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path, machine: str) -> Optional[P
         return xs, ys
 
     base = links[0]
+    # one colour per arm in every panel (tab20: more arms than the default cycle), dashed for local steps
+    names = list(dict.fromkeys(arm for _, arm in series))
+    colour = {a: plt.cm.tab20(i % 20) for i, a in enumerate(names)}
+    style = {a: "--" if ARMS.get(a, {}).get("local_steps", 1) > 1 else "-" for a in names}
     for (link, arm), seeds in series.items():
+        kw = dict(marker=".", label=arm, color=colour[arm], linestyle=style[arm])
         if link == base:
-            axes[0].plot(*curve(seeds, "tokens"), marker=".", label=arm)
-            axes[1].plot(*curve(seeds, "bytes_sent_per_worker"), marker=".", label=arm)
-        axes[2 + links.index(link)].plot(*curve(seeds, "wall_s"), marker=".", label=arm)
+            axes[0].plot(*curve(seeds, "tokens"), **kw)
+            axes[1].plot(*curve(seeds, "bytes_sent_per_worker"), **kw)
+        axes[2 + links.index(link)].plot(*curve(seeds, "wall_s"), **kw)
+    # the region where the arms differ: from below the best final loss to above the worst (the first
+    # evaluation, at ~8 bits/byte, is off the top)
+    finals = [float(max(v, key=lambda r: r["tokens"])["val_bits_per_byte"]) for sd in series.values() for v in sd.values()]
+    for ax in axes:
+        ax.set_ylim(min(finals) - 0.1, max(finals) + 0.8)
+    axes[1].set_xscale("log")
     finish_axes(axes[0], "held-out bits per byte", f"against tokens ({link_label(base)})", legend_size=7)
     axes[0].set_xlabel("tokens")
     finish_axes(axes[1], "held-out bits per byte", f"against bytes sent per worker ({link_label(base)})",

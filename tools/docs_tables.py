@@ -42,12 +42,14 @@ TABLES: Dict[str, str] = {
                            "(A/B: 30) iterations; 'torch iteration' keeps its gradients (autograd adds into them), "
                            "'with zero_grad()' is the usual loop. Two NVIDIA H200 machines, torch 2.11.0+cu130, "
                            "2026-11-27: bench 1 and 2 on the first, A/B on the second.",
-    "bench_lm_summary": "`make bench-lm` (bench/bench_lm.py, its default: torch DDP, decentpy alternating-exp-ring "
-                        "plain / int8 / intra_node='shard' + int8, decent-dp 0.2.3 alternating-exp-ring; the `small` "
-                        "preset, 1,073,536 parameters, 999,424 tokens, 8 evaluations, seed 0) on 4 workers, loopback "
-                        "and two simulated nodes of 2 behind 100 Mbit/s per node; corpus: CPython 3.11.7's standard "
-                        "library, 31,512,085 bytes, file-list hash 0d7e6025254fea8e. AMD EPYC, 2 cores shared by the "
-                        "4 workers, torch 2.13.0+cpu, 2026-11-27. Times interpolated between evaluations.",
+    "bench_lm_summary": "`make bench-lm` (bench/bench_lm.py), the full table run in parts and merged with "
+                        "`--from-csv`: every arm on loopback and behind 100 Mbit/s per node (two simulated nodes of 2) "
+                        "with seeds 0 and 1, every arm behind 1000 Mbit/s with seed 0, the local-steps arms with seed "
+                        "0; the `small` preset, 1,073,536 parameters, 999,424 tokens, 8 evaluations, 4 workers; corpus: "
+                        "CPython 3.11.7's standard library, 31,512,085 bytes, file-list hash 0d7e6025254fea8e. AMD "
+                        "EPYC, 2 cores shared by the 4 workers, torch 2.13.0+cpu, 2026-11-27 (seed 0 of the default "
+                        "arms) and 2026-11-28 (the rest). Times interpolated between evaluations; 'loss every arm "
+                        "reached': the worst mean final loss of the every-step arms of the link.",
     "bench_train": "`make bench-train` (bench/bench_train.py): AdamW, gloo, 1 torch thread per worker, median step "
                    "time over 32 steps (CNN rows: 48), max over ranks; decent-dp 0.2.3 and torch DDP in the same "
                    "run. Intel Xeon, 2 cores shared by the 4 or 8 workers, torch 2.13.0+cpu.",
