@@ -104,7 +104,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             ``topology`` -- ``'complete'`` averages it, DiLoCo; any other topology mixes the global copy
             and the pseudo-gradient with its group of that outer step, a gossip outer step -- while the
             backward finishes, and before the next forward ``outer_optim`` steps from the (mixed) global
-            copy. ``intra_node='gossip'`` only, without ``compression`` for now (docs/guide/local_sgd.md).
+            copy. With ``intra_node='allreduce'`` every node is a replica (its ranks all-reduce the gradients
+            every inner step; the outer step runs between the nodes). Not with ``intra_node='shard'`` or
+            ``compression`` yet (docs/guide/local_sgd.md).
         outer_optim: a bucket's flat parameter block (a one-tensor list) -> its outer optimizer (any
             torch optimizer); default DiLoCo's ``SGD(lr=0.7, momentum=0.9, nesterov=True)``.
     """
@@ -204,9 +206,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             if comm == "nccl":  # libnccl and the GPU, checked here: the agreement below raises on every rank
                 resolve_comm(comm, self._params[0].device, self._group)
             self._check_dense_gradients()
-            if (local_steps != 1 or outer_optim is not None) and intra_node != "gossip":
+            if (local_steps != 1 or outer_optim is not None) and intra_node == "shard":
                 raise ValueError(f"local_steps with intra_node={intra_node!r} is not available yet; use "
-                                 "intra_node='gossip' (every rank a replica)")
+                                 "intra_node='gossip' (every rank a replica) or 'allreduce' (every node a replica)")
             if outer_optim is not None and not callable(outer_optim):
                 raise TypeError(f"outer_optim must be callable ([flat parameter block] -> Optimizer), got "
                                 f"{type(outer_optim).__name__}")

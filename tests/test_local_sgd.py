@@ -339,6 +339,30 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     ref_inner = REF_OPTIMIZERS["adamw"](ref)
     _plain_diloco(rank, world, [list(ref.parameters())], ref_inner, [_outer(ref.parameters())], ref, steps, 0, 0.0)
     out["engine_complete_ref"] = _flat(ref)
+    # every node a replica: the node all-reduces the gradients each inner step, DiLoCo across the 2 nodes
+    out["engine_nodes"], _ = engine("complete", steps, intra_node="allreduce", local_world_size=2)
+    ref = make_mlp(0)
+    ref_inner = REF_OPTIMIZERS["adamw"](ref)
+    ref_outer = _outer(ref.parameters())
+    node = [2 * (rank // 2), 2 * (rank // 2) + 1]
+    backup = [p.detach().clone() for p in ref.parameters()]
+    for k in range(steps):
+        ref_inner.zero_grad()
+        for r in node:  # the node's mean gradient
+            x, y = batch(r, k)
+            (loss_fn(ref(x), y) / len(node)).backward()
+        ref_inner.step()
+        if (k + 1) % H == 0:
+            with torch.no_grad():
+                for p, b in zip(ref.parameters(), backup):
+                    g = b - p
+                    dist.all_reduce(g)  # every rank of a node holds the same: the mean over ranks is over nodes
+                    p.copy_(b)
+                    p.grad = g / world
+            ref_outer.step()
+            ref_outer.zero_grad()
+            backup = [p.detach().clone() for p in ref.parameters()]
+    out["engine_nodes_ref"] = _flat(ref)
     out["engine_ring"], saved = engine("ring", steps, param_as_bucket_view=False)
     out["engine_ring_resumed"], _ = engine("ring", steps, state=saved, start=5, param_as_bucket_view=False)
     errors = {}
@@ -498,6 +522,15 @@ def test_engine_local_steps_ring_matches_float64_reference_and_resumes(results: 
         torch.testing.assert_close(r["engine_ring"].double(), final[rank], rtol=1e-4, atol=2e-5,
                                    msg=lambda m: f"rank {rank}: {m}")
         assert torch.equal(r["engine_ring"], r["engine_ring_resumed"]), f"rank {rank}: the resumed run differs"
+
+
+def test_engine_local_steps_with_node_allreduce_is_node_level_diloco(results: List[Dict[str, Any]]) -> None:
+    """intra_node='allreduce' + local_steps: each node (2 ranks) a replica whose inner steps use the
+    node's mean gradient, DiLoCo's outer step across the nodes -- the plain-torch re-computation."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["engine_nodes"], r["engine_nodes_ref"], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(r["engine_nodes"], results[0]["engine_nodes"], rtol=0, atol=0)
 
 
 def test_engine_local_steps_bad_input(results: List[Dict[str, Any]]) -> None:
