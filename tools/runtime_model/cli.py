@@ -223,10 +223,22 @@ def _compression_report(out_dir: Path, gpus: Sequence[int], table_csv: Optional[
     print(f"memory per GPU at {big} GPUs (2 fp32 copies of the model, or of the GPU's "
           f"1/{HYBRID_LOCAL} shard with shard-, per distinct pair partner and per distinct group "
           "of more than two): " + "; ".join(parts))
-    written = []
-    csv_path = out_dir / "runtime_compression.csv"
+    written = _write_tables(out_dir / "runtime_compression.csv", rows, header, table, table_csv)
+    png = Path(plot_path) if plot_path else out_dir / "runtime_compression.png"
+    png.parent.mkdir(parents=True, exist_ok=True)
+    plot_rows = [r for r in rows if r["gpus"] in HYBRID_GPUS]
+    written.append(plot_hybrid(png, list(HYBRID_GPUS), _plot_panels(plot_rows, keys),
+                               f"Predicted iteration time with compressed gossip, {HYBRID_LOCAL} "
+                               "GPUs per node (analytic model, tools/runtime_model)", logy=True))
+    return written
+
+
+def _write_tables(csv_path: Path, rows: Sequence[Dict[str, object]], header: Sequence[str],
+                  table: Sequence[Sequence[object]], table_csv: Optional[str]) -> List[Path]:
+    """A report's files: every row as numbers at ``csv_path``, and with ``table_csv`` the printed
+    cells (the docs' table); the paths written."""
     write_csv(csv_path, list(rows[0]), rows)
-    written.append(csv_path)
+    written = [csv_path]
     if table_csv:
         path = Path(table_csv)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -235,12 +247,6 @@ def _compression_report(out_dir: Path, gpus: Sequence[int], table_csv: Optional[
             wr.writerow(header)
             wr.writerows(table)
         written.append(path)
-    png = Path(plot_path) if plot_path else out_dir / "runtime_compression.png"
-    png.parent.mkdir(parents=True, exist_ok=True)
-    plot_rows = [r for r in rows if r["gpus"] in HYBRID_GPUS]
-    written.append(plot_hybrid(png, list(HYBRID_GPUS), _plot_panels(plot_rows, keys),
-                               f"Predicted iteration time with compressed gossip, {HYBRID_LOCAL} "
-                               "GPUs per node (analytic model, tools/runtime_model)", logy=True))
     return written
 
 
@@ -278,18 +284,7 @@ def _local_steps_report(out_dir: Path, gpus: Sequence[int], n_plot: int,
               *["n/a" if r[f"util_at_{g:g}gbps"] is None else f"{100 * r[f'util_at_{g:g}gbps']:.1f}%"
                 for g in gb]] for r in rows]
     print_table(header, table, group=lambda row: row[0])
-    written = []
-    csv_path = out_dir / "runtime_local_steps.csv"
-    write_csv(csv_path, list(rows[0]), rows)
-    written.append(csv_path)
-    if table_csv:
-        path = Path(table_csv)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", newline="") as fh:
-            wr = csv.writer(fh)
-            wr.writerow(header)
-            wr.writerows(table)
-        written.append(path)
+    written = _write_tables(out_dir / "runtime_local_steps.csv", rows, header, table, table_csv)
     grid = [10 ** (k / 20) for k in range(0, 61)]  # 1 .. 1000 Gb/s
     utilisation = {m.name: [utilisation_at(m, n_plot, g, HYBRID_LOCAL, wl) if m.valid(
         n_plot, HYBRID_LOCAL) else None for g in grid] for m in LOCAL_STEPS_MODES}
