@@ -154,7 +154,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--compression", default="", help="comma-separated compressors (int8, int4, bf16) to add for "
                    "every topology, e.g. int8,bf16 (default: none)")
     p.add_argument("--gamma", type=float, default=None, help="consensus step size of compressed gossip "
-                   "(default: decentpy.compression.DEFAULT_GAMMA of the kind)")
+                   "(default: decentpy.optim.compression.DEFAULT_GAMMA of the kind)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default=str(OUT_DIR))
     return p.parse_args(argv)

@@ -37,7 +37,7 @@ import time
 
 import torch
 
-from decentpy import kernels
+from decentpy.optim import kernels
 
 ADAM = kernels.OptKind.ADAM
 TARGET_A, TARGET_B, TARGET_COPY = 1.5, 4.0, 0.70

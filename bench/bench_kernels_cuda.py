@@ -40,15 +40,15 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_ext():
-    """decentpy.kernels when its extension carries the CUDA kernels, else (None, why)."""
+    """decentpy.optim.kernels when its extension carries the CUDA kernels, else (None, why)."""
     try:
-        from decentpy import kernels
+        from decentpy.optim import kernels
     except Exception as e:  # noqa: BLE001
-        return None, f"decentpy.kernels not importable ({e})"
+        return None, f"decentpy.optim.kernels not importable ({e})"
     try:
         info = kernels.build_info()
     except Exception as e:  # noqa: BLE001
-        return None, f"decentpy.kernels.build_info() failed ({e})"
+        return None, f"decentpy.optim.kernels.build_info() failed ({e})"
     if not info.get("cuda_kernels", False):
         return None, "decentpy._C was built without CUDA kernels"
     return kernels, ""

@@ -90,7 +90,7 @@ ranks (P = parameter bytes, m = size of the worker's group at that step):
   decentpy-int8 / -int4 / -bf16   m == 2: C, the compressed difference, C = P/4 + 4 ceil(P/1024)
              bytes (int8: a code per element and an fp32 scale per 256), P/8 + 4 ceil(P/1024)
              (int4: two codes per byte) or P/2 (bf16); m > 2: ~2(m-1)/m * C (a reduce-scatter and an
-             all-gather of compressed chunks of whole scale blocks: decentpy.compression.group_wire_bytes)
+             all-gather of compressed chunks of whole scale blocks: decentpy.optim.compression.group_wire_bytes)
   decent-dp  m == 1: 0;  m >= 2: 2(m-1)/m * P (all-reduce on a per-edge group, pairs too: 1.0 P)
   torch-ddp  2(n-1)/n * P (ring all-reduce of the gradients); fp16/bf16 hooks: half of it;
              powersgd: 2(n-1)/n * (sum over matrices (rows + cols) * rank * 4 + vector bytes)
@@ -190,7 +190,7 @@ def bytes_per_step(cfg: Config, param_bytes: int) -> float:
     if cfg.framework == "torch-ddp-powersgd":
         return 2.0 * (n - 1) / n * powersgd_bytes(cfg.model)
     from decentpy import make_topology
-    from decentpy.compression import group_wire_bytes, wire_bytes
+    from decentpy.optim.compression import group_wire_bytes, wire_bytes
 
     topo = make_topology(cfg.topology, n, cfg.local_world_size)
     kind = COMPRESSED.get(cfg.framework)

@@ -24,10 +24,10 @@ from .comm import CommGroup, agree_across_ranks, default_timeout
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
 from .engine import (NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy, OuterOptimFn, check_intra_node,
                      exchange_for, ownership)
-from .compression import Compression, resolve_compression
+from .optim.compression import Compression, resolve_compression
 from .engine.bucket import Bucket
 from .engine.layout import OptimFn, SchedulerFn
-from .grad_scaling import BucketGradScaling
+from .optim.grad_scaling import BucketGradScaling
 from .topology import Topology
 from .topology import hook_edges
 

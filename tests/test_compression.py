@@ -98,8 +98,8 @@ def check_close(got: torch.Tensor, want: torch.Tensor, unit: float, what: str) -
 # ---------------------------------------------------------------------------------------------
 
 def _kernel_case(kind: str, opt: str, seed: int = 0) -> None:
-    from decentpy import kernels
-    from decentpy.compression import Compression
+    from decentpy.optim import kernels
+    from decentpy.optim.compression import Compression
 
     c = Compression(kind, gamma=0.7)
     g = torch.Generator().manual_seed(seed)
@@ -178,8 +178,8 @@ def test_kernel_pass_matches_float64(kind: str, opt: str) -> None:
 
 def _group_case(kind: str, device: str = "cpu") -> Dict[str, torch.Tensor]:
     """One owner's reduction over the chunk [256, 901) of a 1100-element bucket, 3 members."""
-    from decentpy import kernels
-    from decentpy.compression import Compression
+    from decentpy.optim import kernels
+    from decentpy.optim.compression import Compression
 
     c = Compression(kind)
     n, lo, hi = 1100, 256, 901
@@ -200,8 +200,8 @@ def _group_case(kind: str, device: str = "cpu") -> Dict[str, torch.Tensor]:
 @pytest.mark.parametrize("kind", ["int8", "bf16", "int4"])
 def test_group_reduce_matches_float64(kind: str) -> None:
     """r = Q(mean of the members' D(q)) on the owner's chunk only; the owner's copy keeps m (D(r) - mu)."""
-    from decentpy import kernels
-    from decentpy.compression import Compression
+    from decentpy.optim import kernels
+    from decentpy.optim.compression import Compression
 
     n, lo, hi, m = 1100, 256, 901, 3
     case = _group_case(kind)
@@ -246,7 +246,7 @@ def assert_same_bits(cpu: torch.Tensor, cuda: torch.Tensor, what: str) -> None:
 
 
 def test_kernel_refuses_bad_buffers() -> None:
-    from decentpy import kernels
+    from decentpy.optim import kernels
 
     n = 300
     p = torch.zeros(n)
@@ -284,7 +284,7 @@ def test_wire_slots_stay_4_byte_aligned() -> None:
     """A buffer of several members' wire slots (a group's receive bytes) starts every slot at a multiple of 4 bytes, also
     when the wire size is not one (int4 of 12 elements: 4 + 6 bytes; a shard of 4 * odd elements with
     intra_node='shard' and 8 ranks per node): the kernel reads the fp32 block scales there."""
-    from decentpy import kernels
+    from decentpy.optim import kernels
     from decentpy.engine.choco import EdgeCopies, wire_buffer_bytes
 
     n = 12
@@ -300,7 +300,7 @@ def test_wire_slots_stay_4_byte_aligned() -> None:
 
 
 def test_kinds_and_their_errors() -> None:
-    from decentpy.compression import DEFAULT_GAMMA, Compression, resolve_compression, wire_bytes
+    from decentpy.optim.compression import DEFAULT_GAMMA, Compression, resolve_compression, wire_bytes
 
     assert Compression("int4").gamma == DEFAULT_GAMMA["int4"]
     assert resolve_compression("INT4") == Compression("int4")
@@ -314,7 +314,7 @@ def test_kinds_and_their_errors() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_kernel_cuda_matches_cpu() -> None:
-    from decentpy import kernels
+    from decentpy.optim import kernels
 
     for kind, comp in (("int8", kernels.Compressor.INT8), ("bf16", kernels.Compressor.BF16),
                        ("int4", kernels.Compressor.INT4)):

@@ -119,7 +119,7 @@ def test_extension_uses_the_process_libstdcxx() -> None:
 def test_an_error_message_with_integers_raises() -> None:
     """A refusal whose message formats integers (c10::str) raises a RuntimeError naming them, in a
     child process so that a crash fails this test instead of ending the session."""
-    code = ("import torch, decentpy.kernels as K\n"
+    code = ("import torch, decentpy.optim.kernels as K\n"
             "p = torch.zeros(100)\n"
             "try:\n"
             "    K.fused_step(K.OptKind.ADAM, p, torch.zeros(100), [torch.zeros(99), torch.zeros(100)],\n"

@@ -449,7 +449,7 @@ def test_deferred_verdicts_match_torch_through_a_skipped_step(opt: str, monkeypa
     from decentpy import DecentralizedDataParallel
     from decentpy import optim as O
     from decentpy.engine import gossip
-    from decentpy.grad_scaling import SkipVerdict
+    from decentpy.optim.grad_scaling import SkipVerdict
 
     deferred = []
     monkeypatch.setattr(SkipVerdict, "ready", lambda self: False)

@@ -1,7 +1,7 @@
 """The backward engine's structure (docs/architecture.md), checked on the sources: one module
 registers autograd hooks, the driver has no branch on a strategy, every gossip strategy is
 registered by its ``intra_node`` name, and the engine imports no private name from another package
-(the compiled extension is reached through ``decentpy.kernels``)."""
+(the compiled extension is reached through ``decentpy.optim.kernels``)."""
 
 from __future__ import annotations
 
@@ -139,6 +139,10 @@ def test_imports_run_one_way_between_the_packages_rooms() -> None:
     for low, high in (("topology", "comm"), ("comm", "engine"), ("engine", "ddp"), ("engine", "sharding"),
                       ("ddp", "elastic")):
         assert high not in graph.get(low, {}), f"{low} imports {high}: {graph[low][high]}"
+    # the optimizer and kernel layer sits on the extension alone: one pass over a bucket knows no
+    # communicator, topology or strategy
+    assert not graph.get("optim"), {k: v for k, v in graph.get("optim", {}).items()}
+    assert not (PACKAGE / "kernels.py").exists() and (PACKAGE / "optim" / "kernels.py").is_file()
 
 
 def test_bench_and_tools_depend_in_one_direction() -> None:

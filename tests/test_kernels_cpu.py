@@ -693,7 +693,7 @@ def test_bucket_step_zero_grad_after_skipped_step(opt_name):
     # gradients, so the next step starts from the fresh gradients only. The step counter moves in
     # finish_bucket_step(updated), as decentpy.bucket calls it after an update.
     optim = pytest.importorskip("decentpy.optim")
-    from decentpy.grad_scaling import UNSCALED
+    from decentpy.optim.grad_scaling import UNSCALED
     n1, n2 = 10, 23
     n = n1 + n2
     segs = seg_tensor([(0, n, 0)])

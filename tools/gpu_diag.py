@@ -15,7 +15,7 @@ from tools.cuda_sync import time_ms
 
 
 def kernel() -> None:
-    from decentpy import kernels as K
+    from decentpy.optim import kernels as K
 
     n = 4096 * 4096 + 4096  # one Linear(4096, 4096) bucket: weight and bias
     p = torch.randn(n, device="cuda")

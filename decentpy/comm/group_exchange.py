@@ -1,12 +1,12 @@
 """The exchange of compressed gossip within a group of more than two ranks (see
-:mod:`decentpy.compression` for the algorithm): a reduce-scatter and an all-gather of compressed
+:mod:`decentpy.optim.compression` for the algorithm): a reduce-scatter and an all-gather of compressed
 chunks, with the owner's re-quantisation between them.
 
 Round 1: every member sends each other member ``c`` the bytes of chunk ``c`` of its ``q`` (the
 wire regions of the chunk's elements: block scales and codes, see
-:func:`decentpy.kernels.wire_regions`) and receives the other members' bytes of its own chunk, at
+:func:`decentpy.optim.kernels.wire_regions`) and receives the other members' bytes of its own chunk, at
 the same offsets, into one receive slot per member. The owner's step
-(:func:`decentpy.kernels.group_reduce`) then averages its chunk over the members, writes the
+(:func:`decentpy.optim.kernels.group_reduce`) then averages its chunk over the members, writes the
 re-quantised mean ``r`` into the result bytes and keeps the rounding in its own public copy. Round 2
 sends that chunk of ``r`` to every other member and receives theirs: the result bytes then hold the
 whole ``r``, which the next fused pass adds to the group's public mean.
@@ -29,8 +29,8 @@ from typing import Any, List, Optional, Sequence
 
 from torch import Tensor
 
-from .. import kernels
-from ..compression import Compression, chunk_bounds
+from ..optim import kernels
+from ..optim.compression import Compression, chunk_bounds
 from .waits import PeerTimeoutError
 
 __all__ = ["GroupExchange", "GroupExchanger"]

@@ -16,7 +16,7 @@ here; ``ShardedDataParallel``'s reduce to the owners in :mod:`decentpy.sharding.
 import functools
 from typing import Callable, Dict, Optional, Type
 
-from ..compression import Compression
+from ..optim.compression import Compression
 from .choco import CompressedExchange
 from .local_steps import LocalStepsExchange, OuterOptimFn, diloco_outer_optim
 

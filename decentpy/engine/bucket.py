@@ -21,10 +21,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from .. import kernels
+from ..optim import kernels
 from . import ownership
-from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs
-from ..optim import MAX_GROUPS_PER_BUCKET, FusedOptimizer, mark_stepped
+from ..optim.grad_scaling import UNSCALED, BucketGradScaling, GradArgs
+from ..optim.fused import MAX_GROUPS_PER_BUCKET, FusedOptimizer, mark_stepped
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ period, two fp32 copies: ``xhat_{i|j}`` (its own public copy as ``j`` knows it) 
 step: the received ``q_j`` into ``xhat_{j|i}``; the mix ``x_i += gamma w (xhat_{j|i} - xhat_{i|j})``;
 the optimizer update; ``q = Q(x_i - xhat_{i|j'})`` for the next step's partner ``j'`` into the send
 bytes, ``xhat_{i|j'} += D(q)``; then ``q`` goes to ``j'`` and ``j'``'s lands in the receive bytes.
-One fused kernel pass (:func:`decentpy.kernels.compressed_step`).
+One fused kernel pass (:func:`decentpy.optim.kernels.compressed_step`).
 
 Groups of ``m > 2`` ranks (:mod:`decentpy.comm.group_exchange`). Rank ``i`` keeps, per bucket and
 distinct group ``G``, ``xhat_i^G`` and the group's public mean ``M^G``; the fused pass adds the
@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..compression import Compression
+from ..optim.compression import Compression
 from ..comm.group_exchange import GroupExchange, GroupExchanger
 from ..comm.plans import ExchangePlan, NoExchange
-from ..optim import CompressedPass
+from ..optim.fused import CompressedPass
 from .bucket import Bucket
 from .exchanges import Exchange
 

@@ -25,7 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Dict, Optional, Type
 
 from ..comm import PeerTimeoutError
-from ..grad_scaling import UNSCALED, GradArgs
+from ..optim.grad_scaling import UNSCALED, GradArgs
 from .bucket import Bucket
 
 if TYPE_CHECKING:

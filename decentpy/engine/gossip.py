@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 from torch import Tensor, nn
 
-from .. import kernels
+from ..optim import kernels
 from ..comm import CommGroup, Communicator, NonFiniteGradientError, peer_monitor
 from ..comm.plans import ExchangeSchedule
-from ..grad_scaling import UNSCALED, BucketGradScaling, GradArgs, SkipVerdict
+from ..optim.grad_scaling import UNSCALED, BucketGradScaling, GradArgs, SkipVerdict
 from ..topology import Group
 from .bucket import Bucket, BucketPlan
 from .exchanges import Exchange

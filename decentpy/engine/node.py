@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..comm import CommGroup, PeerWatch, SubGroup
-from ..grad_scaling import GradArgs
+from ..optim.grad_scaling import GradArgs
 from ..topology import Topology, make_topology, node_topology, shard_topology
 from .bucket import Bucket
 from .driver import BoundedWait

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from torch import Tensor, nn
 
-from ..grad_scaling import GradArgs
+from ..optim.grad_scaling import GradArgs
 from .bucket import Bucket
 from .node import NodeReduction
 

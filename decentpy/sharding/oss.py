@@ -31,7 +31,7 @@ from ..comm import agree_across_ranks, default_timeout, group_ranks, or_world, r
 from ..comm.failures import start_heartbeat
 from ..engine.bucket import flatten_params
 from ..engine.driver import BoundedWait
-from ..kernels import flat_alias
+from ..optim.kernels import flat_alias
 from ..optim import fuse_torch_optimizer
 from .partition import MIN_SPLIT_NUMEL, Shard, owner_runs, partition_by_size
 

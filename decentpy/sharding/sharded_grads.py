@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..kernels import flat_alias
+from ..optim.kernels import flat_alias
 from ..engine.driver import BoundedWait
 from ..engine.strategy import BucketStrategy, Readiness
 

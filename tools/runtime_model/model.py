@@ -90,19 +90,19 @@ except an exposed piece e, the shape of DDP's backward above):
   overlap. L == 1: plain gossip.
 
 Compressed gossip (decentpy ``compression="int8"`` / ``"int4"`` / ``"bf16"``, CHOCO-style;
-docs/compression.md; byte counts from decentpy.compression, the model restates none):
+docs/compression.md; byte counts from decentpy.optim.compression, the model restates none):
 
-* Pairs (m == 2): one message each way of ``W = decentpy.compression.wire_bytes(kind, M / 4)``
+* Pairs (m == 2): one message each way of ``W = decentpy.optim.compression.wire_bytes(kind, M / 4)``
   where uncompressed gossip sends M (bf16 M / 2; int8 ``4 ceil(n / 256) + n`` for n = M / 4
   elements, 0.254 M; the model is taken as one run of int8 blocks: the partial block ending each
   real bucket adds at most 4 bytes per bucket), costed as the uncompressed pair.
 * A group of m > 2 ranks is no all-reduce: a reduce-scatter and an all-gather of compressed
   chunks, point to point. The ``ceil(n / 256)`` scale blocks are split into m chunks
-  (``decentpy.compression.chunk_bounds``). Round 1: each member sends chunk c of its q to member c
+  (``decentpy.optim.compression.chunk_bounds``). Round 1: each member sends chunk c of its q to member c
   and receives the other members' bytes of its own chunk (m - 1 messages each way, ~W / m each);
   the owner reduces its chunk; round 2: it sends its reduced chunk to each of the m - 1 others and
   receives theirs. The busiest member (the owner of the largest chunk) sends ``S =
-  decentpy.compression.group_wire_bytes(kind, n, m, position)`` bytes (~``2 (m - 1) / m W``) in
+  decentpy.optim.compression.group_wire_bytes(kind, n, m, position)`` bytes (~``2 (m - 1) / m W``) in
   2 (m - 1) messages, each taken as ``s = S / (2 (m - 1))``. Round 2 starts only once round 1 has
   arrived, so a group's time is two rounds, each with the intra and the inter messages in flight
   together (the max of the two, not the sum): a member with l - 1 other members on its node and m
@@ -201,7 +201,7 @@ from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-from decentpy.compression import Compression, chunk_bounds, group_wire_bytes, wire_bytes
+from decentpy.optim.compression import Compression, chunk_bounds, group_wire_bytes, wire_bytes
 from decentpy.topology import Topology, TopologyError, make_topology, node_topology
 
 __all__ = [
@@ -385,7 +385,7 @@ def _group_rows(groups: Sequence[Tuple[int, ...]], local: int) -> np.ndarray:
 @lru_cache(maxsize=1024)
 def largest_chunk(numel: int, members: int) -> Tuple[int, int]:
     """(position, elements) of the largest chunk of a bucket of ``numel`` in a compressed group
-    exchange of ``members`` ranks (decentpy.compression.chunk_bounds; the first such position)."""
+    exchange of ``members`` ranks (decentpy.optim.compression.chunk_bounds; the first such position)."""
     sizes = [hi - lo for lo, hi in (chunk_bounds(numel, members, p) for p in range(members))]
     big = max(sizes)
     return sizes.index(big), big
@@ -394,8 +394,8 @@ def largest_chunk(numel: int, members: int) -> Tuple[int, int]:
 @lru_cache(maxsize=1024)
 def compressed_send_bytes(kind: str, numel: int, members: int) -> int:
     """Bytes the busiest member sends in one compressed exchange of ``numel`` fp32 elements within
-    a group of ``members`` ranks: a pair, one wire (decentpy.compression.wire_bytes); a larger
-    group, decentpy.compression.group_wire_bytes of the owner of the largest chunk (its round-2
+    a group of ``members`` ranks: a pair, one wire (decentpy.optim.compression.wire_bytes); a larger
+    group, decentpy.optim.compression.group_wire_bytes of the owner of the largest chunk (its round-2
     sends are the largest, its round-1 sends the same total as anyone's); a lone rank, nothing."""
     if members < 2:
         return 0
@@ -526,7 +526,7 @@ def _numel(model_bytes: float) -> int:
 
 def exchange_bytes(compression: Optional[str], model_bytes: float) -> float:
     """Bytes one exchange of the model with one peer (a pair) puts on the wire: ``model_bytes``
-    without compression, else decentpy.compression.wire_bytes of its fp32 elements."""
+    without compression, else decentpy.optim.compression.wire_bytes of its fp32 elements."""
     kind = _compression_kind(compression)
     if kind is None:
         return model_bytes

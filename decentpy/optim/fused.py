@@ -88,8 +88,8 @@ def mark_stepped(optimizer: Optimizer) -> None:
 
 
 class CompressedPass(NamedTuple):
-    """The compressed-gossip buffers of one bucket pass: fields of :data:`decentpy.kernels.StepArgs` of
-    the same names (see :func:`decentpy.kernels.compressed_step`)."""
+    """The compressed-gossip buffers of one bucket pass: fields of :data:`decentpy.optim.kernels.StepArgs` of
+    the same names (see :func:`decentpy.optim.kernels.compressed_step`)."""
 
     compressor: Any
     q_recv: Optional[Tensor]
