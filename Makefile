@@ -3,6 +3,7 @@
 #   make train   a real 4-worker decentralized training run on CPU (WORKERS=4 ARGS="--epochs 5")
 #   make test    C++ tests (ctest, when cmake is present) and the Python tests
 #   make bench   kernel microbenchmarks
+#   make bench-outer        the fused outer step of local-steps training (pack + apply) vs torch ops and a copy
 #   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...;
 #                           BENCH_ARGS="--link-mbit 400 --link-layout two-nodes": throttled links, root only)
 #   make bench-shard        sharded data parallel: decentpy OSS+ShardedDataParallel vs torch ZeRO vs DDP vs
@@ -143,7 +144,11 @@ bench: $(BUILD_STAMP)
 	$(PY) -m bench.bench_kernels $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults bench-elastic bench-lm runtime-model
+.PHONY: bench-outer bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults bench-elastic bench-lm runtime-model
+bench-outer: $(BUILD_STAMP)
+	$(PIP) install $(PIP_Q) matplotlib
+	$(PY) -m bench.bench_outer_step $(BENCH_ARGS)
+
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	OMP_NUM_THREADS=1 $(PY) -m bench.bench_train $(BENCH_ARGS)

@@ -58,6 +58,10 @@ ARMS: Dict[str, Dict[str, Any]] = {
     "diloco-8": dict(mode="decentpy", topology="complete", local_steps=8),
     "diloco-32": dict(mode="decentpy", topology="complete", local_steps=32),
     "diloco-32-aer": dict(mode="decentpy", topology="alternating-exp-ring", local_steps=32),
+    # the outer exchange compressed: int8 pseudo-gradients with error feedback (complete topology)
+    "diloco-32-int8": dict(mode="decentpy", topology="complete", local_steps=32, compression="int8"),
+    "diloco-128": dict(mode="decentpy", topology="complete", local_steps=128),
+    "diloco-128-int8": dict(mode="decentpy", topology="complete", local_steps=128, compression="int8"),
 }
 DEFAULT_ARMS = ("ddp", "aer", "aer-int8", "shard-aer-int8", "decent-dp-aer")
 DEFAULT_LINKS = ("loopback", "100")

@@ -205,6 +205,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(),
         "The owner's reduction of a compressed group exchange over the chunk [lo, hi): the members' q (wire "
         "bytes) averaged and re-quantised into out, the rounding kept in self_copy. See csrc/kernels/mix_and_step.h.");
+  m.def("outer_pack", &decentpy::outer_pack, py::kw_only(), py::arg("param"), py::arg("theta"),
+        py::arg("compressor"), py::arg("excess"), py::arg("out"), py::call_guard<py::gil_scoped_release>(),
+        "The outer step's first pass: the pseudo-gradient theta - param into out (float32, or with a compressor "
+        "its wire bytes, error-fed through excess). See csrc/kernels/outer_step.h.");
+  m.def("outer_apply", &decentpy::outer_apply, py::kw_only(), py::arg("param"), py::arg("theta"),
+        py::arg("theta_mix"), py::arg("compressor"), py::arg("delta"), py::arg("kind"), py::arg("hyper"),
+        py::arg("states"), py::arg("decoupled_weight_decay"), py::arg("momentum_init"), py::arg("alpha"),
+        py::call_guard<py::gil_scoped_release>(),
+        "The outer step's second pass: the outer optimizer steps theta (or theta_mix) with the pseudo-gradient "
+        "delta; theta and param take the result. See csrc/kernels/outer_step.h.");
+  m.def("outer_decode", &decentpy::outer_decode, py::kw_only(), py::arg("compressor"), py::arg("wire"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>(),
+        "out = D(wire): the float32 values of a compressed pseudo-gradient (the values outer_apply reads).");
   m.def("compressed_wire_regions", &decentpy::compressed_wire_regions, py::kw_only(), py::arg("compressor"),
         py::arg("numel"), py::arg("lo"), py::arg("hi"),
         "The byte ranges [start, stop) of elements [lo, hi) (lo a multiple of INT8_BLOCK) in the wire of numel "

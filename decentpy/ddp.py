@@ -218,8 +218,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
                 self._bucket_size, self._param_as_bucket_view, self._timeout, self._group,
                 node=node_mode, exchange=exchange, failure=self._failure_policy)
-            if self._compression is not None:
-                self._check_compressible()
+            if self._compression is not None and local_steps == 1 and outer_optim is None:
+                self._check_compressible()  # (local steps compress the outer exchange: any parameter dtype)
             self._driver = BackwardDriver()
             self._driver.attach(self._params, self._strategy)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below

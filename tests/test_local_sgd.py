@@ -95,6 +95,51 @@ def _plain_diloco(rank: int, world: int, fragments: List[List[nn.Parameter]], in
                 local = 0
 
 
+def _int8_diloco_reference(rank: int, world: int, steps: int, face: bool = False) -> torch.Tensor:
+    """DiLoCo with int8 pseudo-gradients, written from csrc/kernels/outer_step.h and docs/compression.md
+    in float64 with torch's AdamW inside: each rank sends ``D(Q(d))`` of ``d = theta - x - e`` and keeps
+    ``e = D(Q(d)) - d`` (error feedback); the group's mean ``mu`` is re-quantised, ``r = D(Q(mu))``, and
+    the owner of each chunk of scale blocks (position p of 4 owns blocks [p B // 4, (p + 1) B // 4))
+    adds ``4 (r - mu)`` to its ``e`` there; the outer Nesterov SGD steps ``theta`` with ``r``. The flat
+    buffer is the engine's bucket (reverse registration order, 128-byte aligned), or with ``face`` the
+    DiLoCo face's (the parameters in order, back to back) and its inner AdamW."""
+    import torch.distributed as dist
+    from compression_reference import INT8_BLOCK, FlatModels, quantize64
+
+    ref = make_mlp(0)
+    inner = _inner(ref) if face else REF_OPTIMIZERS["adamw"](ref)
+    flat = FlatModels([ref])
+    if face:
+        flat.params = [list(ref.parameters())]
+        flat.offsets, flat.total = [0], 0
+        for q in flat.params[0]:
+            flat.offsets.append(flat.offsets[-1] + q.numel())
+        flat.total = flat.offsets.pop()
+    theta = flat.get(0)
+    excess = torch.zeros_like(theta)
+    mom: Optional[torch.Tensor] = None
+    n = theta.numel()
+    blocks = -(-n // INT8_BLOCK)
+    lo = min(n, rank * blocks // world * INT8_BLOCK)
+    hi = min(n, (rank + 1) * blocks // world * INT8_BLOCK)
+    for k in range(steps):
+        _train(ref, inner, rank, range(k, k + 1))
+        if (k + 1) % H:
+            continue
+        d = theta - flat.get(0) - excess
+        v = quantize64("int8", d, {})
+        excess = v - d
+        every = [torch.empty_like(v) for _ in range(world)]
+        dist.all_gather(every, v)
+        mu = sum(every[1:], every[0]) / world
+        r = quantize64("int8", mu, {})
+        excess[lo:hi] += world * (r[lo:hi] - mu[lo:hi])
+        mom = r.clone() if mom is None else 0.9 * mom + r
+        theta = theta - 0.7 * (r + 0.9 * mom)
+        flat.set(0, theta.float())
+    return _flat(ref)
+
+
 class _Manager:
     """What torchft 0.2.0's DiLoCo asks of its Manager, on the default process group: an averaging
     all-reduce, a step counter that moves at each commit, and no-ops for the rest."""
@@ -263,7 +308,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         "fragments": lambda: decentpy.DiLoCo([m[0:2], m[2:]], _inner(m), _outer(m.parameters()), sync_every=3),
         "delay": lambda: decentpy.DiLoCo(m, _inner(m), _outer(m.parameters()), sync_every=4, fragment_sync_delay=4),
         "alpha": lambda: decentpy.DiLoCo(m, _inner(m), _outer(m.parameters()), 4, fragment_update_alpha=1.5),
-        "quantize": lambda: decentpy.DiLoCo(m, _inner(m), _outer(m.parameters()), 4, should_quantize=True),
+        "quantize": lambda: decentpy.DiLoCo(m, _inner(m), _outer(m.parameters()), 4, should_quantize=True,
+                                            topology="ring"),
+        "quantize_kind": lambda: decentpy.DiLoCo(m, _inner(m), _outer(m.parameters()), 4, should_quantize=True,
+                                                 compression="int4"),
         "outer": lambda: decentpy.DiLoCo(m, _inner(m), _outer(m[0].parameters()), 4),
         "topology": lambda: decentpy.DiLoCo(m, _inner(m), _outer(m.parameters()), 4, topology="rnig"),
         "one_rank": lambda: decentpy.LocalSGD(m, _inner(m), sync_every=0 if rank == 1 else 4),
@@ -363,11 +411,31 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             ref_outer.zero_grad()
             backup = [p.detach().clone() for p in ref.parameters()]
     out["engine_nodes_ref"] = _flat(ref)
+    # compressed outer exchange: int8 pseudo-gradients with error feedback, a resume from iteration 5
+    out["engine_int8"], saved = engine("complete", steps, compression="int8")
+    out["engine_int8_resumed"], _ = engine("complete", steps, state=saved, start=5, compression="int8")
+    out["engine_int8_ref"] = _int8_diloco_reference(rank, world, steps)
+    model = make_mlp(0)
+    inner = _inner(model)
+    with decentpy.DiLoCo(model, inner, _outer(model.parameters()), sync_every=H, should_quantize=True) as d:
+        _train(model, inner, rank, range(5))
+        saved_face = copy.deepcopy((d.state_dict(), model.state_dict(), inner.state_dict()))
+        _train(model, inner, rank, range(5, steps))
+    out["face_int8"] = _flat(model)
+    out["face_int8_ref"] = _int8_diloco_reference(rank, world, steps, face=True)
+    model = make_mlp(0)
+    inner = _inner(model)
+    with decentpy.DiLoCo(model, inner, _outer(model.parameters()), sync_every=H, compression="int8") as d:
+        d.load_state_dict(saved_face[0])
+        model.load_state_dict(saved_face[1])
+        inner.load_state_dict(saved_face[2])
+        _train(model, inner, rank, range(5, steps))
+    out["face_int8_resumed"] = _flat(model)
     out["engine_ring"], saved = engine("ring", steps, param_as_bucket_view=False)
     out["engine_ring_resumed"], _ = engine("ring", steps, state=saved, start=5, param_as_bucket_view=False)
     errors = {}
     for name, kw in {"zero": dict(local_steps=0), "shard": dict(local_steps=4, intra_node="shard", local_world_size=2),
-                     "compressed": dict(local_steps=4, compression="int8")}.items():
+                     "compressed": dict(local_steps=4, compression="int8", topology="ring")}.items():
         try:
             decentpy.DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adamw"), **kw)
             errors[name] = None
@@ -494,7 +562,8 @@ def test_checkpoint_with_an_exchange_in_flight_resumes_bit_for_bit(results: List
 
 def test_bad_input_raises_on_every_rank(results: List[Dict[str, Any]]) -> None:
     want = {"fragments": "multiple of the number of fragments", "delay": "fragment_sync_delay must be",
-            "alpha": "fragment_update_alpha must be in", "quantize": "should_quantize=True",
+            "alpha": "fragment_update_alpha must be in", "quantize": "needs topology='complete'",
+            "quantize_kind": "should_quantize=True asks for int8",
             "outer": "does not hold every parameter", "topology": "rnig"}
     for rank, r in enumerate(results):
         for name, text in want.items():
@@ -533,9 +602,38 @@ def test_engine_local_steps_with_node_allreduce_is_node_level_diloco(results: Li
         torch.testing.assert_close(r["engine_nodes"], results[0]["engine_nodes"], rtol=0, atol=0)
 
 
+def test_engine_local_steps_int8_outer_exchange_matches_reference_and_resumes(results: List[Dict[str, Any]]) -> None:
+    """local_steps + compression='int8' on the complete topology: the float64 re-computation of DiLoCo
+    with error-fed int8 pseudo-gradients and the owners' re-quantised mean; every rank holds the same
+    parameters; a checkpoint at iteration 5 (the error feedback in it) resumes bit for bit; and the
+    compression shows: the int8 run is not the full-precision one."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["engine_int8"].double(), r["engine_int8_ref"].double(), rtol=1e-4, atol=2e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert torch.equal(r["engine_int8"], results[0]["engine_int8"]), f"rank {rank}: the replicas differ"
+        assert torch.equal(r["engine_int8"], r["engine_int8_resumed"]), f"rank {rank}: the resumed run differs"
+    gap = (results[0]["engine_int8"] - results[0]["engine_complete"]).abs().max().item()
+    err = (results[0]["engine_int8"].double() - results[0]["engine_int8_ref"].double()).abs().max().item()
+    assert gap > 10 * err, (gap, err)
+
+
+def test_diloco_face_should_quantize_is_the_int8_outer_exchange(results: List[Dict[str, Any]]) -> None:
+    """decentpy.DiLoCo(should_quantize=True): the same error-fed int8 outer exchange as the engine's,
+    against the float64 re-computation over the face's flat buffer; every rank equal; a checkpoint
+    at step 5 (the error feedback in it) resumed with compression='int8' bit for bit."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["face_int8"].double(), r["face_int8_ref"].double(), rtol=1e-4, atol=2e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert torch.equal(r["face_int8"], results[0]["face_int8"]), f"rank {rank}: the replicas differ"
+        assert torch.equal(r["face_int8"], r["face_int8_resumed"]), f"rank {rank}: the resumed run differs"
+    gap = (results[0]["face_int8"] - results[0]["complete"]).abs().max().item()
+    err = (results[0]["face_int8"].double() - results[0]["face_int8_ref"].double()).abs().max().item()
+    assert gap > 10 * err, (gap, err)
+
+
 def test_engine_local_steps_bad_input(results: List[Dict[str, Any]]) -> None:
     want = {"zero": "local_steps must be an int >= 1", "shard": "local_steps with intra_node='shard'",
-            "compressed": "local_steps with compression="}
+            "compressed": "local_steps with compression='int8' needs a topology that averages exactly"}
     for rank, r in enumerate(results):
         for name, text in want.items():
             msg = r["engine_errors"][name]

@@ -28,6 +28,11 @@ LOCAL = ROOT / "bench" / "out"
 TABLES: Dict[str, str] = {
     "bench_kernels": "`make bench` (bench/bench_kernels.py): one 25 MiB fp32 bucket, median of 9 interleaved runs, "
                      "AVX-512 picked at run time. Intel Xeon, 2 cores, torch 2.13.0+cpu.",
+    "bench_outer_step": "`make bench-outer` (bench/bench_outer_step.py --docs --repeats 15): the outer step of one 25 MiB "
+                        "fp32 bucket, the pseudo-gradient pass (fp32, or int8 with error feedback) and DiLoCo's Nesterov "
+                        "apply pass with the reset of the parameters, against torch's sequence of the same operations "
+                        "(foreach SGD) and a same-run copy of the same bytes; medians of 15 interleaved runs. AMD EPYC, "
+                        "2 cores, torch 2.13.0+cpu, AVX-512 kernels.",
     "bench_kernels_cuda": "`python -m bench.bench_kernels_cuda --runs 20` (tools/gpu_session.sh): the fused mix + step + "
                           "send pass, median of 20 runs (CUDA events) after 5, GB/s = bytes read + written / time, "
                           "'% of copy' against dst.copy_(src) of the same bytes in the same run; 'vs torch': torch's "

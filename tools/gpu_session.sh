@@ -72,7 +72,8 @@ PYTEST=("$PY" -m pytest -q -p no:cacheprovider --timeout 200 -o addopts="-ra")
 if want kernels; then
   TAIL=6 step tests_test_kernels_cuda 120 "${PYTEST[@]}" -n 8 tests/test_kernels_cuda.py ${KERNELS_K:+-k "$KERNELS_K"}
   TAIL=12 step tests_gpu 150 "${PYTEST[@]}" -v tests/test_gpu_wrapper.py tests/test_gpu_sharding.py \
-    "tests/test_compression.py::test_kernel_cuda_matches_cpu" "tests/test_compression.py::test_group_reduce_cuda_matches_cpu"
+    "tests/test_compression.py::test_kernel_cuda_matches_cpu" "tests/test_compression.py::test_group_reduce_cuda_matches_cpu" \
+    tests/test_outer_step.py
 fi
 
 if want overhead; then
@@ -85,6 +86,7 @@ fi
 
 if want bench; then
   step bench_kernels_cuda 100 "$PY" -m bench.bench_kernels_cuda --runs 20 --out-dir "$OUT"
+  step bench_outer_step 60 "$PY" -m bench.bench_outer_step --device cuda --repeats 20 --out "$OUT"
 fi
 
 if want tests; then

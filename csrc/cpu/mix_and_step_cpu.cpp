@@ -94,6 +94,30 @@ void scale_copy_cpu(const ScaleCopyArgs& args) {
   }
 }
 
+void outer_pack_cpu(const OuterPackArgs& args) {
+  switch (isa()) {
+    case Isa::Avx512: return cpu_detail::isa_avx512::outer_pack_entry(args);
+    case Isa::Avx2: return cpu_detail::isa_avx2::outer_pack_entry(args);
+    default: return cpu_detail::isa_default::outer_pack(args);
+  }
+}
+
+void outer_apply_cpu(const OuterApplyArgs& args) {
+  switch (isa()) {
+    case Isa::Avx512: return cpu_detail::isa_avx512::outer_apply_entry(args);
+    case Isa::Avx2: return cpu_detail::isa_avx2::outer_apply_entry(args);
+    default: return cpu_detail::isa_default::outer_apply(args);
+  }
+}
+
+void outer_decode_cpu(Compressor c, const void* wire, float* out, int64_t n) {
+  switch (isa()) {
+    case Isa::Avx512: return cpu_detail::isa_avx512::outer_decode_entry(c, wire, out, n);
+    case Isa::Avx2: return cpu_detail::isa_avx2::outer_decode_entry(c, wire, out, n);
+    default: return cpu_detail::isa_default::outer_decode(c, wire, out, n);
+  }
+}
+
 int cpu_kernel_vector_width() {
   switch (isa()) {
     case Isa::Avx512: return cpu_detail::isa_avx512::vec_width();

@@ -17,6 +17,12 @@ void mix_and_step_cpu(const MixStepArgs& args);
 // The group reduction of compressed gossip over [args.lo, args.hi) (csrc/cpu/choco_group_cpu.cpp).
 void choco_group_reduce_cpu(const GroupReduceArgs& args);
 
+// The two passes of the fused outer step (kernels/outer_step.h; csrc/cpu/outer_step_cpu_impl.h, per ISA).
+void outer_pack_cpu(const OuterPackArgs& args);
+void outer_apply_cpu(const OuterApplyArgs& args);
+// out = D(wire) for a wire of n elements (the values the apply reads).
+void outer_decode_cpu(Compressor c, const void* wire, float* out, int64_t n);
+
 // dst = alpha * src (dst may equal src).
 void scale_copy_cpu(const ScaleCopyArgs& args);
 

@@ -21,6 +21,7 @@
 #include "kernels/mix_and_step.h"
 #include "kernels/update.h"
 #include "kernels/compress.h"
+#include "kernels/outer_step.h"
 
 namespace decentpy {
 namespace cpu_detail {
@@ -469,6 +470,8 @@ inline void scale_copy(const ScaleCopyArgs& A) {
     case DType::Float16: return scale_copy_t<c10::Half>(A);
   }
 }
+
+#include "cpu/outer_step_cpu_impl.h"  // the outer step's passes, in this ISA's namespace
 
 }  // namespace DECENTPY_CPU_NS
 }  // namespace cpu_detail

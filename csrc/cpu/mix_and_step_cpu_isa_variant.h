@@ -86,6 +86,9 @@ namespace cpu_detail {
 namespace DECENTPY_CPU_NS {
 void mix_and_step_entry(const MixStepArgs& args) { mix_and_step(args); }
 void scale_copy_entry(const ScaleCopyArgs& args) { scale_copy(args); }
+void outer_pack_entry(const OuterPackArgs& args) { outer_pack(args); }
+void outer_apply_entry(const OuterApplyArgs& args) { outer_apply(args); }
+void outer_decode_entry(Compressor c, const void* wire, float* out, int64_t n) { outer_decode(c, wire, out, n); }
 int vec_width() { return static_cast<int>(Vec::size()); }
 }  // namespace DECENTPY_CPU_NS
 }  // namespace cpu_detail
@@ -137,6 +140,9 @@ bool compiled() { return false; }
 bool cpu_supports() { return false; }
 void mix_and_step_entry(const MixStepArgs&) {}
 void scale_copy_entry(const ScaleCopyArgs&) {}
+void outer_pack_entry(const OuterPackArgs&) {}
+void outer_apply_entry(const OuterApplyArgs&) {}
+void outer_decode_entry(Compressor, const void*, float*, int64_t) {}
 int vec_width() { return 0; }
 #endif
 }  // namespace DECENTPY_CPU_NS

@@ -60,22 +60,6 @@ __device__ __forceinline__ int group_of(const CArgs& a, int64_t i) {
   return detail::clamp_group(__ldg(&a.segs[detail::segment_index(a.segs, a.num_segments, i)].group), a.num_groups);
 }
 
-__device__ __forceinline__ float block_max(float v, float* shared) {
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < (kThreads >> 5) ? shared[lane] : 0.f;
-    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-    if (lane == 0) shared[0] = v;
-  }
-  __syncthreads();
-  const float r = shared[0];
-  __syncthreads();  // shared is reused by the next block of the grid-stride loop
-  return r;
-}
-
 template <OptKind K, Compressor C>
 __global__ void __launch_bounds__(kThreads) choco_kernel(const __grid_constant__ CArgs a) {
   constexpr int Bits = code_bits(C);
@@ -125,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) choco_kernel(const __grid_constant__
       const float d = valid ? p - a.self_copy_next[i] : 0.f;
       if constexpr (Bits != 0) {
         using BC = BlockCode<Bits>;
-        const float s = block_scale<Bits>(block_max(fabsf(d), red));
+        const float s = block_scale<Bits>(detail::block_max(fabsf(d), red));
         if (threadIdx.x == 0) block_scales(a.q_send)[b] = s;
         const float c = valid ? block_code<Bits>(d, s) : 0.f;  // past the end: a 0 nibble (padding)
         // the byte of threads t .. t + kPerByte - 1 (t a multiple of kPerByte), written by thread t
@@ -183,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) group_reduce_kernel(const __grid_con
     const float mu = valid ? group_mean<C>(a.inputs, a.num_inputs, a.numel, i, inv_m) : 0.f;
     if constexpr (Bits != 0) {
       using BC = BlockCode<Bits>;
-      const float s = block_scale<Bits>(block_max(fabsf(mu), red));
+      const float s = block_scale<Bits>(detail::block_max(fabsf(mu), red));
       if (threadIdx.x == 0) block_scales(a.out)[b] = s;
       const float c = valid ? block_code<Bits>(mu, s) : 0.f;
       uint32_t byte = block_code_field<Bits>(c, 0);

@@ -282,6 +282,24 @@ inline bool check_optimizer_args(const MixStepArgs& args, OptKind kind, const ch
   return any_momentum;
 }
 
+// The largest v over the kThreads threads of a block (every thread gets it): warp shuffles, then one
+// warp over the warps' maxima in `shared` (kThreads / 32 floats). Every thread of the block must call it.
+__device__ __forceinline__ float block_max(float v, float* shared) {
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < (kThreads >> 5) ? shared[lane] : 0.f;
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  const float r = shared[0];
+  __syncthreads();  // shared is reused by the next block of the grid-stride loop
+  return r;
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace decentpy

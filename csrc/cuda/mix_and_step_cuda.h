@@ -15,6 +15,10 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream);   // stream is 
 void launch_choco_mix_and_step(const MixStepArgs& args, void* stream);
 // The group reduction of compressed gossip (csrc/cuda/choco.cu).
 void launch_choco_group_reduce(const GroupReduceArgs& args, void* stream);
+// The two passes of the fused outer step (csrc/cuda/outer_step.cu).
+void launch_outer_pack(const OuterPackArgs& args, void* stream);
+void launch_outer_apply(const OuterApplyArgs& args, void* stream);
+void launch_outer_decode(Compressor c, const void* wire, float* out, int64_t n, void* stream);
 void launch_scale_copy(const ScaleCopyArgs& args, void* stream);
 const char* compiled_archs();   // e.g. "sm_80,sm_90,compute_90", from __CUDA_ARCH_LIST__ or a macro set at compile time
 } }

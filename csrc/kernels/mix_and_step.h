@@ -196,4 +196,33 @@ struct ScaleCopyArgs {
   float* sumsq = nullptr;
 };
 
+// The two passes of the fused outer step of local-steps training: the contract and the arithmetic
+// are in kernels/outer_step.h.
+struct OuterPackArgs {
+  DType param_dtype = DType::Float32;
+  int64_t numel = 0;
+  const void* param = nullptr;   // x (param_dtype), required
+  const float* theta = nullptr;  // the global copy, required
+  Compressor compressor = Compressor::None;
+  float* excess = nullptr;       // required with a compressor, unused without
+  void* out = nullptr;           // fp32 pseudo-gradient (None) or wire bytes, required
+};
+
+struct OuterApplyArgs {
+  DType param_dtype = DType::Float32;
+  int64_t numel = 0;
+  void* param = nullptr;            // x, required (reset / merged)
+  float* theta = nullptr;           // in: this rank's global copy; out: the new one; required
+  const float* theta_mix = nullptr; // optional: the mixed global copy to step from
+  Compressor compressor = Compressor::None;
+  const void* delta = nullptr;      // the mixed pseudo-gradient: fp32 (None) or a wire; required
+  OptKind kind = OptKind::SGD;      // SGD or Adam
+  GroupHyper hyper;                 // the outer optimizer's (one group per bucket)
+  int32_t decoupled_weight_decay = 0;  // AdamW
+  int32_t momentum_init = 0;        // SGD: the first outer step initialises the momentum buffer
+  float* state0 = nullptr;          // SGD: momentum buffer (null when momentum == 0); Adam: exp_avg
+  float* state1 = nullptr;          // Adam: exp_avg_sq
+  float alpha = 0.f;                // the local parameters' share in the merge (0: reset)
+};
+
 }  // namespace decentpy

@@ -473,6 +473,150 @@ void compressed_group_reduce(Compressor compressor, const std::vector<at::Tensor
   bump(self_copy);
 }
 
+namespace {
+
+// A float32 buffer of the outer step: contiguous, like `x` in numel and device.
+void check_outer_f32(const at::Tensor& t, const at::Tensor& x, const char* what) {
+  TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat, what, " must be a float32 tensor",
+              t.defined() ? ", got " : "", t.defined() ? c10::toString(t.scalar_type()) : "");
+  TORCH_CHECK(t.numel() == x.numel(), what, " has ", t.numel(), " elements but param has ", x.numel());
+  TORCH_CHECK(t.device() == x.device(), what, " is on ", t.device(), " but param is on ", x.device());
+  TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
+  check_no_overlap(t, what, x, "param");
+}
+
+void check_outer_param(const at::Tensor& param, const char* op) {
+  TORCH_CHECK(param.defined() && param.is_contiguous(), op, ": param must be a contiguous tensor");
+  check_device_supported(param, op);
+}
+
+// The pseudo-gradient buffer: fp32 like param without a compressor, else its wire bytes.
+void check_outer_delta(const at::Tensor& t, const at::Tensor& param, Compressor c, const char* what) {
+  const int ci = static_cast<int>(c);
+  TORCH_CHECK(ci >= 0 && ci <= 3, what, ": unknown compressor ", ci,
+              "; valid compressors are NONE = 0, BF16 = 1, INT8 = 2 and INT4 = 3");
+  if (c == Compressor::None) check_outer_f32(t, param, what);
+  else {
+    check_wire(t, param, c, what);
+    check_no_overlap(t, what, param, "param");
+  }
+}
+
+}  // namespace
+
+void outer_pack(const at::Tensor& param, const at::Tensor& theta, Compressor compressor,
+                const c10::optional<at::Tensor>& excess, const at::Tensor& out) {
+  check_outer_param(param, "outer_pack");
+  OuterPackArgs a;
+  a.param_dtype = to_dtype(param, "outer_pack: param");
+  a.numel = param.numel();
+  check_outer_f32(theta, param, "outer_pack: theta");
+  check_outer_delta(out, param, compressor, "outer_pack: out");
+  check_no_overlap(out, "outer_pack: out", theta, "theta");
+  const bool ef = excess.has_value() && excess->defined();
+  TORCH_CHECK(ef == (compressor != Compressor::None), "outer_pack: ",
+              compressor == Compressor::None ? "excess is for a compressor's error feedback; pass none without one"
+                                             : "a compressor needs excess (its error feedback, float32 like param)");
+  a.param = param.data_ptr();
+  a.theta = theta.data_ptr<float>();
+  a.compressor = compressor;
+  if (ef) {
+    check_outer_f32(*excess, param, "outer_pack: excess");
+    check_no_overlap(*excess, "outer_pack: excess", theta, "theta");
+    check_no_overlap(*excess, "outer_pack: excess", out, "out");
+    a.excess = excess->data_ptr<float>();
+  }
+  a.out = out.data_ptr();
+  if (a.numel == 0) return;
+  if (param.device().is_cpu()) {
+    outer_pack_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(param.device());
+    decentpy::cuda::launch_outer_pack(a, cuda_stream_of(param));
+#else
+    no_cuda_kernels(param.device(), "outer_pack");
+#endif
+  }
+  bump(out);
+  if (ef) bump(*excess);
+}
+
+void outer_apply(const at::Tensor& param, const at::Tensor& theta, const c10::optional<at::Tensor>& theta_mix,
+                 Compressor compressor, const at::Tensor& delta, OptKind kind, const GroupHyper& hyper,
+                 const std::vector<at::Tensor>& states, bool decoupled_weight_decay, bool momentum_init,
+                 double alpha) {
+  check_outer_param(param, "outer_apply");
+  TORCH_CHECK(kind == OptKind::SGD || kind == OptKind::Adam, "outer_apply: the outer optimizer is SGD or Adam, got ",
+              kind_name(kind));
+  OuterApplyArgs a;
+  a.param_dtype = to_dtype(param, "outer_apply: param");
+  a.numel = param.numel();
+  check_outer_f32(theta, param, "outer_apply: theta");
+  check_outer_delta(delta, param, compressor, "outer_apply: delta");
+  check_no_overlap(delta, "outer_apply: delta", theta, "theta");
+  const size_t want = kind == OptKind::Adam ? 2 : (hyper.momentum != 0.f ? 1 : 0);
+  TORCH_CHECK(states.size() == want, "outer_apply: ", kind_name(kind),
+              kind == OptKind::Adam ? " takes [exp_avg, exp_avg_sq]"
+                                    : (want ? " with momentum takes [momentum_buffer]" : " without momentum takes []"),
+              ", got ", states.size(), " state tensors");
+  for (const auto& st : states) {
+    check_outer_f32(st, param, "outer_apply: an optimizer state tensor");
+    check_no_overlap(st, "outer_apply: an optimizer state tensor", theta, "theta");
+  }
+  TORCH_CHECK(alpha >= 0.0 && alpha <= 1.0, "outer_apply: alpha must be in [0, 1], got ", alpha);
+  a.param = param.data_ptr();
+  a.theta = theta.data_ptr<float>();
+  if (theta_mix.has_value() && theta_mix->defined()) {
+    check_outer_f32(*theta_mix, param, "outer_apply: theta_mix");
+    a.theta_mix = theta_mix->data_ptr<float>();
+  }
+  a.compressor = compressor;
+  a.delta = delta.data_ptr();
+  a.kind = kind;
+  a.hyper = hyper;
+  a.decoupled_weight_decay = decoupled_weight_decay ? 1 : 0;
+  a.momentum_init = momentum_init ? 1 : 0;
+  a.state0 = states.size() > 0 ? states[0].data_ptr<float>() : nullptr;
+  a.state1 = states.size() > 1 ? states[1].data_ptr<float>() : nullptr;
+  a.alpha = static_cast<float>(alpha);
+  if (a.numel == 0) return;
+  if (param.device().is_cpu()) {
+    outer_apply_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(param.device());
+    decentpy::cuda::launch_outer_apply(a, cuda_stream_of(param));
+#else
+    no_cuda_kernels(param.device(), "outer_apply");
+#endif
+  }
+  bump(param);
+  bump(theta);
+  for (const auto& st : states) bump(st);
+}
+
+void outer_decode(Compressor compressor, const at::Tensor& wire, const at::Tensor& out) {
+  TORCH_CHECK(out.defined() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "outer_decode: out must be a contiguous float32 tensor");
+  check_device_supported(out, "outer_decode: out");
+  check_outer_delta(wire, out, compressor, "outer_decode: wire");
+  TORCH_CHECK(compressor != Compressor::None, "outer_decode: a wire of a compressor (BF16, INT8 or INT4), got NONE");
+  if (out.numel() == 0) return;
+  if (out.device().is_cpu()) {
+    outer_decode_cpu(compressor, wire.data_ptr(), out.data_ptr<float>(), out.numel());
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(out.device());
+    decentpy::cuda::launch_outer_decode(compressor, wire.data_ptr(), out.data_ptr<float>(), out.numel(),
+                                        cuda_stream_of(out));
+#else
+    no_cuda_kernels(out.device(), "outer_decode");
+#endif
+  }
+  bump(out);
+}
+
 std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor compressor, int64_t n, int64_t lo,
                                                                  int64_t hi) {
   const int ci = static_cast<int>(compressor);

@@ -75,6 +75,21 @@ void mix_and_step(const StepCall& call);
 void compressed_group_reduce(Compressor compressor, const std::vector<at::Tensor>& inputs, const at::Tensor& out,
                              const at::Tensor& self_copy, int64_t lo, int64_t hi);
 
+// The two passes of the fused outer step of local-steps training (kernels/outer_step.h), as tensors.
+// outer_pack: the pseudo-gradient theta - param into out (float32, or with a compressor its wire bytes,
+// error-fed through excess). outer_apply: the outer optimizer (SGD with momentum / Nesterov, or Adam /
+// AdamW: states as mix_and_step's) steps theta (or theta_mix, the mixed global copy) with the
+// pseudo-gradient delta; theta and param take the result (param merged with alpha).
+void outer_pack(const at::Tensor& param, const at::Tensor& theta, Compressor compressor,
+                const c10::optional<at::Tensor>& excess, const at::Tensor& out);
+void outer_apply(const at::Tensor& param, const at::Tensor& theta, const c10::optional<at::Tensor>& theta_mix,
+                 Compressor compressor, const at::Tensor& delta, OptKind kind, const GroupHyper& hyper,
+                 const std::vector<at::Tensor>& states, bool decoupled_weight_decay, bool momentum_init,
+                 double alpha);
+
+// out = D(wire): a compressed pseudo-gradient's values (float32, out.numel() elements).
+void outer_decode(Compressor compressor, const at::Tensor& wire, const at::Tensor& out);
+
 // The byte ranges [start, stop) of elements [lo, hi) in the wire of n elements (kernels/compress.h).
 std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor compressor, int64_t n, int64_t lo,
                                                                  int64_t hi);

@@ -303,6 +303,62 @@ static void test_group_reduce() {
   for (int k = 0; k < 4; ++k) CHECK(out[k] == 0xAB);  // block 0's scale is not this chunk's
 }
 
+// The fused outer step: an int8 pack of d = theta - x - excess (codes against round(d / s), the
+// excess against D(q) - d), then a Nesterov SGD apply (torch's first step: the buffer is the
+// gradient) against the scalar formula, the parameters reset to the new global copy.
+static void test_outer_step() {
+  const int64_t n = 300, nb = 2;
+  std::vector<float> x(n), theta(n), excess(n, 0.001f);
+  for (int64_t i = 0; i < n; ++i) {
+    theta[i] = 0.01f * static_cast<float>(i % 17);
+    x[i] = theta[i] - 0.003f * static_cast<float>((i * 5) % 11) + 0.01f;
+  }
+  std::vector<uint8_t> wire(compressed_bytes(Compressor::Int8, n));
+  std::vector<float> d(n);
+  for (int64_t i = 0; i < n; ++i) d[i] = (theta[i] - x[i]) - excess[i];
+  OuterPackArgs p;
+  p.numel = n;
+  p.param = x.data();
+  p.theta = theta.data();
+  p.compressor = Compressor::Int8;
+  p.excess = excess.data();
+  p.out = wire.data();
+  outer_pack_cpu(p);
+  std::vector<float> dq(n);
+  for (int64_t b = 0; b < nb; ++b) {
+    float amax = 0.f, s;
+    for (int64_t i = b * 256; i < std::min(n, (b + 1) * 256); ++i) amax = std::max(amax, std::fabs(d[i]));
+    std::memcpy(&s, wire.data() + 4 * b, 4);
+    CHECK(s == amax / 127.f);
+    for (int64_t i = b * 256; i < std::min(n, (b + 1) * 256); ++i) {
+      const float c = static_cast<int8_t>(wire[4 * nb + i]);
+      CHECK(c == std::nearbyint(d[i] / s));
+      dq[i] = c * s;
+      CHECK(excess[i] == std::fma(c, s, -d[i]));
+    }
+  }
+  std::vector<float> mom(n, 0.f);
+  OuterApplyArgs a;
+  a.numel = n;
+  a.param = x.data();
+  a.theta = theta.data();
+  a.compressor = Compressor::Int8;
+  a.delta = wire.data();
+  a.kind = OptKind::SGD;
+  a.hyper.lr = 0.7f;
+  a.hyper.momentum = 0.9f;
+  a.hyper.nesterov = 1;
+  a.momentum_init = 1;
+  a.state0 = mom.data();
+  const std::vector<float> theta0 = theta;
+  outer_apply_cpu(a);
+  for (int64_t i = 0; i < n; ++i) {
+    CHECK(mom[i] == dq[i]);
+    CHECK_NEAR(theta[i], theta0[i] - 0.7 * (dq[i] + 0.9 * dq[i]), 0, 1e-6);
+    CHECK(x[i] == theta[i]);
+  }
+}
+
 int main() {
   test_assign_buckets();
   test_aligned_offsets();
@@ -310,6 +366,7 @@ int main() {
   test_zero_grad();
   test_scale_copy();
   test_group_reduce();
+  test_outer_step();
   std::printf("decentpy_cpp_tests: %d checks, %d failures (cpu kernels: %s)\n", g_checks,
               g_failures, cpu_kernel_isa());
   return g_failures == 0 ? 0 : 1;

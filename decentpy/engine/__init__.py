@@ -42,10 +42,8 @@ def exchange_for(compression: Optional[Compression], local_steps: int = 1,
     """The exchange a wrapper's ``compression=`` / ``local_steps=`` arguments select (a factory taking
     the strategy)."""
     if outer_optim is not None or local_steps != 1:
-        if compression is not None:
-            raise ValueError("local_steps with compression= is not available yet (the outer exchange is full "
-                             "precision); leave one of them out")
-        return functools.partial(EXCHANGES["local-steps"], local_steps=local_steps, outer_optim=outer_optim)
+        return functools.partial(EXCHANGES["local-steps"], local_steps=local_steps, outer_optim=outer_optim,
+                                 compression=compression)
     if compression is None:
         return EXCHANGES["plain"]
     return functools.partial(EXCHANGES["compressed"], compression=compression)

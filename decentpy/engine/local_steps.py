@@ -20,14 +20,19 @@ The same algorithm for scripts with their own torch optimizer: :mod:`decentpy.lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+import functools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..comm.plans import BufferMix, ExchangePlan
+from ..comm.group_exchange import GroupExchange, GroupExchanger
+from ..comm.plans import BufferMix, ExchangePlan, NoExchange
+from ..optim import kernels
+from ..optim.compression import Compression
+from ..optim.outer import diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
 from .bucket import Bucket
 from .exchanges import Exchange
 
@@ -36,24 +41,21 @@ if TYPE_CHECKING:  # a part is handed the strategy it serves (annotations only)
 
 __all__ = ["LocalStepsExchange", "OuterOptimFn", "diloco_outer_optim"]
 
-#: a bucket's flat parameter block -> its outer optimizer
+#: a bucket's flat float32 global copy -> its outer optimizer
 OuterOptimFn = Callable[[List[Tensor]], Optimizer]
-
-
-def diloco_outer_optim(params: List[Tensor]) -> Optimizer:
-    """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
 @dataclass
 class OuterState:
-    """A bucket's global copy, its outer optimizer (over ``block``, the flat tensor it steps) and the
-    outer exchange in flight."""
+    """A bucket's global copy (float32), its outer optimizer (over ``theta``), the outer exchange in
+    flight and, with compression, the error feedback and the wire buffers."""
 
     theta: Tensor
-    block: Tensor
     optimizer: Optimizer
-    pending: Optional[BufferMix] = None
+    pending: Union[None, BufferMix, GroupExchange, Tensor] = None
+    buf: Optional[Tensor] = None
+    excess: Optional[Tensor] = None
+    wires: List[Tensor] = field(default_factory=list)  # q, result, then one receive slot per other member
 
 
 class LocalStepsExchange(Exchange):
@@ -61,7 +63,8 @@ class LocalStepsExchange(Exchange):
 
     name = "local-steps"
 
-    def __init__(self, strategy: "GossipStrategy", local_steps: int, outer_optim: Optional[OuterOptimFn] = None) -> None:
+    def __init__(self, strategy: "GossipStrategy", local_steps: int, outer_optim: Optional[OuterOptimFn] = None,
+                 compression: Optional[Compression] = None) -> None:
         super().__init__(strategy)
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an int >= 1 (inner steps per outer step), got {local_steps!r}")
@@ -69,12 +72,33 @@ class LocalStepsExchange(Exchange):
         self.outer_optim: OuterOptimFn = outer_optim if outer_optim is not None else diloco_outer_optim
         #: the global copies are equal on every rank and only the pseudo-gradients travel
         self.exact = strategy.topology.is_exact_average()
+        self.compression = compression
+        if compression is not None:
+            if not self.exact:
+                raise ValueError(f"local_steps with compression={compression.kind!r} needs a topology that averages "
+                                 f"exactly (topology='complete': DiLoCo with compressed pseudo-gradients); "
+                                 f"{strategy.topology.name!r} mixes the global copies themselves, which are not "
+                                 "compressed yet")
+            why = fused_outer_reason(self.outer_optim([torch.zeros(1)]))
+            if why is not None:
+                raise ValueError(f"local_steps with compression={compression.kind!r} runs the fused outer step, and "
+                                 f"the outer optimizer is not fusable: {why}; use torch's SGD, Adam or AdamW")
+        self._exchanger = GroupExchanger()
         #: outer steps completed (the index of the topology's schedule for the next one)
         self.outer_steps = 0
         # The parameters at the start of the first window, by parameter, while the bucket layout is
         # provisional: a bucket built later (the layout rebuilt after the first backward) takes its
         # global copy from here, not from parameters that already took inner steps.
         self._window_start: Optional[Dict[int, Tensor]] = None
+
+    def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
+        """A compressed outer exchange runs point to point (the two rounds of the group exchange)."""
+        if self.compression is None:
+            return None
+        return (any(len(g.ranks) > 1 for g in self.strategy.topology.unique_groups()), [])
+
+    def close(self) -> None:
+        self._exchanger.close()
 
     def state_of(self, b: Bucket) -> OuterState:
         st: Optional[OuterState] = b.exchange_state
@@ -83,12 +107,17 @@ class LocalStepsExchange(Exchange):
             if self._window_start is None and not layout.final and self.outer_steps == 0:
                 self._window_start = {id(p): p.detach().clone() for p in layout.params}
             b.gather_params()
-            block = b.param
-            theta = block.detach().clone()
+            theta = b.param.detach().to(torch.float32, copy=True)
             if self._window_start is not None:
                 for p, off in zip(b.params, b.offsets):
                     theta[off:off + p.numel()].copy_(self._window_start[id(p)].reshape(-1))
-            st = OuterState(theta, block, self.outer_optim([block]))
+            st = OuterState(theta, self.outer_optim([theta]))
+            if self.compression is not None:
+                n = theta.numel()
+                st.excess = torch.zeros_like(theta)
+                wire = functools.partial(torch.empty, kernels.compressed_bytes(self.compression.compressor, n),
+                                         dtype=torch.uint8, device=theta.device)
+                st.wires = [wire() for _ in range(1 + max(1, self.strategy.topology.world_size))]
             b.exchange_state = st
             if layout.final and all(c.exchange_state is not None for c in self.strategy.buckets):
                 self._window_start = None
@@ -112,33 +141,52 @@ class LocalStepsExchange(Exchange):
             return None
         s = self.strategy
         st = self.state_of(b)
-        with torch.no_grad():
-            delta = st.theta - st.block
-            buf = delta if self.exact else torch.cat([st.theta, delta])
         assert s.comm is not None, "internal error: the strategy has no communicator (attach() first)"
-        st.pending = BufferMix(s.plans.at(self.outer_steps), s.comm, b.index, buf, s.timeout)
+        plan = s.plans.at(self.outer_steps)
+        block, n = b.param, st.theta.numel()
+        if self.compression is not None:
+            assert st.excess is not None
+            q, result, slots = st.wires[0], st.wires[1], st.wires[2:]
+            pseudo_gradient(block, st.theta, q, self.compression.compressor, st.excess)
+            others = [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != s.rank]
+            if not others:
+                st.pending = q  # alone: the mean is this rank's own wire
+            else:
+                st.pending = GroupExchange(s.comm, self._exchanger, b.index, plan.group.ranks, s.rank,
+                                           self.compression, n, q, slots[:len(others)], result, st.excess, s.timeout,
+                                           s.step)
+            return None
+        if st.buf is None or st.buf.numel() != (n if self.exact else 2 * n):
+            st.buf = torch.empty(n if self.exact else 2 * n, dtype=torch.float32, device=st.theta.device)
+        if self.exact:
+            pseudo_gradient(block, st.theta, st.buf)
+        else:
+            st.buf[:n].copy_(st.theta)
+            pseudo_gradient(block, st.theta, st.buf[n:])
+        st.pending = BufferMix(plan, s.comm, b.index, st.buf, s.timeout)
         return None
 
     @torch.no_grad()
     def wait_params(self) -> None:
         """Complete the outer step of every bucket whose exchange is in flight (before the parameters
-        are read again)."""
+        are read again): the one outer step of :func:`decentpy.optim.outer.outer_step`."""
         done = False
         for b in self.strategy.buckets:
             st: Optional[OuterState] = b.exchange_state
             if st is None or st.pending is None:
                 continue
-            mixed, st.pending = st.pending.wait(), None
-            n = st.block.numel()
-            if not self.exact:
-                st.block.copy_(mixed[:n])
-                st.block.grad = mixed[n:]
+            pending, st.pending = st.pending, None
+            n = st.theta.numel()
+            if isinstance(pending, GroupExchange):
+                pending.wait(self.strategy.timeout)
+                delta, mix, comp = st.wires[1], None, self.compression
+            elif isinstance(pending, Tensor):
+                delta, mix, comp = pending, None, self.compression
             else:
-                st.block.copy_(st.theta)
-                st.block.grad = mixed
-            st.optimizer.step()
-            st.block.grad = None
-            st.theta.copy_(st.block)
+                mixed = pending.wait()
+                delta, mix, comp = (mixed, None, None) if self.exact else (mixed[n:], [mixed[:n]], None)
+            outer_step(st.optimizer, [b.param], [st.theta], [delta], stepped=[st.theta], theta_mix=mix,
+                       compressor=comp.compressor if comp is not None else None)
             b.scatter_params()
             done = True
         if done:
@@ -152,7 +200,8 @@ class LocalStepsExchange(Exchange):
         out: List[Optional[Dict[str, Any]]] = []
         for b in self.strategy.buckets:
             st: Optional[OuterState] = b.exchange_state
-            out.append(None if st is None else {"theta": st.theta.clone(), "optimizer": st.optimizer.state_dict()})
+            out.append(None if st is None else {"theta": st.theta.clone(), "optimizer": st.optimizer.state_dict(),
+                                                "excess": None if st.excess is None else st.excess.clone()})
         return {"kind": self.name, "local_steps": self.local_steps, "outer_steps": self.outer_steps, "buckets": out}
 
     @torch.no_grad()
@@ -176,3 +225,8 @@ class LocalStepsExchange(Exchange):
             st = self.state_of(b)
             st.theta.copy_(saved["theta"])
             st.optimizer.load_state_dict(saved["optimizer"])
+            if st.excess is not None:
+                if saved.get("excess") is None:
+                    raise ValueError("the checkpoint was saved without compression's error feedback; this run "
+                                     f"compresses the outer exchange ({self.compression!r})")
+                st.excess.copy_(saved["excess"])

@@ -25,6 +25,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..comm import CommGroup, check_on_every_rank, default_timeout, or_world
+from ..optim.compression import Compression, resolve_compression
 from ..topology import Topology, make_topology
 from .outer import Fragment, TopologyMixer
 
@@ -60,6 +61,7 @@ class _LocalSteps:
         pg = or_world(group)
         self._group = CommGroup(pg)
         found: List[Topology] = []
+        compression: List[Optional[Compression]] = []  # what ``check`` resolves (DiLoCo's compressed exchange)
 
         def local_checks() -> None:
             if not isinstance(inner_optimizer, Optimizer):
@@ -74,7 +76,7 @@ class _LocalSteps:
             elif isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
                 raise ValueError(f"sync_every must be an int >= 1 (inner steps between outer steps), got {sync_every!r}")
             found.append(_topology(topology, self._group.size))
-            check()
+            compression.append(check(found[0]))
 
         # Bad input raises on every rank before the first collective (the communicator's groups).
         check_on_every_rank(local_checks, f"{type(self).__name__}(...)", pg)
@@ -96,7 +98,8 @@ class _LocalSteps:
                     for t in list(m.parameters()) + list(m.buffers()):
                         dist.broadcast(t.data, src=src, group=pg)
         device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
-        self._mixer = TopologyMixer(self.topology, self._group, default_timeout(), comm, device=device)
+        self._mixer = TopologyMixer(self.topology, self._group, default_timeout(), comm, device=device,
+                                    compression=compression[0])
 
     def __enter__(self) -> "_LocalSteps":
         if self._closed:
@@ -168,8 +171,15 @@ class DiLoCo(_LocalSteps):
         clock: the time source of ``sync_every_s`` (seconds; ``time.monotonic``).
 
     ``use_bucketization`` and ``bucket_cap_mb`` are accepted for torchft scripts: each fragment
-    already travels as one buffer per dtype. ``should_quantize=True`` (a compressed outer exchange)
-    is refused until it exists rather than silently sending full precision.
+    already travels as one buffer per dtype. ``should_quantize=True`` is ``compression="int8"`` (on
+    every device; torchft 0.2.0 quantises on CUDA with Triton only and otherwise sends full precision
+    without saying so).
+
+    ``compression`` (``"int8"``, ``"int4"``, ``"bf16"`` or a :class:`~decentpy.Compression`): the
+    pseudo-gradients travel compressed with error feedback (what one outer step's compression drops
+    is sent at the next), averaged by compressed gossip's group exchange (each member re-quantises
+    its chunk of the mean and feeds that rounding back too): ``topology="complete"``,
+    ``comm="torch"``, ``sync_every`` only.
     """
 
     def __init__(self, model_fragments: Union[nn.Module, Sequence[nn.Module]], inner_optimizer: Optimizer,
@@ -179,11 +189,12 @@ class DiLoCo(_LocalSteps):
                  fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0, *,
                  topology: TopologyLike = "complete", group: Optional[dist.ProcessGroup] = None, comm: str = "torch",
                  broadcast_parameters: bool = True, sync_every_s: Optional[float] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 compression: Union[None, str, Compression] = None) -> None:
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer]
 
-        def check() -> None:
+        def check(topo: Topology) -> Optional[Compression]:
             if not fragments or not all(isinstance(f, nn.Module) for f in fragments):
                 raise TypeError("model_fragments must be an nn.Module or a non-empty list of them")
             if not all(isinstance(o, Optimizer) for o in outers):
@@ -191,16 +202,30 @@ class DiLoCo(_LocalSteps):
             if len(outers) not in (1, len(fragments)):
                 raise ValueError(f"{len(outers)} outer optimizers for {len(fragments)} fragments: give one, or one "
                                  "per fragment")
-            if should_quantize:
-                raise ValueError("should_quantize=True: a compressed outer exchange is not available in decentpy yet; "
-                                 "leave it False (the exchange is full precision, as torchft's is on CPUs)")
+            comp = resolve_compression(compression)
+            if should_quantize and comp is None:
+                comp = resolve_compression("int8")  # torchft's low-bit outer exchange, on every device
+            elif should_quantize and comp is not None and comp.kind != "int8":
+                raise ValueError(f"should_quantize=True asks for int8, compression={comp.kind!r} for another "
+                                 "compressor: give one of them")
+            if comp is not None:
+                if not topo.is_exact_average():
+                    raise ValueError(f"compression={comp.kind!r} (should_quantize) needs topology='complete': the "
+                                     "compressed outer exchange averages the pseudo-gradients exactly; a gossip outer "
+                                     "step mixes the global copies themselves, which are not compressed yet")
+                if comm != "torch":
+                    raise ValueError(f"compression={comp.kind!r} runs over comm='torch' (point to point), got "
+                                     f"comm={comm!r}")
+                if sync_every_s is not None:
+                    raise ValueError(f"compression={comp.kind!r} with sync_every_s is not available yet: the weighted "
+                                     "pseudo-gradients travel in full precision; use sync_every")
             if sync_every_s is not None:
                 if len(fragments) > 1 or fragment_sync_delay:
                     raise ValueError("sync_every_s (a time budget) runs one fragment without fragment_sync_delay; "
                                      "streaming fragments take sync_every (inner steps)")
-                return
+                return comp
             if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-                return  # (the common check names it)
+                return comp  # (the common check names it)
             if sync_every < len(fragments) or sync_every % len(fragments):
                 raise ValueError(f"sync_every={sync_every} must be a multiple of the number of fragments "
                                  f"({len(fragments)}): one fragment is synchronised every sync_every / fragments steps")
@@ -226,6 +251,7 @@ class DiLoCo(_LocalSteps):
                     raise ValueError(f"outer optimizer {i} does not hold every parameter of "
                                      f"{'fragment ' + str(i) if len(outers) > 1 else 'the model'}: build it over "
                                      "those parameters (the outer step sets their .grad and steps them)")
+            return comp
 
         super().__init__(fragments, inner_optimizer, sync_every, topology, group, comm, broadcast_parameters, check,
                          sync_every_s, clock)
@@ -304,7 +330,7 @@ class LocalSGD(_LocalSteps):
     def __init__(self, model: nn.Module, optimizer: Optimizer, sync_every: int, *,
                  topology: TopologyLike = "complete", group: Optional[dist.ProcessGroup] = None, comm: str = "torch",
                  broadcast_parameters: bool = True) -> None:
-        def check() -> None:
+        def check(_topo: Topology) -> None:
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
 

@@ -14,26 +14,32 @@ through the same exchange plans as every-step gossip (:mod:`decentpy.comm.plans`
   stochastic, so the replicas' mean global copy follows DiLoCo's update with the mean
   pseudo-gradient (for momentum optimizers too: the outer update is linear in its gradient).
 
-Then the outer step: the parameters are set to the (mixed) global copy, their ``.grad`` to the
-(mixed) pseudo-gradient, the outer optimizer steps (any torch optimizer; Nesterov SGD in DiLoCo),
-the result becomes the new global copy, and with ``fragment_update_alpha`` the local parameters
-of the inner steps that ran during the exchange are merged back (Streaming DiLoCo).
+Then the outer step, :func:`decentpy.optim.outer.outer_step` (the engine's ``local_steps=`` runs the
+same function): the outer optimizer steps the (mixed) global copy with the (mixed) pseudo-gradient
+(any torch optimizer; Nesterov SGD in DiLoCo; torch's SGD / Adam / AdamW over float32 parameters
+whose global copy sits on their device run as one fused kernel pass), the result becomes the new
+global copy, and with ``fragment_update_alpha`` the local parameters of the inner steps that ran
+during the exchange are merged back (Streaming DiLoCo).
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from ..comm import CommGroup, select_communicator
-from ..comm.plans import BufferMix, ExchangeSchedule
+from ..comm.group_exchange import GroupExchange, GroupExchanger
+from ..comm.plans import BufferMix, ExchangeSchedule, NoExchange
+from ..optim import kernels
+from ..optim.compression import Compression
+from ..optim.outer import outer_step, pseudo_gradient
 from ..topology import Topology
 
-__all__ = ["TopologyMixer", "Fragment"]
+__all__ = ["TopologyMixer", "CompressedMean", "Fragment"]
 
 
 class TopologyMixer:
@@ -41,21 +47,58 @@ class TopologyMixer:
     ``group`` at construction: the communicator's sub-groups)."""
 
     def __init__(self, topology: Topology, group: CommGroup, timeout: datetime.timedelta, comm: str = "torch",
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, compression: Optional[Compression] = None) -> None:
         self.topology = topology
         self.rank = group.rank
         self.timeout = timeout
         self.schedule = ExchangeSchedule(topology, group.rank)
-        self.comm = select_communicator(comm, topology, timeout, device=device, group=group)
+        self.compression = compression
+        # a compressed exchange runs point to point (the two rounds of the group exchange)
+        needs = None if compression is None else (any(len(g.ranks) > 1 for g in topology.unique_groups()), [])
+        self.comm = select_communicator(comm, topology, timeout, device=device, group=group, needs=needs)
         self.complete = topology.is_exact_average()
+        self._exchanger = GroupExchanger()
 
     def launch(self, step: int, tag: int, buf: Tensor) -> BufferMix:
         """Start mixing ``buf`` with this rank's group at outer step ``step`` (``tag``: one per buffer
         in flight at once)."""
         return BufferMix(self.schedule.at(step), self.comm, tag, buf, self.timeout)
 
+    def launch_compressed(self, step: int, tag: int, numel: int, wires: Sequence[Tensor], excess: Tensor,
+                          dtype: torch.dtype) -> "CompressedMean":
+        """Start the compressed mean of this rank's wire ``wires[0]`` (the error-fed pseudo-gradient of
+        ``numel`` elements) over its group at outer step ``step``: the group exchange of compressed
+        gossip, whose owners' re-quantisation is fed back into ``excess`` (an exact-average topology)."""
+        assert self.compression is not None
+        plan = self.schedule.at(step)
+        others = [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != self.rank]
+        work = None
+        if others:
+            work = GroupExchange(self.comm, self._exchanger, tag, plan.group.ranks, self.rank, self.compression,
+                                 numel, wires[0], list(wires[2:2 + len(others)]), wires[1], excess, self.timeout, step)
+        return CompressedMean(self.compression, work, wires[1] if others else wires[0], numel, dtype, self.timeout)
+
     def close(self) -> None:
+        self._exchanger.close()
         self.comm.close()
+
+
+class CompressedMean:
+    """A compressed mean in flight: :meth:`wait` returns its values (decoded, float32 converted to
+    the parameters' dtype), as :class:`~decentpy.comm.plans.BufferMix` returns its mixed buffer."""
+
+    def __init__(self, compression: Compression, work: Optional[GroupExchange], wire: Tensor, numel: int,
+                 dtype: torch.dtype, timeout: datetime.timedelta) -> None:
+        self.compression, self.work, self.wire, self.numel, self.dtype, self.timeout = \
+            compression, work, wire, numel, dtype, timeout
+
+    def wait(self) -> Tensor:
+        if self.work is not None:
+            work, self.work = self.work, None
+            work.wait(self.timeout)
+        out = torch.empty(self.numel, dtype=torch.float32, device=self.wire.device)
+        kernels.outer_decode(self.compression.compressor, self.wire, out)
+        return out if self.dtype == torch.float32 else out.to(self.dtype)
 
 
 def _split(flat: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
@@ -87,7 +130,10 @@ class Fragment:
             dev = backup_device if backup_device is not None else torch.device("cpu")
             t = torch.empty(p.shape, dtype=p.dtype, device=dev)
             self.backup.append(t.pin_memory() if pin and t.device.type == "cpu" else t)
-        self._pending: List[BufferMix] = []
+        self._pending: List[Union[BufferMix, CompressedMean]] = []
+        #: a compressed exchange's error feedback and wire buffers, per exchange buffer (made at its first use)
+        self.excess: List[Optional[Tensor]] = [None] * len(self.groups)
+        self._wires: List[List[Tensor]] = [[] for _ in self.groups]
         self._weighted = False  # the exchange in flight carries weighted pseudo-gradients
         self._mixed: Optional[List[Tensor]] = None  # results read back by state_dict (an exchange in flight)
 
@@ -110,6 +156,9 @@ class Fragment:
         if self.in_flight:
             raise RuntimeError(f"internal error: fragment {self.index} prepared twice")
         self._weighted = weight is not None
+        if mixer.compression is not None:
+            self._prepare_compressed(mixer, step, tag)
+            return
         for k, idx in enumerate(self.groups):
             parts = []
             if send_globals:
@@ -121,6 +170,28 @@ class Fragment:
             parts += deltas
             self._pending.append(mixer.launch(step, tag + k, torch.cat(parts)))
 
+    def _prepare_compressed(self, mixer: TopologyMixer, step: int, tag: int) -> None:
+        """Each buffer's pseudo-gradient, compressed with error feedback (the fused pack), and its
+        compressed mean over the group (an exact-average topology: the global copies stay home)."""
+        comp = mixer.compression
+        assert comp is not None
+        for k, idx in enumerate(self.groups):
+            sub = [self.params[i] for i in idx]
+            dev = sub[0].device
+            x = torch.cat([p.detach().reshape(-1) for p in sub])
+            theta = torch.cat([self.backup[i].to(dev).reshape(-1).float() for i in idx])
+            n = x.numel()
+            if self.excess[k] is None:
+                self.excess[k] = torch.zeros(n, dtype=torch.float32, device=dev)
+            if not self._wires[k]:
+                size = kernels.compressed_bytes(comp.compressor, n)
+                self._wires[k] = [torch.empty(size, dtype=torch.uint8, device=dev)
+                                  for _ in range(1 + max(1, mixer.topology.world_size))]
+            excess = self.excess[k]
+            assert excess is not None
+            pseudo_gradient(x, theta, self._wires[k][0], comp.compressor, excess)
+            self._pending.append(mixer.launch_compressed(step, tag + k, n, self._wires[k], excess, sub[0].dtype))
+
     def wait(self) -> List[Tensor]:
         """The mixed buffers of :meth:`prepare` (waits for the exchange)."""
         if self._mixed is None:
@@ -130,11 +201,16 @@ class Fragment:
 
     @torch.no_grad()
     def perform(self, send_globals: bool) -> None:
-        """The outer step with the mixed buffers (waits for them): restore, step, save, merge."""
+        """The outer step with the mixed buffers (waits for them): the optimizer steps the (mixed)
+        global copy with the mixed pseudo-gradient, which becomes the global copy, and the parameters
+        restart from it or merge with it (:func:`decentpy.optim.outer.outer_step`, the one outer step)."""
+        assert self.outer is not None
         mixed = self.wait()
         self._mixed = None
-        local = [p.detach().clone() for p in self.params] if self.alpha > 0.0 else None
-        grads: List[Optional[Tensor]] = [None] * len(self.params)
+        params: List[Tensor] = []
+        thetas: List[Tensor] = []
+        deltas: List[Tensor] = []
+        mixes: List[Tensor] = []
         for idx, flat in zip(self.groups, mixed):
             sub = [self.params[i] for i in idx]
             n = sum(p.numel() for p in sub)
@@ -144,39 +220,13 @@ class Fragment:
                 body = flat[n:] if send_globals else flat
                 body.div_(total.clamp(min=torch.finfo(body.dtype).tiny))  # (no host sync; all weights 0: all deltas 0)
             if send_globals:
-                theta, delta = _split(flat[:n], sub), _split(flat[n:], sub)
+                mixes += _split(flat[:n], sub)
+                deltas += _split(flat[n:], sub)
             else:
-                theta, delta = [self.backup[i].to(self.params[i].device) for i in idx], _split(flat, sub)
-            for i, t, d in zip(idx, theta, delta):
-                self.params[i].copy_(t)
-                grads[i] = d
-        self._outer_step(grads)
-        self.save()
-        if local is not None:
-            for p, x in zip(self.params, local):
-                p.lerp_(x, self.alpha)
-
-    def _outer_step(self, grads: List[Optional[Tensor]]) -> None:
-        """``outer.step()`` with the fragment's parameters' ``.grad`` set to ``grads``; the optimizer's
-        other parameters (another fragment's, a shared outer optimizer) see no gradient, so it leaves
-        them as they are, and get theirs back."""
-        assert self.outer is not None
-        mine = {id(p) for p in self.params}
-        stash = []
-        for group in self.outer.param_groups:
-            for p in group["params"]:
-                if id(p) not in mine:
-                    stash.append((p, p.grad))
-                    p.grad = None
-        try:
-            for p, g in zip(self.params, grads):
-                p.grad = g
-            self.outer.step()
-        finally:
-            for p in self.params:
-                p.grad = None
-            for p, g in stash:
-                p.grad = g
+                deltas += _split(flat, sub)
+            params += sub
+            thetas += [self.backup[i] for i in idx]
+        outer_step(self.outer, params, thetas, deltas, theta_mix=mixes if send_globals else None, alpha=self.alpha)
 
     @torch.no_grad()
     def average_params(self, mixer: TopologyMixer, step: int, tag: int) -> None:
@@ -194,7 +244,7 @@ class Fragment:
         mixed = [m.clone() for m in self.wait()] if self.in_flight else None
         return {"backup": [b.clone() for b in self.backup],
                 "outer_optimizer": self.outer.state_dict() if self.outer is not None else None,
-                "in_flight": mixed}
+                "in_flight": mixed, "excess": [None if e is None else e.clone() for e in self.excess]}
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, object]) -> None:
@@ -208,6 +258,9 @@ class Fragment:
             b.copy_(s)
         if self.outer is not None and state.get("outer_optimizer") is not None:
             self.outer.load_state_dict(state["outer_optimizer"])  # type: ignore[arg-type]
+        for k, e in enumerate(state.get("excess") or []):  # type: ignore[arg-type]
+            if e is not None:
+                self.excess[k] = e.clone()  # (the wires are made at the next exchange: sizes follow)
         mixed = state.get("in_flight")
         self._pending = []
         self._mixed = [m.clone() for m in mixed] if mixed is not None else None  # type: ignore[union-attr]

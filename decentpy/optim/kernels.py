@@ -91,6 +91,35 @@ def wire_regions(compressor: "_C.Compressor", numel: int, lo: int, hi: int) -> L
                                                                    lo=int(lo), hi=int(hi))]
 
 
+def outer_pack(param: Tensor, theta: Tensor, out: Tensor, compressor: Optional["_C.Compressor"] = None,
+               excess: Optional[Tensor] = None) -> None:
+    """The outer step's first pass (csrc/kernels/outer_step.h): the pseudo-gradient ``theta - param``
+    into ``out`` (fp32), or with a ``compressor`` ``q = Q(theta - param - excess)`` into ``out`` (wire
+    bytes) and ``excess = D(q) - (theta - param - excess)`` (error feedback)."""
+    _C.outer_pack(param=param, theta=theta, compressor=compressor if compressor is not None else Compressor.NONE,
+                  excess=excess, out=out)
+
+
+def outer_apply(param: Tensor, theta: Tensor, delta: Tensor, kind: "_C.OptKind", hyper: "_C.GroupHyper",
+                states: Sequence[Tensor], *, theta_mix: Optional[Tensor] = None,
+                compressor: Optional["_C.Compressor"] = None, decoupled_weight_decay: bool = False,
+                momentum_init: bool = False, alpha: float = 0.0) -> None:
+    """The outer step's second pass (csrc/kernels/outer_step.h): the outer optimizer (``kind`` SGD or
+    Adam, ``states`` as :func:`fused_step`'s) steps ``theta_mix`` (or ``theta``) with the pseudo-gradient
+    ``delta`` (fp32, or wire bytes of ``compressor``); ``theta`` takes the result and ``param`` becomes
+    ``theta + alpha (param - theta)``."""
+    _C.outer_apply(param=param, theta=theta, theta_mix=theta_mix,
+                   compressor=compressor if compressor is not None else Compressor.NONE, delta=delta, kind=kind,
+                   hyper=hyper, states=list(states), decoupled_weight_decay=decoupled_weight_decay,
+                   momentum_init=momentum_init, alpha=float(alpha))
+
+
+def outer_decode(compressor: "_C.Compressor", wire: Tensor, out: Tensor) -> None:
+    """``out = D(wire)``: the float32 values of a compressed pseudo-gradient of ``out.numel()``
+    elements, exactly as :func:`outer_apply` reads them."""
+    _C.outer_decode(compressor=compressor, wire=wire, out=out)
+
+
 def mix(param: Tensor, comm: Optional[Tensor], mix_a: float, mix_b: float, *, grad: Optional[Tensor] = None,
         send: Optional[Tensor] = None, send_scale: float = 1.0, zero_grad: bool = False) -> None:
     """``param = mix_a * param + mix_b * comm`` (no update); optionally ``send = send_scale * param``

@@ -122,11 +122,11 @@ class RunSpec:
                              f"options; mode {self.mode!r} takes neither (use mode 'decentpy')")
         if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
             raise ValueError(f"local_steps must be an int >= 1, got {self.local_steps!r}")
-        if self.local_steps > 1 and (self.mode != "decentpy" or self.compression is not None or
-                                     self.intra_node != "gossip"):
-            raise ValueError(f"local_steps={self.local_steps} is decentpy's, with intra_node='gossip' and no "
-                             f"compression (got mode {self.mode!r}, compression={self.compression!r}, intra_node="
-                             f"{self.intra_node!r})")
+        if self.local_steps > 1 and (self.mode != "decentpy" or self.intra_node != "gossip" or
+                                     (self.compression is not None and self.topology != "complete")):
+            raise ValueError(f"local_steps={self.local_steps} is decentpy's, with intra_node='gossip' and compression "
+                             f"only on the complete topology (got mode {self.mode!r}, topology={self.topology!r}, "
+                             f"compression={self.compression!r}, intra_node={self.intra_node!r})")
         if self.tokens < 1 or self.evals < 1 or self.val_windows < 1:
             raise ValueError(f"tokens, evals and val_windows must be >= 1, got {self.tokens}, {self.evals}, "
                              f"{self.val_windows}")
