@@ -4,6 +4,7 @@
 #   make test    C++ tests (ctest, when cmake is present) and the Python tests
 #   make bench   kernel microbenchmarks
 #   make bench-outer        the fused outer step of local-steps training (pack + apply) vs torch ops and a copy
+#   make bench-straggler    DiLoCo with one worker slowed 2x: a fixed H against a time budget (sync_every_s)
 #   make bench-train        end-to-end step time: decentpy vs decent-dp vs torch DDP vs no comm (BENCH_ARGS=...;
 #                           BENCH_ARGS="--link-mbit 400 --link-layout two-nodes": throttled links, root only)
 #   make bench-shard        sharded data parallel: decentpy OSS+ShardedDataParallel vs torch ZeRO vs DDP vs
@@ -144,10 +145,14 @@ bench: $(BUILD_STAMP)
 	$(PY) -m bench.bench_kernels $(BENCH_ARGS)
 
 # matplotlib is installed for the benchmark plots only (decent-dp and scipy come with `make deps`).
-.PHONY: bench-outer bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults bench-elastic bench-lm runtime-model
+.PHONY: bench-outer bench-straggler bench-train bench-shard bench-fairscale-parity bench-pipe bench-hybrid bench-convergence bench-faults bench-elastic bench-lm runtime-model
 bench-outer: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
 	$(PY) -m bench.bench_outer_step $(BENCH_ARGS)
+
+bench-straggler: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
+	$(PIP) install $(PIP_Q) matplotlib
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_straggler $(BENCH_ARGS)
 
 bench-train: $(BUILD_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib

@@ -105,10 +105,16 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             and the pseudo-gradient with its group of that outer step, a gossip outer step -- while the
             backward finishes, and before the next forward ``outer_optim`` steps from the (mixed) global
             copy. With ``intra_node='allreduce'`` every node is a replica (its ranks all-reduce the gradients
-            every inner step; the outer step runs between the nodes). Not with ``intra_node='shard'`` or
-            ``compression`` yet (docs/guide/local_sgd.md).
-        outer_optim: a bucket's flat parameter block (a one-tensor list) -> its outer optimizer (any
+            every inner step; the outer step runs between the nodes). With ``compression`` (the complete
+            topology) the pseudo-gradients travel compressed with error feedback. Not with
+            ``intra_node='shard'`` yet (docs/guide/local_sgd.md).
+        outer_optim: a bucket's float32 global copy (a one-tensor list) -> its outer optimizer (any
             torch optimizer); default DiLoCo's ``SGD(lr=0.7, momentum=0.9, nesterov=True)``.
+        sync_every_s: a time budget instead of ``local_steps``: each rank takes as many inner steps as
+            fit in this many seconds, then the outer step, whose pseudo-gradients are weighted by the
+            inner steps behind them (``sum s_j delta_j / sum s_j`` over the group), so replicas of
+            different speeds need no per-replica tuning and nobody waits for a slow one longer than its
+            last inner step. Not with ``compression`` yet.
     """
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
@@ -139,6 +145,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         broadcast_parameters: bool = True,
         local_steps: int = 1,
         outer_optim: Optional[OuterOptimFn] = None,
+        sync_every_s: Optional[float] = None,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -206,19 +213,19 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             if comm == "nccl":  # libnccl and the GPU, checked here: the agreement below raises on every rank
                 resolve_comm(comm, self._params[0].device, self._group)
             self._check_dense_gradients()
-            if (local_steps != 1 or outer_optim is not None) and intra_node == "shard":
+            if (local_steps != 1 or outer_optim is not None or sync_every_s is not None) and intra_node == "shard":
                 raise ValueError(f"local_steps with intra_node={intra_node!r} is not available yet; use "
                                  "intra_node='gossip' (every rank a replica) or 'allreduce' (every node a replica)")
             if outer_optim is not None and not callable(outer_optim):
                 raise TypeError(f"outer_optim must be callable ([flat parameter block] -> Optimizer), got "
                                 f"{type(outer_optim).__name__}")
-            exchange = exchange_for(self._compression, local_steps, outer_optim)
+            exchange = exchange_for(self._compression, local_steps, outer_optim, sync_every_s)
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._strategy: GossipStrategy = GossipStrategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
                 self._bucket_size, self._param_as_bucket_view, self._timeout, self._group,
                 node=node_mode, exchange=exchange, failure=self._failure_policy)
-            if self._compression is not None and local_steps == 1 and outer_optim is None:
+            if self._compression is not None and local_steps == 1 and outer_optim is None and sync_every_s is None:
                 self._check_compressible()  # (local steps compress the outer exchange: any parameter dtype)
             self._driver = BackwardDriver()
             self._driver.attach(self._params, self._strategy)
@@ -231,6 +238,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
             "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg, "nonfinite": nonfinite,
             "compression": repr(self._compression), "local_steps": local_steps, "outer_optim": outer_optim,
+            "sync_every_s": sync_every_s,
         }
         wants_edges = False
         if failure is None:
@@ -360,6 +368,13 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     def group_rank(self) -> int:
         """This worker's rank in :attr:`process_group` (the topology's numbering)."""
         return self._rank
+
+    @property
+    def outer_steps(self) -> Optional[int]:
+        """Outer steps completed with ``local_steps`` / ``sync_every_s`` (None: gossip every step). With
+        a time budget, replicas of different speeds take different numbers of iterations per outer
+        step: end the training loop on this count (the same on every rank), not on iterations."""
+        return self._strategy.exchange.outer_steps
 
     @property
     def step_count(self) -> int:

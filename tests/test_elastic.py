@@ -482,6 +482,81 @@ def test_compressed_gossip_survives_a_sigkill(intra_node: str) -> None:
         assert spread_before > 0 and spread_after < 0.5 * spread_before, (name, float(spread_before), float(spread_after))
 
 
+def _outer_state(eg: Any) -> List[torch.Tensor]:
+    """Each bucket's global copy and outer momentum buffer (local steps' exchange state), flattened."""
+    out = []
+    for bucket in eg.training_state_dict()["compression"]["buckets"]:
+        out.append(bucket["theta"].double().clone())
+        out += [t.double().clone() for st in bucket["optimizer"]["state"].values() for t in st.values()
+                if torch.is_tensor(t)]
+    return out
+
+
+def local_steps_worker(member: int, port: int, kill: int, at: int) -> Dict[str, Any]:
+    """DiLoCo over ElasticGossip (``local_steps=4``, complete topology, several buckets): 4 workers
+    and a replacement (member 4, admitted from step 10). Member ``kill`` SIGKILLs itself at the top
+    of iteration ``at``, so the outer exchange that ends that window starts without it and fails on
+    the survivors; they re-form, and a replacement joins later."""
+    from decentpy.elastic import ElasticGossip, EvictedError, connect
+
+    store = connect("127.0.0.1", port, timeout=datetime.timedelta(seconds=20))
+    if member == 4:
+        _await_reformed(store)
+    model = make_mlp(0)
+    out: Dict[str, Any] = {}
+    eg = ElasticGossip(model, lambda named: torch.optim.SGD([p for _, p in named], lr=LR), topology="complete",
+                       store=store, member_id=str(member), local_steps=4, initial_workers=4,
+                       timeout=datetime.timedelta(seconds=30), peer_liveness_timeout=datetime.timedelta(seconds=4),
+                       reform_timeout=datetime.timedelta(seconds=10), bucket_size_in_mb=0.0002)
+    try:
+        while True:
+            change = eg.update()
+            k = eg.step_count
+            if change is not None and "at_change" not in out and member != 4:
+                out["at_change"] = (k, _outer_state(eg))
+            if k == 4 and "window1" not in out:
+                out["window1"] = _outer_state(eg)  # after the first outer step
+            if k >= STEPS:
+                break
+            if member == kill and k == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if k >= 10 and "4" not in eg.members:
+                _hold_until_admitted(eg, "4", 90, "the replacement")
+                continue
+            x, y = batch(member, k)
+            loss_fn(eg(x), y).backward()
+    except EvictedError as exc:
+        return {"evicted": str(exc)}
+    out.update(final=_outer_state(eg), members=eg.members, evicted=None)
+    _wait_all_done(store, "test/done", 4)
+    return out
+
+
+def test_local_steps_survive_a_sigkill_during_an_outer_exchange() -> None:
+    """ElasticGossip(local_steps=4): a worker dies at the top of iteration 7, the outer exchange that
+    ends that window fails on the survivors, which drop it -- their global copies stay those of the
+    last outer step (the window's inner steps stay in the parameters, for the next pseudo-gradient)
+    -- and re-form; a replacement joins with a neighbour's global copies and outer optimizer state:
+    at the end every member's global copies and outer momentum are the same, bit for bit."""
+    res = run_members(local_steps_worker, list(range(5)), (2, 7), timeout=150, expect_dead=[2])
+    members = [0, 1, 3, 4]
+    assert all(res[m]["evicted"] is None for m in members), {m: res[m].get("evicted") for m in members}
+    assert all(res[m]["members"] == ("0", "1", "3", "4") for m in members), res[0]["members"]
+    for m in (0, 1, 3):
+        step, state = res[m]["at_change"]
+        assert 7 <= step <= 8, (m, step)
+        assert len(state) == len(res[0]["window1"]) > 2  # (several buckets)
+        for a, b in zip(state, res[m]["window1"]):
+            assert torch.equal(a, b), f"member {m}: the dropped outer exchange changed the outer state"
+        for a, b in zip(state, res[0]["at_change"][1]):
+            assert torch.equal(a, b), f"member {m}: the survivors' outer states differ after the failure"
+    for m in members:
+        for a, b in zip(res[m]["final"], res[0]["final"]):
+            assert torch.isfinite(a).all()
+            assert torch.equal(a, b), f"member {m}: its global copy / outer momentum differs from member 0's"
+    assert not all(torch.equal(a, b) for a, b in zip(res[0]["final"], res[0]["window1"])), "no outer step after"
+
+
 def node_join_worker(member: int, port: int, intra_node: str) -> Dict[str, Any]:
     """Nodes n0 (members 0, 1) and n1 (2, 3); member 3 is SIGKILLed at step 4 (member 2 is evicted
     with it); once n0 trains alone, a replacement node n2 (members 4, 5, started by the test) joins

@@ -95,6 +95,34 @@ def _plain_diloco(rank: int, world: int, fragments: List[List[nn.Parameter]], in
                 local = 0
 
 
+def _weighted_diloco(rank: int, windows: List[int], make_inner: Any) -> torch.Tensor:
+    """Weighted DiLoCo written out with torch.distributed: this rank's windows of inner steps (torch's
+    optimizer from ``make_inner``), each ending in the outer step with ``sum w_j delta_j / sum w_j``
+    over the ranks (``w`` the window's inner steps) and torch's Nesterov SGD."""
+    import torch.distributed as dist
+
+    ref = make_mlp(0)
+    ref_inner = make_inner(ref)
+    ref_outer = _outer(ref.parameters())
+    backup = [p.detach().clone() for p in ref.parameters()]
+    k = 0
+    for w in windows:
+        _train(ref, ref_inner, rank, range(k, k + w))
+        k += w
+        with torch.no_grad():
+            total = torch.tensor([float(w)])
+            dist.all_reduce(total)
+            for p, b in zip(ref.parameters(), backup):
+                g = (b - p) * w
+                dist.all_reduce(g)
+                p.copy_(b)
+                p.grad = g / total
+        ref_outer.step()
+        ref_outer.zero_grad()
+        backup = [p.detach().clone() for p in ref.parameters()]
+    return _flat(ref)
+
+
 def _int8_diloco_reference(rank: int, world: int, steps: int, face: bool = False) -> torch.Tensor:
     """DiLoCo with int8 pseudo-gradients, written from csrc/kernels/outer_step.h and docs/compression.md
     in float64 with torch's AdamW inside: each rank sends ``D(Q(d))`` of ``d = theta - x - e`` and keeps
@@ -342,26 +370,8 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             inner.step()
     out["timed_outer_steps"] = d.outer_steps
     out["timed"] = _flat(model)
-    ref = make_mlp(0)                 # weighted DiLoCo written out: sum s_j delta_j / sum s_j
-    ref_inner = _inner(ref)
-    ref_outer = _outer(ref.parameters())
     per = 4 // int(speed)
-    backup = [p.detach().clone() for p in ref.parameters()]
-    for k in range(n_steps):
-        _train(ref, ref_inner, rank, range(k, k + 1))
-        if (k + 1) % per == 0:
-            with torch.no_grad():
-                total = torch.tensor([float(per)])
-                dist.all_reduce(total)
-                for p, b in zip(ref.parameters(), backup):
-                    g = (b - p) * per
-                    dist.all_reduce(g)
-                    p.copy_(b)
-                    p.grad = g / total
-            ref_outer.step()
-            ref_outer.zero_grad()
-            backup = [p.detach().clone() for p in ref.parameters()]
-    out["timed_ref"] = _flat(ref)
+    out["timed_ref"] = _weighted_diloco(rank, [per] * (n_steps // per), _inner)
 
     # -- the engine: DecentralizedDataParallel(local_steps=H), the fused AdamW inside the backward ---
     def engine(topology: str, upto: int, state: Optional[Dict[str, Any]] = None, start: int = 0,
@@ -411,6 +421,25 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             ref_outer.zero_grad()
             backup = [p.detach().clone() for p in ref.parameters()]
     out["engine_nodes_ref"] = _flat(ref)
+    # a time budget in the engine: odd ranks twice as slow on their (fake) clocks; windows of 5 and 3
+    # inner steps (the window ends at the first iteration whose backward starts 4 s after it began)
+    import decentpy.engine.local_steps as local_steps_module
+    now = [0.0]
+    speed = 1 + rank % 2
+    local_steps_module.CLOCK = lambda: now[0]
+    m = make_mlp(0)
+    ddp = decentpy.DecentralizedDataParallel(m, decentpy_optim_fn("adamw"), topology="complete", sync_every_s=4.0)
+    windows = [5, 5, 5] if speed == 1 else [3, 3, 3]
+    for k in range(sum(windows)):
+        x, y = batch(rank, k)
+        loss_fn(ddp(x), y).backward()
+        now[0] += speed
+    ddp.wait()
+    out["engine_timed"] = _flat(m)
+    out["engine_timed_outer_steps"] = ddp.outer_steps
+    ddp.close()
+    out["engine_timed_ref"] = _weighted_diloco(rank, windows, REF_OPTIMIZERS["adamw"])
+
     # compressed outer exchange: int8 pseudo-gradients with error feedback, a resume from iteration 5
     out["engine_int8"], saved = engine("complete", steps, compression="int8")
     out["engine_int8_resumed"], _ = engine("complete", steps, state=saved, start=5, compression="int8")
@@ -615,6 +644,17 @@ def test_engine_local_steps_int8_outer_exchange_matches_reference_and_resumes(re
     gap = (results[0]["engine_int8"] - results[0]["engine_complete"]).abs().max().item()
     err = (results[0]["engine_int8"].double() - results[0]["engine_int8_ref"].double()).abs().max().item()
     assert gap > 10 * err, (gap, err)
+
+
+def test_engine_time_budget_weights_the_pseudo_gradients_by_inner_steps(results: List[Dict[str, Any]]) -> None:
+    """DecentralizedDataParallel(sync_every_s=4) with odd ranks twice as slow: 3 outer steps on every
+    rank after 5 and 3 inner steps a window, equal to the weighted DiLoCo written out (torch's AdamW
+    inside, sum s_j delta_j / sum s_j) to float32 rounding; every rank ends on the same global copy."""
+    for rank, r in enumerate(results):
+        assert r["engine_timed_outer_steps"] == 3, (rank, r["engine_timed_outer_steps"])
+        torch.testing.assert_close(r["engine_timed"], r["engine_timed_ref"], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert torch.equal(r["engine_timed"], results[0]["engine_timed"]), f"rank {rank}: not the same global copy"
 
 
 def test_diloco_face_should_quantize_is_the_int8_outer_exchange(results: List[Dict[str, Any]]) -> None:

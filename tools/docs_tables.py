@@ -33,6 +33,11 @@ TABLES: Dict[str, str] = {
                         "apply pass with the reset of the parameters, against torch's sequence of the same operations "
                         "(foreach SGD) and a same-run copy of the same bytes; medians of 15 interleaved runs. AMD EPYC, "
                         "2 cores, torch 2.13.0+cpu, AVX-512 kernels.",
+    "bench_straggler_summary": "`make bench-straggler` (bench/bench_straggler.py --docs): 4 workers, the byte-level "
+                               "LM's small preset, DiLoCo on the complete topology, 12 outer steps per run, medians of "
+                               "2 interleaved runs per arm (every evaluation: docs/data/bench_straggler.csv; "
+                               "evaluations taken out of the wall time). AMD EPYC, 2 cores shared by the 4 workers, "
+                               "torch 2.13.0+cpu.",
     "bench_kernels_cuda": "`python -m bench.bench_kernels_cuda --runs 20` (tools/gpu_session.sh): the fused mix + step + "
                           "send pass, median of 20 runs (CUDA events) after 5, GB/s = bytes read + written / time, "
                           "'% of copy' against dst.copy_(src) of the same bytes in the same run; 'vs torch': torch's "

@@ -38,12 +38,13 @@ EXCHANGES: Dict[str, Type[Exchange]] = {cls.name: cls for cls in (Exchange, Comp
 
 
 def exchange_for(compression: Optional[Compression], local_steps: int = 1,
-                 outer_optim: Optional[OuterOptimFn] = None) -> Callable[[GossipStrategy], Exchange]:
-    """The exchange a wrapper's ``compression=`` / ``local_steps=`` arguments select (a factory taking
-    the strategy)."""
-    if outer_optim is not None or local_steps != 1:
+                 outer_optim: Optional[OuterOptimFn] = None,
+                 sync_every_s: Optional[float] = None) -> Callable[[GossipStrategy], Exchange]:
+    """The exchange a wrapper's ``compression=`` / ``local_steps=`` / ``sync_every_s=`` arguments
+    select (a factory taking the strategy)."""
+    if outer_optim is not None or local_steps != 1 or sync_every_s is not None:
         return functools.partial(EXCHANGES["local-steps"], local_steps=local_steps, outer_optim=outer_optim,
-                                 compression=compression)
+                                 compression=compression, sync_every_s=sync_every_s)
     if compression is None:
         return EXCHANGES["plain"]
     return functools.partial(EXCHANGES["compressed"], compression=compression)

@@ -73,9 +73,18 @@ class Exchange:
         """Bytes the exchange keeps beyond the buckets' own buffers."""
         return 0
 
+    @property
+    def outer_steps(self) -> Optional[int]:
+        """Outer steps completed (local steps); None for an exchange at every step."""
+        return None
+
     def wait_params(self) -> None:
         """Complete whatever of the exchange still writes the parameters (local steps: the outer step),
         before they are read again: the next forward, a checkpoint, a layout rebuild."""
+
+    def abandon(self) -> None:
+        """Forget what of the exchange is still in flight outside the buckets' own works (a peer
+        failed, or the group is being replaced: nobody will complete it)."""
 
     def close(self) -> None:
         """Release what the exchange holds (threads, buffers)."""
@@ -89,3 +98,8 @@ class Exchange:
         if state is not None:
             raise ValueError(f"the checkpoint was saved with the {state['kind']!r} exchange (compression= or "
                              "local_steps=); this run has neither (pass the same arguments to resume)")
+
+    def load_after_reform(self, state: Optional[Dict[str, Any]]) -> None:
+        """An elastic re-formation's state (new peers, a new group): the default starts the exchange's
+        own state afresh on every member alike (per-edge state, compressed gossip's public copies,
+        means nothing with other peers)."""

@@ -141,12 +141,25 @@ class ElasticPolicy(FailurePolicy):
             self._node_failure(exc)
 
     def wait_params(self) -> None:
-        """A failure here is the node's own all-gather of updated shards (``intra_node='shard'``): a
-        worker of this node died, the node leaves whole."""
+        """A failure in the node's own all-gather of updated shards (``intra_node='shard'``): a worker
+        of this node died, the node leaves whole. A failure in the exchange's own wait (local steps:
+        the outer exchange) costs that exchange only: it is dropped (the global copies and the
+        parameters stay as they are, so the next outer step's pseudo-gradient still carries this
+        window's progress) and the group re-forms."""
+        s = self.strategy
         try:
-            super().wait_params()
+            s.wait_node_params()
         except PeerTimeoutError as exc:
             self._node_failure(exc)
+        if self.node_failed:
+            s.exchange.abandon()
+            return
+        try:
+            s.exchange.wait_params()
+        except PeerTimeoutError as exc:
+            s.exchange.abandon()
+            if self.failure is None:
+                self._failed(exc)
 
     def attach(self, comm: Any) -> None:
         watch = getattr(comm, "watch", None)
@@ -162,6 +175,7 @@ class ElasticPolicy(FailurePolicy):
             b.work = None
             b.comm_valid = False
             b.skip_mix = True
+        self.strategy.exchange.abandon()
         if self.node_failed:
             self.strategy.drop_node_work()
 

@@ -337,8 +337,12 @@ class GossipStrategy(BucketStrategy):
 
     def wait_params(self) -> None:
         """Wait for whatever still writes the parameters after a step (before they are used again)."""
-        self.node_mode.wait_params()
+        self.wait_node_params()
         self.exchange.wait_params()
+
+    def wait_node_params(self) -> None:
+        """The node's part of :meth:`wait_params` (a sharded node's all-gather of updated shards)."""
+        self.node_mode.wait_params()
 
     def drop_node_work(self) -> None:
         """Forget the node's own collectives in flight without waiting (after one of them failed: the
@@ -392,8 +396,10 @@ class GossipStrategy(BucketStrategy):
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`checkpoint_state` (after :meth:`check_resume`; the model's values are loaded
         by the wrapper after the layout, which this adopts first: see :meth:`adopt_layout`)."""
-        if not state.get("rebuild_exchange", False):  # (an elastic epoch: new peers, the exchange starts afresh)
+        if not state.get("rebuild_exchange", False):
             self.exchange.load_state_dict(state.get("compression"))
+        else:  # an elastic epoch: new peers; the exchange decides what of its state carries over
+            self.exchange.load_after_reform(state.get("compression"))
         for b, opt_sd, sch_sd, ex, skip in zip(self.buckets, state["optimizers"], state["schedulers"],
                                                state["exchange"], state["skip_mix"]):
             b.state_optimizer.load_state_dict(opt_sd)

@@ -15,12 +15,22 @@ parameters become the mixed global copy, its ``.grad`` the mixed pseudo-gradient
 outer optimizer (a torch optimizer over the flat block; DiLoCo's Nesterov SGD by default) steps,
 and the result is the new global copy.
 
+The outer step itself is :func:`decentpy.optim.outer.outer_step` (fused for torch's SGD / Adam /
+AdamW). With ``compression`` (an exact-average topology) the pseudo-gradient travels compressed with
+error feedback through compressed gossip's group exchange. With ``sync_every_s`` a window is a time
+budget instead of ``H`` iterations, the pseudo-gradients weighted by the inner steps behind them.
+Under the elastic failure policy a failed outer exchange is dropped (:meth:`abandon`: the global
+copies stay, the window's progress stays in the parameters) and the outer state carries over a
+re-formation (:meth:`load_after_reform`).
+
 The same algorithm for scripts with their own torch optimizer: :mod:`decentpy.local_sgd`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -29,7 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..comm.group_exchange import GroupExchange, GroupExchanger
-from ..comm.plans import BufferMix, ExchangePlan, NoExchange
+from ..comm.plans import BufferMix, ExchangePlan, NoExchange, communication_needs
 from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
@@ -43,6 +53,9 @@ __all__ = ["LocalStepsExchange", "OuterOptimFn", "diloco_outer_optim"]
 
 #: a bucket's flat float32 global copy -> its outer optimizer
 OuterOptimFn = Callable[[List[Tensor]], Optimizer]
+
+#: the time source of ``sync_every_s`` (seconds); tests replace it with a fake clock
+CLOCK: Callable[[], float] = time.monotonic
 
 
 @dataclass
@@ -64,11 +77,26 @@ class LocalStepsExchange(Exchange):
     name = "local-steps"
 
     def __init__(self, strategy: "GossipStrategy", local_steps: int, outer_optim: Optional[OuterOptimFn] = None,
-                 compression: Optional[Compression] = None) -> None:
+                 compression: Optional[Compression] = None, sync_every_s: Optional[float] = None) -> None:
         super().__init__(strategy)
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an int >= 1 (inner steps per outer step), got {local_steps!r}")
+        if sync_every_s is not None:
+            if local_steps != 1:
+                raise ValueError(f"give local_steps (inner steps) or sync_every_s (seconds), not both: got "
+                                 f"local_steps={local_steps!r}, sync_every_s={sync_every_s!r}")
+            if isinstance(sync_every_s, bool) or not isinstance(sync_every_s, (int, float)) or \
+                    not (math.isfinite(sync_every_s) and sync_every_s > 0):
+                raise ValueError(f"sync_every_s must be a number of seconds > 0, got {sync_every_s!r}")
+            if compression is not None:
+                raise ValueError(f"sync_every_s with compression={compression.kind!r} is not available yet: the "
+                                 "weighted pseudo-gradients travel in full precision; use local_steps")
         self.local_steps = local_steps
+        #: a time budget per window instead of ``local_steps`` (seconds; None: a step count)
+        self.sync_every_s = None if sync_every_s is None else float(sync_every_s)
+        self._inner_steps = 0                   # inner steps in the current window (this iteration's included)
+        self._window_t0: Optional[float] = None  # when the window started (the time budget)
+        self._decided = (-1, False)             # (iteration, whether it ends its window)
         self.outer_optim: OuterOptimFn = outer_optim if outer_optim is not None else diloco_outer_optim
         #: the global copies are equal on every rank and only the pseudo-gradients travel
         self.exact = strategy.topology.is_exact_average()
@@ -84,27 +112,51 @@ class LocalStepsExchange(Exchange):
                 raise ValueError(f"local_steps with compression={compression.kind!r} runs the fused outer step, and "
                                  f"the outer optimizer is not fusable: {why}; use torch's SGD, Adam or AdamW")
         self._exchanger = GroupExchanger()
-        #: outer steps completed (the index of the topology's schedule for the next one)
-        self.outer_steps = 0
+        self._outer_steps = 0  # outer steps completed (the index of the topology's schedule for the next one)
         # The parameters at the start of the first window, by parameter, while the bucket layout is
         # provisional: a bucket built later (the layout rebuilt after the first backward) takes its
         # global copy from here, not from parameters that already took inner steps.
         self._window_start: Optional[Dict[int, Tensor]] = None
+        #: after an elastic re-formation on an exact-average topology: the next outer exchange also
+        #: averages the global copies (the members' copies agree again, whatever the failure left)
+        self._resync = False
+
+    @property
+    def outer_steps(self) -> Optional[int]:
+        """Outer steps completed (the index of the topology's schedule for the next one)."""
+        return self._outer_steps
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
-        """A compressed outer exchange runs point to point (the two rounds of the group exchange)."""
+        """A compressed outer exchange runs point to point (the two rounds of the group exchange),
+        beside the plans' all-reduces (the full-precision exchange after a re-formation)."""
         if self.compression is None:
             return None
-        return (any(len(g.ranks) > 1 for g in self.strategy.topology.unique_groups()), [])
+        _, collective = communication_needs(self.strategy.topology)
+        return (any(len(g.ranks) > 1 for g in self.strategy.topology.unique_groups()), collective)
 
     def close(self) -> None:
         self._exchanger.close()
+
+    def abandon(self) -> None:
+        """Drop the outer exchanges in flight: the global copies and the parameters stay as they are,
+        so the next outer step's pseudo-gradient carries this window's inner steps too."""
+        for b in self.strategy.buckets:
+            st: Optional[OuterState] = b.exchange_state
+            if st is not None:
+                st.pending = None
+
+    def load_after_reform(self, state: Optional[Dict[str, Any]]) -> None:
+        """An elastic re-formation keeps each replica's global copy, outer optimizer state and error
+        feedback (a joiner receives its neighbour's: the whole training state travels); on an exact
+        topology the next outer exchange averages the global copies as well, once."""
+        self.load_state_dict(state)
+        self._resync = self.exact
 
     def state_of(self, b: Bucket) -> OuterState:
         st: Optional[OuterState] = b.exchange_state
         if st is None:
             layout = self.strategy.layout
-            if self._window_start is None and not layout.final and self.outer_steps == 0:
+            if self._window_start is None and not layout.final and self._outer_steps == 0:
                 self._window_start = {id(p): p.detach().clone() for p in layout.params}
             b.gather_params()
             theta = b.param.detach().to(torch.float32, copy=True)
@@ -124,8 +176,25 @@ class LocalStepsExchange(Exchange):
         return st
 
     def _sync_step(self) -> bool:
-        """This iteration ends a window of ``H`` inner steps."""
-        return (self.strategy.step + 1) % self.local_steps == 0
+        """This iteration ends its window: ``H`` inner steps, or with a time budget the first
+        iteration that ends after it (decided once per iteration, at its first bucket's launch, and
+        counted as one inner step of the window)."""
+        step = self.strategy.step
+        if self._decided[0] != step:
+            self._inner_steps += 1
+            if self.sync_every_s is None:
+                self._decided = (step, (step + 1) % self.local_steps == 0)
+            else:
+                now = CLOCK()
+                if self._window_t0 is None:
+                    self._window_t0 = now
+                self._decided = (step, now - self._window_t0 >= self.sync_every_s)
+        return self._decided[1]
+
+    @property
+    def weighted(self) -> bool:
+        """The pseudo-gradients are weighted by the inner steps behind them (a time budget)."""
+        return self.sync_every_s is not None
 
     def mixing(self, b: Bucket, received: ExchangePlan, nxt: ExchangePlan) -> Dict[str, Any]:
         """Nothing is mixed in the kernel pass (the inner step only); the global copy is taken at the
@@ -142,9 +211,10 @@ class LocalStepsExchange(Exchange):
         s = self.strategy
         st = self.state_of(b)
         assert s.comm is not None, "internal error: the strategy has no communicator (attach() first)"
-        plan = s.plans.at(self.outer_steps)
+        plan = s.plans.at(self._outer_steps)
         block, n = b.param, st.theta.numel()
-        if self.compression is not None:
+        exact = self.exact and not self._resync
+        if self.compression is not None and not self._resync:
             assert st.excess is not None
             q, result, slots = st.wires[0], st.wires[1], st.wires[2:]
             pseudo_gradient(block, st.theta, q, self.compression.compressor, st.excess)
@@ -156,13 +226,17 @@ class LocalStepsExchange(Exchange):
                                            self.compression, n, q, slots[:len(others)], result, st.excess, s.timeout,
                                            s.step)
             return None
-        if st.buf is None or st.buf.numel() != (n if self.exact else 2 * n):
-            st.buf = torch.empty(n if self.exact else 2 * n, dtype=torch.float32, device=st.theta.device)
-        if self.exact:
-            pseudo_gradient(block, st.theta, st.buf)
-        else:
+        size = (n if exact else 2 * n) + (1 if self.weighted else 0)
+        if st.buf is None or st.buf.numel() != size:
+            st.buf = torch.empty(size, dtype=torch.float32, device=st.theta.device)
+        at = 0 if exact else n
+        if not exact:
             st.buf[:n].copy_(st.theta)
-            pseudo_gradient(block, st.theta, st.buf[n:])
+        pseudo_gradient(block, st.theta, st.buf[at:at + n])
+        if self.weighted:  # sum w_j delta_j / sum w_j over the group: the weights travel as one more element
+            w = float(self._inner_steps)
+            st.buf[at:at + n].mul_(w)
+            st.buf[-1] = w
         st.pending = BufferMix(plan, s.comm, b.index, st.buf, s.timeout)
         return None
 
@@ -184,13 +258,19 @@ class LocalStepsExchange(Exchange):
                 delta, mix, comp = pending, None, self.compression
             else:
                 mixed = pending.wait()
-                delta, mix, comp = (mixed, None, None) if self.exact else (mixed[n:], [mixed[:n]], None)
+                if self.weighted:  # (no host sync: all weights 0 would mean all deltas 0)
+                    total, mixed = mixed[-1], mixed[:-1]
+                    mixed[-n:].div_(total.clamp(min=torch.finfo(mixed.dtype).tiny))
+                delta, mix, comp = (mixed, None, None) if mixed.numel() == n else (mixed[n:], [mixed[:n]], None)
             outer_step(st.optimizer, [b.param], [st.theta], [delta], stepped=[st.theta], theta_mix=mix,
                        compressor=comp.compressor if comp is not None else None)
             b.scatter_params()
             done = True
         if done:
-            self.outer_steps += 1
+            self._outer_steps += 1
+            self._resync = False
+            self._inner_steps = 0
+            self._window_t0 = CLOCK() if self.weighted else None
             self._window_start = None  # a bucket built from now on starts from the new global copy
 
     # -- checkpoints ---------------------------------------------------------------------------
@@ -202,7 +282,8 @@ class LocalStepsExchange(Exchange):
             st: Optional[OuterState] = b.exchange_state
             out.append(None if st is None else {"theta": st.theta.clone(), "optimizer": st.optimizer.state_dict(),
                                                 "excess": None if st.excess is None else st.excess.clone()})
-        return {"kind": self.name, "local_steps": self.local_steps, "outer_steps": self.outer_steps, "buckets": out}
+        return {"kind": self.name, "local_steps": self.local_steps, "sync_every_s": self.sync_every_s,
+                "outer_steps": self._outer_steps, "inner_steps": self._inner_steps, "buckets": out}
 
     @torch.no_grad()
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
@@ -210,14 +291,18 @@ class LocalStepsExchange(Exchange):
             raise ValueError(f"the checkpoint was saved {'without' if state is None else 'with another'} exchange "
                              f"({None if state is None else state.get('kind')!r}); this run uses local_steps="
                              f"{self.local_steps} (the global copies and outer optimizers are part of the state)")
-        if state["local_steps"] != self.local_steps:
-            raise ValueError(f"the checkpoint was saved with local_steps={state['local_steps']}, this run has "
-                             f"local_steps={self.local_steps}")
+        if state["local_steps"] != self.local_steps or state.get("sync_every_s") != self.sync_every_s:
+            raise ValueError(f"the checkpoint was saved with local_steps={state['local_steps']}, sync_every_s="
+                             f"{state.get('sync_every_s')}; this run has local_steps={self.local_steps}, "
+                             f"sync_every_s={self.sync_every_s}")
         buckets = self.strategy.buckets
         if len(state["buckets"]) != len(buckets):
             raise ValueError(f"the checkpoint has outer state for {len(state['buckets'])} buckets, this run has "
                              f"{len(buckets)}")
-        self.outer_steps = int(state["outer_steps"])
+        self._outer_steps = int(state["outer_steps"])
+        self._inner_steps = int(state.get("inner_steps", 0))
+        self._decided = (-1, False)
+        self._window_t0 = None  # a time budget restarts with the resumed run
         for b, saved in zip(buckets, state["buckets"]):
             if saved is None:
                 b.exchange_state = None
