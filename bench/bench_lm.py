@@ -62,6 +62,9 @@ ARMS: Dict[str, Dict[str, Any]] = {
     "diloco-32-int8": dict(mode="decentpy", topology="complete", local_steps=32, compression="int8"),
     "diloco-128": dict(mode="decentpy", topology="complete", local_steps=128),
     "diloco-128-int8": dict(mode="decentpy", topology="complete", local_steps=128, compression="int8"),
+    "diloco-32-random-pairs": dict(mode="decentpy", topology="random-pairs", local_steps=32),
+    # the anchor: torchft 0.2.0's own DiLoCo at the same H (a stand-in Manager, no Lighthouse)
+    "torchft-diloco-32": dict(mode="torchft-diloco", local_steps=32),
 }
 DEFAULT_ARMS = ("ddp", "aer", "aer-int8", "shard-aer-int8", "decent-dp-aer")
 DEFAULT_LINKS = ("loopback", "100")

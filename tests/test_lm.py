@@ -12,7 +12,7 @@ import os
 import re
 import shutil
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -186,6 +186,8 @@ def test_bad_presets_and_specs_name_the_value() -> None:
         L.RunSpec(mode="ddp", compression="int8").check(2)
     with pytest.raises(ValueError, match="local_steps=4 is decentpy's"):
         L.RunSpec(mode="decentpy", compression="int8", local_steps=4).check(2)
+    with pytest.raises(ValueError, match="give local_steps >= 2"):
+        L.RunSpec(mode="torchft-diloco").check(2)
 
 
 def test_schedule_evaluates_at_least_eight_times_and_spends_the_budget() -> None:
@@ -292,3 +294,29 @@ def test_every_mode_trains_from_the_same_model_and_reports_its_rows(small_dir: s
     assert runs[3][-1]["local_steps"] == 4 and runs[0][-1]["local_steps"] == 1 and runs[3][-1]["fragments"] == 1
     assert params * 4 * 2 <= runs[3][-1]["bytes_sent_per_worker"] <= params * 4 * 2 * 1.05, (runs[3][-1], params)
     assert runs[0][-1]["topology"] == "allreduce" and runs[0][-1]["intra_node"] is None
+
+
+def _torchft_anchor(rank: int, world: int, small_dir: str) -> List[List[Dict[str, Any]]]:
+    corpus = C.load_corpus(small_dir)
+    out = []
+    for mode in ("torchft-diloco", "decentpy"):
+        spec = L.RunSpec(mode=mode, topology="complete", local_steps=4, tokens=2048, evals=2, val_windows=16,
+                         context=32, global_batch=8, lr=3e-3)
+        out.append(L.run_arm(spec, corpus))
+    return out
+
+
+def test_the_torchft_diloco_anchor_is_diloco(small_dir: str) -> None:
+    """bench-lm's anchor, torchft 0.2.0's own DiLoCo (a stand-in Manager on the process group), against
+    decentpy's DiLoCo at the same H: the same bytes (the pseudo-gradient once per outer step) and the
+    same loss to the inner optimizers' rounding (torch's AdamW there, decentpy's fused AdamW here).
+    Needs torchft importable (DECENTPY_TORCHFT_PATH, see docs/elastic.md)."""
+    path = os.environ.get("DECENTPY_TORCHFT_PATH") or os.environ.get("BENCH_TORCHFT_PATH")
+    if not path:
+        pytest.skip("torchft 0.2.0 is not installed here (set DECENTPY_TORCHFT_PATH to a --target install)")
+    torchft, decentpy_rows = run_workers(_torchft_anchor, 2, small_dir, timeout=180,
+                                         env={"DECENTPY_TORCHFT_PATH": path})[0]
+    assert torchft[-1]["framework"] == "torchft" and torchft[-1]["local_steps"] == 4
+    assert torchft[-1]["bytes_sent_per_worker"] == decentpy_rows[-1]["bytes_sent_per_worker"]
+    for a, b in zip(torchft, decentpy_rows):
+        assert a["val_bits_per_byte"] == pytest.approx(b["val_bits_per_byte"], abs=2e-3), (a, b)

@@ -69,8 +69,9 @@ from .model import ByteTransformer, ModelConfig, count_parameters, preset
 
 __all__ = ["MODES", "COLUMNS", "RunSpec", "Schedule", "schedule", "run_arm", "bits_per_byte"]
 
-MODES = ("ddp", "ddp-powersgd", "decentpy", "decent-dp")
-FRAMEWORK = {"ddp": "torch", "ddp-powersgd": "torch", "decentpy": "decentpy", "decent-dp": "decent-dp"}
+MODES = ("ddp", "ddp-powersgd", "decentpy", "decent-dp", "torchft-diloco")
+FRAMEWORK = {"ddp": "torch", "ddp-powersgd": "torch", "decentpy": "decentpy", "decent-dp": "decent-dp",
+             "torchft-diloco": "torchft"}
 COMPRESSIONS = (None, "int8")
 INTRA_NODE = ("gossip", "shard", "allreduce")
 POWERSGD_RANK = 4
@@ -122,8 +123,12 @@ class RunSpec:
                              f"options; mode {self.mode!r} takes neither (use mode 'decentpy')")
         if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int) or self.local_steps < 1:
             raise ValueError(f"local_steps must be an int >= 1, got {self.local_steps!r}")
-        if self.local_steps > 1 and (self.mode != "decentpy" or self.intra_node != "gossip" or
-                                     (self.compression is not None and self.topology != "complete")):
+        if self.mode == "torchft-diloco" and self.local_steps < 2:
+            raise ValueError(f"mode 'torchft-diloco' is torchft 0.2.0's DiLoCo: give local_steps >= 2 (its "
+                             f"sync_every), got {self.local_steps}")
+        if self.local_steps > 1 and self.mode != "torchft-diloco" and (
+                self.mode != "decentpy" or self.intra_node != "gossip" or
+                (self.compression is not None and self.topology != "complete")):
             raise ValueError(f"local_steps={self.local_steps} is decentpy's, with intra_node='gossip' and compression "
                              f"only on the complete topology (got mode {self.mode!r}, topology={self.topology!r}, "
                              f"compression={self.compression!r}, intra_node={self.intra_node!r})")
@@ -400,12 +405,114 @@ class _DecentDPArm(_Arm):
         return float(self.ddp.get_lr())
 
 
+class _StandInManager:
+    """What torchft 0.2.0's ``DiLoCo`` asks of its ``Manager``, on the default process group: an
+    averaging all-reduce (counted), a step counter that moves at each commit, no-ops for the rest.
+    No Lighthouse, no quorum: the anchor measures torchft's DiLoCo itself, not its coordination."""
+
+    _use_async_quorum = False
+
+    def __init__(self) -> None:
+        self._step = 0
+        self.sent = 0.0
+
+    def allreduce(self, tensor: Tensor, should_quantize: bool = False, **_: Any) -> Any:
+        self.sent += tensor.numel() * tensor.element_size()
+        work = dist.all_reduce(tensor, async_op=True)
+        world = dist.get_world_size()
+
+        class _Work:
+            def wait(self) -> bool:
+                work.wait()
+                tensor.div_(world)
+                return True
+
+        return _Work()
+
+    def current_step(self) -> int:
+        return self._step
+
+    def should_commit(self) -> bool:
+        self._step += 1
+        return True
+
+    def start_quorum(self, *_: Any, **__: Any) -> None: ...
+    def register_state_dict_fn(self, *_: Any) -> None: ...
+    def disallow_state_dict_read(self) -> None: ...
+    def allow_state_dict_read(self) -> None: ...
+
+
+class _TorchftDiLoCoArm(_Arm):
+    """torchft 0.2.0's ``DiLoCo`` (``sync_every=local_steps``; torch's AdamW inside, its outer Nesterov
+    SGD) on a stand-in Manager over the default process group. torchft is not a dependency:
+    ``pip install --no-deps --target DIR torchft==0.2.0`` plus its opentelemetry packages, then
+    ``DECENTPY_TORCHFT_PATH=DIR`` (or ``BENCH_TORCHFT_PATH``)."""
+
+    bytes_source = "allreduce(torchft pseudo-gradients)"
+
+    def __init__(self, model: nn.Module, spec: RunSpec, cfg: ModelConfig, sched: Schedule) -> None:
+        import os
+
+        path = os.environ.get("DECENTPY_TORCHFT_PATH") or os.environ.get("BENCH_TORCHFT_PATH")
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
+        try:
+            from torchft.local_sgd import DiLoCo
+        except Exception as exc:  # noqa: BLE001 - said in full: what to install
+            raise RuntimeError(f"mode 'torchft-diloco' needs torchft 0.2.0 importable ({exc}); install it with "
+                               "pip install --no-deps --target DIR and set DECENTPY_TORCHFT_PATH=DIR") from exc
+        super().__init__(model)
+        self.opt = torch.optim.AdamW(_adamw_groups(list(model.named_parameters()), spec.weight_decay), lr=cfg.lr,
+                                     betas=BETAS, eps=EPS)
+        self.sched = _scheduler_fn(cfg.lr, sched)(self.opt)
+        self.outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        self.manager = _StandInManager()
+        with torch.no_grad():  # one initial model (run_arm seeds every rank alike; torchft's Manager heals)
+            for t in model.parameters():
+                dist.broadcast(t, 0)
+        self.diloco = DiLoCo(self.manager, [model], self.opt, self.outer, sync_every=spec.local_steps)
+        self.diloco.__enter__()
+
+    def train_step(self, x: Tensor, y: Tensor) -> Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = _loss(self.model(x), y)
+        loss.backward()
+        self.opt.step()  # every sync_every-th: torchft's outer step (its post-step hook)
+        self.sched.step()
+        return loss.detach()
+
+    def bytes_sent(self) -> float:
+        return self.manager.sent
+
+    @contextlib.contextmanager
+    def averaged(self) -> Iterator[None]:
+        saved = [p.detach().clone() for p in self.model.parameters()]
+        with torch.no_grad():
+            for p in self.model.parameters():
+                dist.all_reduce(p)
+                p.div_(dist.get_world_size())
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.model.parameters(), saved):
+                    p.copy_(s)
+
+    def lr(self) -> float:
+        return float(self.opt.param_groups[0]["lr"])
+
+    def close(self) -> None:
+        self.diloco.__exit__(None, None, None)
+
+
 def _build_arm(model: nn.Module, spec: RunSpec, cfg: ModelConfig, sched: Schedule, device: torch.device,
                lws: int) -> _Arm:
     if spec.mode in ("ddp", "ddp-powersgd"):
         return _DDPArm(model, spec, cfg, sched, device)
     if spec.mode == "decentpy":
         return _DecentpyArm(model, spec, cfg, sched, lws)
+    if spec.mode == "torchft-diloco":
+        return _TorchftDiLoCoArm(model, spec, cfg, sched)
     return _DecentDPArm(model, spec, cfg, sched, lws)
 
 
@@ -489,11 +596,13 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
     arm = _build_arm(model, spec, cfg, sched, device, lws)
     base: Dict[str, Any] = dict(
         framework=FRAMEWORK[spec.mode], mode=spec.mode,
-        topology=spec.topology if spec.mode in ("decentpy", "decent-dp") else "allreduce",
+        topology=spec.topology if spec.mode in ("decentpy", "decent-dp") else
+        ("complete" if spec.mode == "torchft-diloco" else "allreduce"),
         compression=(spec.compression or "none") if spec.mode == "decentpy" else
         (f"powersgd-rank{POWERSGD_RANK}" if spec.mode == "ddp-powersgd" else "none"),
         intra_node=spec.intra_node if spec.mode == "decentpy" else None,
-        local_steps=spec.local_steps if spec.mode == "decentpy" else 1, fragments=1, link_mbit=spec.link_mbit,
+        local_steps=spec.local_steps if spec.mode in ("decentpy", "torchft-diloco") else 1, fragments=1,
+        link_mbit=spec.link_mbit,
         workers=n,
         preset=spec.preset, seed=spec.seed, params=count_parameters(model), bytes_source=arm.bytes_source,
         corpus=corpus.name, corpus_bytes=corpus.n_bytes, corpus_hash=corpus.list_hash, device=str(device))
