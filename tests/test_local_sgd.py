@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dist_harness import run_workers
+from examples.lm.loop import TorchftStandInManager
 from reference import REF_OPTIMIZERS, batch, decentpy_optim_fn, loss_fn, make_mlp
 
 N = 4
@@ -168,42 +169,6 @@ def _int8_diloco_reference(rank: int, world: int, steps: int, face: bool = False
     return _flat(ref)
 
 
-class _Manager:
-    """What torchft 0.2.0's DiLoCo asks of its Manager, on the default process group: an averaging
-    all-reduce, a step counter that moves at each commit, and no-ops for the rest."""
-
-    _use_async_quorum = False
-
-    def __init__(self) -> None:
-        self._step = 0
-
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, **_: Any) -> Any:
-        import torch.distributed as dist
-
-        work = dist.all_reduce(tensor, async_op=True)
-        world = dist.get_world_size()
-
-        class _Work:
-            def wait(self) -> bool:
-                work.wait()
-                tensor.div_(world)
-                return True
-
-        return _Work()
-
-    def current_step(self) -> int:
-        return self._step
-
-    def should_commit(self) -> bool:
-        self._step += 1
-        return True
-
-    def start_quorum(self, *_: Any, **__: Any) -> None: ...
-    def register_state_dict_fn(self, *_: Any) -> None: ...
-    def disallow_state_dict_read(self) -> None: ...
-    def allow_state_dict_read(self) -> None: ...
-
-
 def _torchft_run(rank: int, fragmented: bool, steps: int) -> Optional[torch.Tensor]:
     path = _torchft_path()
     if not path:
@@ -217,8 +182,8 @@ def _torchft_run(rank: int, fragmented: bool, steps: int) -> Optional[torch.Tens
     inner = _inner(model)
     frags = [model[0:2], model[2:]] if fragmented else [model]
     outers = [_outer(f.parameters()) for f in frags]
-    with TorchftDiLoCo(_Manager(), frags, inner, outers, sync_every=H, fragment_sync_delay=1 if fragmented else 0,
-                       fragment_update_alpha=0.5 if fragmented else 0.0):
+    with TorchftDiLoCo(TorchftStandInManager(), frags, inner, outers, sync_every=H,
+                       fragment_sync_delay=1 if fragmented else 0, fragment_update_alpha=0.5 if fragmented else 0.0):
         _train(model, inner, rank, range(steps))
     return _flat(model)
 

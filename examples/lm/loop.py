@@ -67,7 +67,7 @@ from torch import Tensor, nn
 from .corpus import Corpus, train_batch, val_windows
 from .model import ByteTransformer, ModelConfig, count_parameters, preset
 
-__all__ = ["MODES", "COLUMNS", "RunSpec", "Schedule", "schedule", "run_arm", "bits_per_byte"]
+__all__ = ["MODES", "COLUMNS", "RunSpec", "Schedule", "schedule", "run_arm", "bits_per_byte", "TorchftStandInManager"]
 
 MODES = ("ddp", "ddp-powersgd", "decentpy", "decent-dp", "torchft-diloco")
 FRAMEWORK = {"ddp": "torch", "ddp-powersgd": "torch", "decentpy": "decentpy", "decent-dp": "decent-dp",
@@ -405,7 +405,7 @@ class _DecentDPArm(_Arm):
         return float(self.ddp.get_lr())
 
 
-class _StandInManager:
+class TorchftStandInManager:
     """What torchft 0.2.0's ``DiLoCo`` asks of its ``Manager``, on the default process group: an
     averaging all-reduce (counted), a step counter that moves at each commit, no-ops for the rest.
     No Lighthouse, no quorum: the anchor measures torchft's DiLoCo itself, not its coordination."""
@@ -466,7 +466,7 @@ class _TorchftDiLoCoArm(_Arm):
                                      betas=BETAS, eps=EPS)
         self.sched = _scheduler_fn(cfg.lr, sched)(self.opt)
         self.outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        self.manager = _StandInManager()
+        self.manager = TorchftStandInManager()
         with torch.no_grad():  # one initial model (run_arm seeds every rank alike; torchft's Manager heals)
             for t in model.parameters():
                 dist.broadcast(t, 0)
