@@ -217,7 +217,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 raise ValueError(f"local_steps with intra_node={intra_node!r} is not available yet; use "
                                  "intra_node='gossip' (every rank a replica) or 'allreduce' (every node a replica)")
             if outer_optim is not None and not callable(outer_optim):
-                raise TypeError(f"outer_optim must be callable ([flat parameter block] -> Optimizer), got "
+                raise TypeError(f"outer_optim must be callable ([a bucket's float32 global copy] -> Optimizer), got "
                                 f"{type(outer_optim).__name__}")
             exchange = exchange_for(self._compression, local_steps, outer_optim, sync_every_s)
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
