@@ -289,6 +289,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800.0, help="per run, seconds")
     p.add_argument("--out", default=str(OUT_DIR))
     p.add_argument("--docs", action="store_true", help="also copy the CSVs and the plot into docs/")
+    p.add_argument("--docs-name", default="bench_lm",
+                   help="the published files' name: docs/data/NAME.csv, NAME_summary.csv, docs/NAME.png (another "
+                        "preset's table beside the default one)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--from-csv", default=None, metavar="PATH[,PATH...]",
                    help="train nothing: summarise, plot (and with --docs publish) the rows of earlier runs' "
@@ -376,11 +379,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if png is not None:
         print(f"wrote {png}")
     if args.docs:
-        write_csv(ROOT / "docs" / "data" / "bench_lm.csv", list(COLUMNS) + ["machine"], stamped(rows))
-        write_csv(ROOT / "docs" / "data" / "bench_lm_summary.csv", list(DOCS_COLUMNS), docs_rows(summary))
+        name = args.docs_name
+        write_csv(ROOT / "docs" / "data" / f"{name}.csv", list(COLUMNS) + ["machine"], stamped(rows))
+        write_csv(ROOT / "docs" / "data" / f"{name}_summary.csv", list(DOCS_COLUMNS), docs_rows(summary))
         if png is not None:
-            shutil.copy(png, ROOT / "docs" / "bench_lm.png")
-        print("wrote docs/data/bench_lm.csv, docs/data/bench_lm_summary.csv" + (", docs/bench_lm.png" if png else ""))
+            shutil.copy(png, ROOT / "docs" / f"{name}.png")
+        print(f"wrote docs/data/{name}.csv, docs/data/{name}_summary.csv" + (f", docs/{name}.png" if png else ""))
     return 0
 
 

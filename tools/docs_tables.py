@@ -33,6 +33,10 @@ TABLES: Dict[str, str] = {
                         "apply pass with the reset of the parameters, against torch's sequence of the same operations "
                         "(foreach SGD) and a same-run copy of the same bytes; medians of 15 interleaved runs. AMD EPYC, "
                         "2 cores, torch 2.13.0+cpu, AVX-512 kernels.",
+    "bench_lm_wide_summary": "`python -m bench.bench_lm --preset wide --arms ddp,diloco-32,diloco-32-int8 --links "
+                             "loopback` (then `--from-csv ... --docs --docs-name bench_lm_wide`): the `wide` preset "
+                             "(9,094,272 parameters, context 64, global batch 16: 976 steps for 999,424 tokens), seed 0, "
+                             "4 workers. AMD EPYC, 2 cores, torch 2.13.0+cpu, 2026-11-28.",
     "bench_straggler_summary": "`make bench-straggler` (bench/bench_straggler.py --docs): 4 workers, the byte-level "
                                "LM's small preset, DiLoCo on the complete topology, 12 outer steps per run, medians of "
                                "2 interleaved runs per arm (every evaluation: docs/data/bench_straggler.csv; "
