@@ -63,6 +63,10 @@ ARMS: Dict[str, Dict[str, Any]] = {
     "diloco-128": dict(mode="decentpy", topology="complete", local_steps=128),
     "diloco-128-int8": dict(mode="decentpy", topology="complete", local_steps=128, compression="int8"),
     "diloco-32-random-pairs": dict(mode="decentpy", topology="random-pairs", local_steps=32),
+    # Streaming DiLoCo: 4 fragments, one every 8 steps, each exchange in flight over 2 inner steps
+    # and merged with alpha 0.5 (the Streaming DiLoCo paper's tau and alpha range)
+    "diloco-32-streaming-4": dict(mode="decentpy", topology="complete", local_steps=32, fragments=4,
+                                  fragment_sync_delay=2, fragment_update_alpha=0.5),
     # the anchor: torchft 0.2.0's own DiLoCo at the same H (a stand-in Manager, no Lighthouse)
     "torchft-diloco-32": dict(mode="torchft-diloco", local_steps=32),
 }
@@ -76,7 +80,9 @@ def arm_name(row: Dict[str, Any]) -> str:
     """The ``ARMS`` key of a result row."""
     for name, fields in ARMS.items():
         if all(str(row.get(k) or ("none" if k == "compression" else "")) == str(v) for k, v in fields.items()
-               if k != "mode") and fields["mode"] == row["mode"]:
+               if k not in ("mode", "fragment_sync_delay", "fragment_update_alpha")) and fields["mode"] == row["mode"]:
+            if int(row.get("fragments") or 1) != int(fields.get("fragments", 1)):
+                continue
             if row["mode"] == "decentpy" and row.get("intra_node", "gossip") != fields.get("intra_node", "gossip"):
                 continue
             if row["mode"] == "decentpy" and (row.get("compression") or "none") != fields.get("compression", "none"):

@@ -115,6 +115,18 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             inner steps behind them (``sum s_j delta_j / sum s_j`` over the group), so replicas of
             different speeds need no per-replica tuning and nobody waits for a slow one longer than its
             last inner step. Not with ``compression`` yet.
+        fragments: Streaming DiLoCo (with ``local_steps``): the buckets in ``fragments`` groups
+            (bucket ``i`` in fragment ``i % fragments``, strided through the model), synchronised in
+            turn, one every ``local_steps / fragments`` iterations, so each fragment still takes one
+            outer step per ``local_steps`` and a step's traffic is ``1 / fragments`` of the model.
+            Fewer buckets than fragments leaves fragments empty (a warning; use a smaller
+            ``bucket_size_in_mb``).
+        fragment_sync_delay: inner steps that run while a fragment's outer exchange is in flight (it
+            starts that many iterations before its outer step is applied; ``< local_steps /
+            fragments``), hiding a slow link behind compute (Streaming DiLoCo's ``tau``).
+        fragment_update_alpha: with a delay, the fragment's parameters after its outer step keep
+            this fraction of the inner steps taken during the exchange: ``theta + alpha (x - theta)``
+            (0: the new global copy, as DiLoCo).
     """
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
@@ -146,6 +158,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         local_steps: int = 1,
         outer_optim: Optional[OuterOptimFn] = None,
         sync_every_s: Optional[float] = None,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -219,7 +234,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             if outer_optim is not None and not callable(outer_optim):
                 raise TypeError(f"outer_optim must be callable ([a bucket's float32 global copy] -> Optimizer), got "
                                 f"{type(outer_optim).__name__}")
-            exchange = exchange_for(self._compression, local_steps, outer_optim, sync_every_s)
+            exchange = exchange_for(self._compression, local_steps, outer_optim, sync_every_s, fragments=fragments,
+                                    fragment_sync_delay=fragment_sync_delay,
+                                    fragment_update_alpha=fragment_update_alpha)
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._strategy: GossipStrategy = GossipStrategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
@@ -238,7 +255,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
             "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg, "nonfinite": nonfinite,
             "compression": repr(self._compression), "local_steps": local_steps, "outer_optim": outer_optim,
-            "sync_every_s": sync_every_s,
+            "sync_every_s": sync_every_s, "fragments": fragments, "fragment_sync_delay": fragment_sync_delay,
+            "fragment_update_alpha": fragment_update_alpha,
         }
         wants_edges = False
         if failure is None:

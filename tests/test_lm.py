@@ -188,6 +188,8 @@ def test_bad_presets_and_specs_name_the_value() -> None:
         L.RunSpec(mode="decentpy", compression="int8", local_steps=4).check(2)
     with pytest.raises(ValueError, match="give local_steps >= 2"):
         L.RunSpec(mode="torchft-diloco").check(2)
+    with pytest.raises(ValueError, match="fragments=4 .* stream decentpy's local steps"):
+        L.RunSpec(mode="decentpy", fragments=4).check(2)
 
 
 def test_schedule_evaluates_at_least_eight_times_and_spends_the_budget() -> None:

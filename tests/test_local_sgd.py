@@ -6,7 +6,8 @@ spawn for every scenario, each against a reference that does not use decentpy:
   rounding; and torchft 0.2.0's own ``DiLoCo`` (with a stand-in Manager) where torchft is importable
   (``DECENTPY_TORCHFT_PATH``/``BENCH_TORCHFT_PATH``: see docs/elastic.md for its install);
 - streaming (2 fragments, a delayed exchange, a merge): the same plain re-computation of torchft's
-  schedule, and torchft where importable;
+  schedule, and torchft where importable; the engine's streaming fragments (``fragments=2``) against
+  the same re-computation, with a resume while a fragment's exchange is in flight;
 - gossip outer steps (ring): a float64 single-process re-computation of the four replicas; the
   replicas' mean global copy follows DiLoCo's update with the mean pseudo-gradient;
 - LocalSGD: a plain all-reduce average every H steps;
@@ -340,7 +341,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
 
     # -- the engine: DecentralizedDataParallel(local_steps=H), the fused AdamW inside the backward ---
     def engine(topology: str, upto: int, state: Optional[Dict[str, Any]] = None, start: int = 0,
-               **kw: Any) -> Tuple[torch.Tensor, Any]:
+               buckets: Optional[List[List[int]]] = None, **kw: Any) -> Tuple[torch.Tensor, Any]:
         m = make_mlp(0)
         ddp = decentpy.DecentralizedDataParallel(m, decentpy_optim_fn("adamw"), topology=topology, local_steps=H,
                                                  **kw)
@@ -354,6 +355,9 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             loss_fn(ddp(x), y).backward()
         ddp.wait()
         got = _flat(m)
+        if buckets is not None:  # the layout: each bucket's parameters, as indices into m.parameters()
+            index = {id(p): i for i, p in enumerate(m.parameters())}
+            buckets += [[index[id(p)] for p in b.params] for b in ddp.buckets]
         ddp.close()
         return got, saved
 
@@ -416,6 +420,18 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         saved_face = copy.deepcopy((d.state_dict(), model.state_dict(), inner.state_dict()))
         _train(model, inner, rank, range(5, steps))
     out["face_int8"] = _flat(model)
+    # Streaming DiLoCo in the engine: bucket i in fragment i % 2, each exchange in flight over one
+    # inner step, merged with alpha 0.5; a checkpoint at iteration 5 (fragment 0's exchange in flight)
+    stream = dict(fragments=2, fragment_sync_delay=1, fragment_update_alpha=0.5, bucket_size_in_mb=5e-4)
+    layout: List[List[int]] = []
+    out["engine_streaming"], saved = engine("complete", steps, buckets=layout, **stream)
+    out["engine_streaming_resumed"], _ = engine("complete", steps, state=saved, start=5, **stream)
+    ref = make_mlp(0)
+    ref_params = list(ref.parameters())
+    rfr = [[ref_params[i] for b in layout[f::2] for i in b] for f in range(2)]
+    out["engine_streaming_buckets"] = len(layout)
+    _plain_diloco(rank, world, rfr, REF_OPTIMIZERS["adamw"](ref), [_outer(f) for f in rfr], ref, steps, 1, 0.5)
+    out["engine_streaming_ref"] = _flat(ref)
     out["face_int8_ref"] = _int8_diloco_reference(rank, world, steps, face=True)
     model = make_mlp(0)
     inner = _inner(model)
@@ -429,7 +445,12 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     out["engine_ring_resumed"], _ = engine("ring", steps, state=saved, start=5, param_as_bucket_view=False)
     errors = {}
     for name, kw in {"zero": dict(local_steps=0), "shard": dict(local_steps=4, intra_node="shard", local_world_size=2),
-                     "compressed": dict(local_steps=4, compression="int8", topology="ring")}.items():
+                     "compressed": dict(local_steps=4, compression="int8", topology="ring"),
+                     "fragments": dict(local_steps=4, fragments=3),
+                     "delay": dict(local_steps=4, fragments=2, fragment_sync_delay=2),
+                     "alpha": dict(local_steps=4, fragment_update_alpha=-0.1),
+                     "streaming_without_local_steps": dict(fragments=2),
+                     "streaming_with_budget": dict(sync_every_s=2.0, fragments=2)}.items():
         try:
             decentpy.DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adamw"), **kw)
             errors[name] = None
@@ -596,6 +617,21 @@ def test_engine_local_steps_with_node_allreduce_is_node_level_diloco(results: Li
         torch.testing.assert_close(r["engine_nodes"], results[0]["engine_nodes"], rtol=0, atol=0)
 
 
+def test_engine_streaming_fragments_match_torchfts_schedule_and_resume(results: List[Dict[str, Any]]) -> None:
+    """DecentralizedDataParallel(local_steps=4, fragments=2, fragment_sync_delay=1,
+    fragment_update_alpha=0.5): the buckets in turn, one fragment's exchange in flight over one inner
+    step, merged back by alpha -- the plain-torch re-computation of torchft's Streaming DiLoCo schedule
+    (fragment f = the buckets i with i % 2 == f) with torch's AdamW; a checkpoint taken while a
+    fragment's exchange is in flight resumes bit for bit."""
+    for rank, r in enumerate(results):
+        assert r["engine_streaming_buckets"] >= 2, r["engine_streaming_buckets"]
+        torch.testing.assert_close(r["engine_streaming"], r["engine_streaming_ref"], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert torch.equal(r["engine_streaming"], r["engine_streaming_resumed"]), f"rank {rank}: the resume differs"
+    # the merge and the delay matter: the result is not the plain DiLoCo's
+    assert not torch.allclose(results[0]["engine_streaming"], results[0]["engine_complete"], rtol=1e-3, atol=1e-4)
+
+
 def test_engine_local_steps_int8_outer_exchange_matches_reference_and_resumes(results: List[Dict[str, Any]]) -> None:
     """local_steps + compression='int8' on the complete topology: the float64 re-computation of DiLoCo
     with error-fed int8 pseudo-gradients and the owners' re-quantised mean; every rank holds the same
@@ -638,7 +674,12 @@ def test_diloco_face_should_quantize_is_the_int8_outer_exchange(results: List[Di
 
 def test_engine_local_steps_bad_input(results: List[Dict[str, Any]]) -> None:
     want = {"zero": "local_steps must be an int >= 1", "shard": "local_steps with intra_node='shard'",
-            "compressed": "local_steps with compression='int8' needs a topology that averages exactly"}
+            "compressed": "local_steps with compression='int8' needs topology='complete'",
+            "fragments": "local_steps=4 must be a multiple of the number of fragments (3)",
+            "delay": "fragment_sync_delay must be an int in [0, 2)",
+            "alpha": "fragment_update_alpha must be in [0, 1], got -0.1",
+            "streaming_without_local_steps": "give local_steps=H (> 1) as well",
+            "streaming_with_budget": "sync_every_s (a time budget) runs one fragment"}
     for rank, r in enumerate(results):
         for name, text in want.items():
             msg = r["engine_errors"][name]

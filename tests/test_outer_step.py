@@ -6,7 +6,9 @@ process, against plain torch:
 - the pseudo-gradient's wire bytes (int8, int4, bf16) are the block-scaled codes a plain-torch
   float32 re-computation gives, and the error feedback telescopes: the wires' sum is the true sum
   plus the last excess, which stays within half a quantisation step;
-- bad inputs raise with the name of the argument, and a custom optimizer takes torch's step;
+- bad inputs raise with the name of the argument, and a custom optimizer takes torch's step; the
+  window and compression rules (``check_outer_options``) of both faces of local steps;
+- a weighted mean's buffer (``weigh`` / ``unweigh``) gives ``sum w d / sum w`` under a mix;
 - on a GPU, the CUDA passes equal their CPU twins (skipped without one).
 """
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 import torch
 
 from decentpy.optim import kernels
-from decentpy.optim.outer import diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
+from decentpy.comm.plans import unweigh, weigh
+from decentpy.optim.outer import check_outer_options, diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
 
 C = kernels.Compressor
 N = 3 * 256 + 37  # an odd tail block
@@ -183,6 +186,51 @@ def test_bad_inputs_name_the_argument() -> None:
         assert text in str(info.value), (text, str(info.value))
     with pytest.raises(ValueError, match="alpha must be in"):
         outer_step(torch.optim.SGD([theta], lr=0.1), [x], [theta], [out], stepped=[theta], alpha=-1.0)
+
+
+@pytest.mark.parametrize("kw, text", [
+    (dict(steps_name="local_steps", steps=4, steps_given=True, sync_every_s=2.0),
+     "give local_steps (inner steps) or sync_every_s (seconds), not both"),
+    (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=0.0), "number of seconds > 0, got 0.0"),
+    (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=True), "got True"),
+    (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=float("nan")), "got nan"),
+    (dict(steps_name="local_steps", steps=4, steps_given=True, sync_every_s=None, compression="int8", exact=False,
+          topology="ring"), "local_steps with compression='int8' needs topology='complete'"),
+    (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=3, compression="int4"),
+     "sync_every_s with compression='int4' is not available yet"),
+])
+def test_window_and_compression_rules(kw: dict, text: str) -> None:
+    with pytest.raises(ValueError) as info:
+        check_outer_options(**kw)
+    assert text in str(info.value), str(info.value)
+
+
+def test_window_rules_accept_what_is_valid() -> None:
+    assert check_outer_options("local_steps", 8, True, None, "int8", True, "complete") is None
+    assert check_outer_options("local_steps", 1, False, 3) == 3.0
+    assert isinstance(check_outer_options("sync_every", None, False, 3), float)
+
+
+def test_a_weighted_buffer_mixes_to_the_weighted_mean() -> None:
+    """Three members' buffers [theta; w d; w] mixed with weights W (as a plan's mix does): the body
+    becomes sum W_j w_j d_j / sum W_j w_j, the part before it the plain mix."""
+    g = torch.Generator().manual_seed(3)
+    n, mix = 5, torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    thetas, deltas, ws = torch.randn(3, n, generator=g), torch.randn(3, n, generator=g), [3.0, 1.0, 0.0]
+    bufs = []
+    for theta, d, w in zip(thetas, deltas, ws):
+        buf = torch.cat([theta, d, torch.zeros(1)])
+        weigh(buf[n:2 * n], buf[-1:], w)
+        bufs.append(buf)
+    mixed = sum(m.item() * b for m, b in zip(mix, bufs))
+    out = unweigh(mixed, n)
+    w64 = torch.tensor(ws, dtype=torch.float64) * mix
+    want = (w64[:, None] * deltas.double()).sum(0) / w64.sum()
+    torch.testing.assert_close(out[n:].double(), want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[:n].double(), (mix[:, None] * thetas.double()).sum(0), rtol=1e-6, atol=1e-6)
+    assert out.numel() == 2 * n
+    zero = torch.zeros(n + 1)  # nobody stepped: no move, no NaN
+    assert torch.equal(unweigh(zero, n), torch.zeros(n))
 
 
 def _cuda_or_skip() -> None:

@@ -25,15 +25,44 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
 from ..optim import kernels
 from ..optim.compression import Compression, chunk_bounds
+from ..topology import Topology
+from .plans import ExchangePlan, NoExchange
 from .waits import PeerTimeoutError
 
-__all__ = ["GroupExchange", "GroupExchanger"]
+__all__ = ["GroupExchange", "GroupExchanger", "compressed_needs", "other_members", "start_compressed_mean"]
+
+
+def compressed_needs(topology: Topology) -> Tuple[bool, List[Tuple[int, ...]]]:
+    """What a communicator must set up for compressed exchanges over ``topology`` (the form of
+    :func:`decentpy.comm.plans.communication_needs`): point to point only -- pairs and both rounds of
+    the group exchange -- for any group of more than one rank; no collective group."""
+    return any(len(g.ranks) > 1 for g in topology.unique_groups()), []
+
+
+def other_members(plan: ExchangePlan, rank: int) -> List[int]:
+    """The other members of the plan's group, in rank order (the order of the receive slots)."""
+    return [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != rank]
+
+
+def start_compressed_mean(comm: Any, exchanger: "GroupExchanger", tag: int, plan: ExchangePlan, rank: int,
+                          compression: Compression, numel: int, wires: Sequence[Tensor], excess: Tensor,
+                          timeout: datetime.timedelta, step: Optional[int]) -> Tuple[Optional["GroupExchange"], Tensor]:
+    """Start the compressed mean of this rank's wire ``wires[0]`` (``numel`` elements, error-fed into
+    ``excess``) over the plan's group, on an exact-average group (the outer exchange of local steps):
+    ``wires`` = [q, result, one receive slot per other member...]. Returns the exchange in flight
+    (None: alone) and the wire that holds the mean once it completes (``result``, or ``q`` alone)."""
+    others = other_members(plan, rank)
+    if not others:
+        return None, wires[0]
+    work = GroupExchange(comm, exchanger, tag, plan.group.ranks, rank, compression, numel, wires[0],
+                         list(wires[2:2 + len(others)]), wires[1], excess, timeout, step)
+    return work, wires[1]
 
 
 class GroupExchanger:

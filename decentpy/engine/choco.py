@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from ..optim.compression import Compression
-from ..comm.group_exchange import GroupExchange, GroupExchanger
-from ..comm.plans import ExchangePlan, NoExchange
+from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, other_members
+from ..comm.plans import ExchangePlan
 from ..optim.fused import CompressedPass
 from .bucket import Bucket
 from .exchanges import Exchange
@@ -110,12 +110,11 @@ class CompressedExchange(Exchange):
 
     def peers_at(self, plan: ExchangePlan) -> List[int]:
         """The other members of the plan's group, in rank order (the order of the receive slots)."""
-        rank = self.strategy.rank
-        return [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != rank]
+        return other_members(plan, self.strategy.rank)
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
         """Point to point only: pairs and the chunks of the group exchanges (no all-reduce)."""
-        return (any(len(g.ranks) > 1 for g in self.strategy.topology.unique_groups()), [])
+        return compressed_needs(self.strategy.topology)
 
     def close(self) -> None:
         self._exchanger.close()

@@ -28,21 +28,22 @@ The same algorithm for scripts with their own torch optimizer: :mod:`decentpy.lo
 
 from __future__ import annotations
 
+import datetime
 import functools
-import math
+import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..comm.group_exchange import GroupExchange, GroupExchanger
-from ..comm.plans import BufferMix, ExchangePlan, NoExchange, communication_needs
+from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
+from ..comm.plans import BufferMix, ExchangePlan, communication_needs, unweigh, weigh
 from ..optim import kernels
 from ..optim.compression import Compression
-from ..optim.outer import diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
+from ..optim.outer import check_fragments, check_outer_options, diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
 from .bucket import Bucket
 from .exchanges import Exchange
 
@@ -50,6 +51,8 @@ if TYPE_CHECKING:  # a part is handed the strategy it serves (annotations only)
     from .gossip import GossipStrategy
 
 __all__ = ["LocalStepsExchange", "OuterOptimFn", "diloco_outer_optim"]
+
+logger = logging.getLogger(__name__)
 
 #: a bucket's flat float32 global copy -> its outer optimizer
 OuterOptimFn = Callable[[List[Tensor]], Optimizer]
@@ -59,13 +62,36 @@ CLOCK: Callable[[], float] = time.monotonic
 
 
 @dataclass
+class InFlight:
+    """A bucket's outer exchange in flight: started after the inner step of one iteration, applied
+    at the start of iteration ``due`` (``fragment_sync_delay`` inner steps later, the next one
+    without a delay)."""
+
+    due: int
+    #: the exchange (None once received); ``result``: where its result lands -- the mixed buffer
+    #: ``[theta;] delta [; weight]``, or with compression the mean's wire bytes
+    work: Union[None, BufferMix, GroupExchange]
+    result: Tensor
+    compressed: bool
+
+    def receive(self, timeout: datetime.timedelta) -> Tensor:
+        """The exchange's result (waits for it, bounded by ``timeout``)."""
+        work, self.work = self.work, None
+        if isinstance(work, BufferMix):
+            self.result = work.wait()
+        elif work is not None:
+            work.wait(timeout)
+        return self.result
+
+
+@dataclass
 class OuterState:
     """A bucket's global copy (float32), its outer optimizer (over ``theta``), the outer exchange in
     flight and, with compression, the error feedback and the wire buffers."""
 
     theta: Tensor
     optimizer: Optimizer
-    pending: Union[None, BufferMix, GroupExchange, Tensor] = None
+    pending: Optional[InFlight] = None
     buf: Optional[Tensor] = None
     excess: Optional[Tensor] = None
     wires: List[Tensor] = field(default_factory=list)  # q, result, then one receive slot per other member
@@ -77,36 +103,32 @@ class LocalStepsExchange(Exchange):
     name = "local-steps"
 
     def __init__(self, strategy: "GossipStrategy", local_steps: int, outer_optim: Optional[OuterOptimFn] = None,
-                 compression: Optional[Compression] = None, sync_every_s: Optional[float] = None) -> None:
+                 compression: Optional[Compression] = None, sync_every_s: Optional[float] = None,
+                 fragments: int = 1, fragment_sync_delay: int = 0, fragment_update_alpha: float = 0.0) -> None:
         super().__init__(strategy)
         if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
             raise ValueError(f"local_steps must be an int >= 1 (inner steps per outer step), got {local_steps!r}")
-        if sync_every_s is not None:
-            if local_steps != 1:
-                raise ValueError(f"give local_steps (inner steps) or sync_every_s (seconds), not both: got "
-                                 f"local_steps={local_steps!r}, sync_every_s={sync_every_s!r}")
-            if isinstance(sync_every_s, bool) or not isinstance(sync_every_s, (int, float)) or \
-                    not (math.isfinite(sync_every_s) and sync_every_s > 0):
-                raise ValueError(f"sync_every_s must be a number of seconds > 0, got {sync_every_s!r}")
-            if compression is not None:
-                raise ValueError(f"sync_every_s with compression={compression.kind!r} is not available yet: the "
-                                 "weighted pseudo-gradients travel in full precision; use local_steps")
-        self.local_steps = local_steps
-        #: a time budget per window instead of ``local_steps`` (seconds; None: a step count)
-        self.sync_every_s = None if sync_every_s is None else float(sync_every_s)
-        self._inner_steps = 0                   # inner steps in the current window (this iteration's included)
-        self._window_t0: Optional[float] = None  # when the window started (the time budget)
-        self._decided = (-1, False)             # (iteration, whether it ends its window)
-        self.outer_optim: OuterOptimFn = outer_optim if outer_optim is not None else diloco_outer_optim
         #: the global copies are equal on every rank and only the pseudo-gradients travel
         self.exact = strategy.topology.is_exact_average()
+        self.local_steps = local_steps
+        #: a time budget per window instead of ``local_steps`` (seconds; None: a step count)
+        self.sync_every_s = check_outer_options("local_steps", local_steps, local_steps != 1, sync_every_s,
+                                                None if compression is None else compression.kind, self.exact,
+                                                strategy.topology.name)
+        #: Streaming DiLoCo: bucket ``i`` is in fragment ``i % fragments``; one fragment's outer exchange
+        #: starts every ``local_steps / fragments`` iterations, in turn, and is applied
+        #: ``fragment_sync_delay`` inner steps later, merged with ``fragment_update_alpha``
+        self.period = check_fragments("local_steps", local_steps, fragments, fragment_sync_delay,
+                                      fragment_update_alpha, self.sync_every_s is not None)
+        self.fragments = fragments
+        self.delay = fragment_sync_delay
+        self.alpha = float(fragment_update_alpha)
+        self._inner_steps = 0                   # inner steps in the current window (this iteration's included)
+        self._window_t0: Optional[float] = None  # when the window started (the time budget)
+        self._decided: Tuple[int, Optional[int]] = (-1, None)  # (iteration, the fragment it launches, or None)
+        self.outer_optim: OuterOptimFn = outer_optim if outer_optim is not None else diloco_outer_optim
         self.compression = compression
         if compression is not None:
-            if not self.exact:
-                raise ValueError(f"local_steps with compression={compression.kind!r} needs a topology that averages "
-                                 f"exactly (topology='complete': DiLoCo with compressed pseudo-gradients); "
-                                 f"{strategy.topology.name!r} mixes the global copies themselves, which are not "
-                                 "compressed yet")
             why = fused_outer_reason(self.outer_optim([torch.zeros(1)]))
             if why is not None:
                 raise ValueError(f"local_steps with compression={compression.kind!r} runs the fused outer step, and "
@@ -117,9 +139,11 @@ class LocalStepsExchange(Exchange):
         # provisional: a bucket built later (the layout rebuilt after the first backward) takes its
         # global copy from here, not from parameters that already took inner steps.
         self._window_start: Optional[Dict[int, Tensor]] = None
-        #: after an elastic re-formation on an exact-average topology: the next outer exchange also
-        #: averages the global copies (the members' copies agree again, whatever the failure left)
-        self._resync = False
+        #: after an elastic re-formation on an exact-average topology: the fragments whose next outer
+        #: exchange also averages the global copies (the members' copies agree again, whatever the
+        #: failure left)
+        self._resync: Set[int] = set()
+        self._few_buckets_logged = False
 
     @property
     def outer_steps(self) -> Optional[int]:
@@ -131,8 +155,9 @@ class LocalStepsExchange(Exchange):
         beside the plans' all-reduces (the full-precision exchange after a re-formation)."""
         if self.compression is None:
             return None
+        p2p, _ = compressed_needs(self.strategy.topology)
         _, collective = communication_needs(self.strategy.topology)
-        return (any(len(g.ranks) > 1 for g in self.strategy.topology.unique_groups()), collective)
+        return p2p, collective
 
     def close(self) -> None:
         self._exchanger.close()
@@ -150,7 +175,7 @@ class LocalStepsExchange(Exchange):
         feedback (a joiner receives its neighbour's: the whole training state travels); on an exact
         topology the next outer exchange averages the global copies as well, once."""
         self.load_state_dict(state)
-        self._resync = self.exact
+        self._resync = set(range(self.fragments)) if self.exact else set()
 
     def state_of(self, b: Bucket) -> OuterState:
         st: Optional[OuterState] = b.exchange_state
@@ -173,22 +198,31 @@ class LocalStepsExchange(Exchange):
             b.exchange_state = st
             if layout.final and all(c.exchange_state is not None for c in self.strategy.buckets):
                 self._window_start = None
+            if layout.final and len(self.strategy.buckets) < self.fragments and not self._few_buckets_logged:
+                self._few_buckets_logged = True
+                logger.warning("local_steps: %d buckets for fragments=%d: fragments %s hold no bucket and their "
+                               "outer steps exchange nothing (a smaller bucket_size_in_mb gives more buckets)",
+                               len(self.strategy.buckets), self.fragments,
+                               list(range(len(self.strategy.buckets), self.fragments)))
         return st
 
-    def _sync_step(self) -> bool:
-        """This iteration ends its window: ``H`` inner steps, or with a time budget the first
-        iteration that ends after it (decided once per iteration, at its first bucket's launch, and
-        counted as one inner step of the window)."""
+    def _launching(self) -> Optional[int]:
+        """The fragment whose outer exchange this iteration starts, or None: with a step count the one
+        due every ``local_steps / fragments`` iterations (``fragment_sync_delay`` early), in turn; with
+        a time budget the first iteration that ends after it (decided once per iteration, at its
+        first bucket's launch, and counted as one inner step of the window)."""
         step = self.strategy.step
         if self._decided[0] != step:
             self._inner_steps += 1
             if self.sync_every_s is None:
-                self._decided = (step, (step + 1) % self.local_steps == 0)
+                due = (step + 1 + self.delay) % self.period == 0
+                # the previous fragment's exchange was applied already (delay < period): this is outer step k
+                self._decided = (step, self._outer_steps % self.fragments if due else None)
             else:
                 now = CLOCK()
                 if self._window_t0 is None:
                     self._window_t0 = now
-                self._decided = (step, now - self._window_t0 >= self.sync_every_s)
+                self._decided = (step, 0 if now - self._window_t0 >= self.sync_every_s else None)
         return self._decided[1]
 
     @property
@@ -206,25 +240,23 @@ class LocalStepsExchange(Exchange):
     def launch(self, b: Bucket, nxt: ExchangePlan) -> Optional[Any]:
         """After the window's last inner step: the pseudo-gradient's outer exchange (kept here, not
         in ``b.work``: it completes in :meth:`wait_params`, before the next forward)."""
-        if not self._sync_step():
+        fragment = self._launching()
+        if fragment is None or b.index % self.fragments != fragment:
             return None
         s = self.strategy
         st = self.state_of(b)
         assert s.comm is not None, "internal error: the strategy has no communicator (attach() first)"
         plan = s.plans.at(self._outer_steps)
         block, n = b.param, st.theta.numel()
-        exact = self.exact and not self._resync
-        if self.compression is not None and not self._resync:
+        due = s.step + 1 + self.delay
+        resync = fragment in self._resync
+        exact = self.exact and not resync
+        if self.compression is not None and not resync:
             assert st.excess is not None
-            q, result, slots = st.wires[0], st.wires[1], st.wires[2:]
-            pseudo_gradient(block, st.theta, q, self.compression.compressor, st.excess)
-            others = [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != s.rank]
-            if not others:
-                st.pending = q  # alone: the mean is this rank's own wire
-            else:
-                st.pending = GroupExchange(s.comm, self._exchanger, b.index, plan.group.ranks, s.rank,
-                                           self.compression, n, q, slots[:len(others)], result, st.excess, s.timeout,
-                                           s.step)
+            pseudo_gradient(block, st.theta, st.wires[0], self.compression.compressor, st.excess)
+            work, mean = start_compressed_mean(s.comm, self._exchanger, b.index, plan, s.rank, self.compression, n,
+                                               st.wires, st.excess, s.timeout, s.step)
+            st.pending = InFlight(due, work, mean, compressed=True)
             return None
         size = (n if exact else 2 * n) + (1 if self.weighted else 0)
         if st.buf is None or st.buf.numel() != size:
@@ -234,56 +266,63 @@ class LocalStepsExchange(Exchange):
             st.buf[:n].copy_(st.theta)
         pseudo_gradient(block, st.theta, st.buf[at:at + n])
         if self.weighted:  # sum w_j delta_j / sum w_j over the group: the weights travel as one more element
-            w = float(self._inner_steps)
-            st.buf[at:at + n].mul_(w)
-            st.buf[-1] = w
-        st.pending = BufferMix(plan, s.comm, b.index, st.buf, s.timeout)
+            weigh(st.buf[at:at + n], st.buf[-1:], float(self._inner_steps))
+        st.pending = InFlight(due, BufferMix(plan, s.comm, b.index, st.buf, s.timeout), st.buf, compressed=False)
         return None
 
     @torch.no_grad()
     def wait_params(self) -> None:
-        """Complete the outer step of every bucket whose exchange is in flight (before the parameters
-        are read again): the one outer step of :func:`decentpy.optim.outer.outer_step`."""
+        """Complete the outer step of every bucket whose exchange is due (before the parameters are
+        read again: the next forward, a checkpoint): the one outer step of
+        :func:`decentpy.optim.outer.outer_step`. With ``fragment_sync_delay`` an exchange stays in
+        flight over that many inner steps, its parameters training on, until the iteration it is due."""
         done = False
+        step = self.strategy.step
         for b in self.strategy.buckets:
             st: Optional[OuterState] = b.exchange_state
-            if st is None or st.pending is None:
+            if st is None or st.pending is None or st.pending.due > step:
                 continue
             pending, st.pending = st.pending, None
             n = st.theta.numel()
-            if isinstance(pending, GroupExchange):
-                pending.wait(self.strategy.timeout)
-                delta, mix, comp = st.wires[1], None, self.compression
-            elif isinstance(pending, Tensor):
-                delta, mix, comp = pending, None, self.compression
+            got = pending.receive(self.strategy.timeout)
+            if pending.compressed:  # the mean's wire bytes, decoded inside the fused outer step
+                delta, mix, comp = got, None, self.compression
             else:
-                mixed = pending.wait()
-                if self.weighted:  # (no host sync: all weights 0 would mean all deltas 0)
-                    total, mixed = mixed[-1], mixed[:-1]
-                    mixed[-n:].div_(total.clamp(min=torch.finfo(mixed.dtype).tiny))
-                delta, mix, comp = (mixed, None, None) if mixed.numel() == n else (mixed[n:], [mixed[:n]], None)
+                if self.weighted:
+                    got = unweigh(got, n)
+                delta, mix, comp = (got, None, None) if got.numel() == n else (got[n:], [got[:n]], None)
             outer_step(st.optimizer, [b.param], [st.theta], [delta], stepped=[st.theta], theta_mix=mix,
-                       compressor=comp.compressor if comp is not None else None)
+                       compressor=comp.compressor if comp is not None else None, alpha=self.alpha)
             b.scatter_params()
+            self._resync.discard(b.index % self.fragments)
             done = True
         if done:
             self._outer_steps += 1
-            self._resync = False
             self._inner_steps = 0
             self._window_t0 = CLOCK() if self.weighted else None
             self._window_start = None  # a bucket built from now on starts from the new global copy
 
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
-        """The global copies and outer optimizers' states (the strategy completes every outer step
-        first: nothing is in flight)."""
+        """The global copies and outer optimizers' states, and an exchange still in flight (a
+        fragment's, with ``fragment_sync_delay``): its result, received now, so that a resume applies
+        the same outer step at the same iteration."""
         out: List[Optional[Dict[str, Any]]] = []
         for b in self.strategy.buckets:
             st: Optional[OuterState] = b.exchange_state
-            out.append(None if st is None else {"theta": st.theta.clone(), "optimizer": st.optimizer.state_dict(),
-                                                "excess": None if st.excess is None else st.excess.clone()})
+            if st is None:
+                out.append(None)
+                continue
+            flight = None
+            if st.pending is not None:
+                flight = {"due": st.pending.due, "compressed": st.pending.compressed,
+                          "result": st.pending.receive(self.strategy.timeout).clone()}
+            out.append({"theta": st.theta.clone(), "optimizer": st.optimizer.state_dict(),
+                        "excess": None if st.excess is None else st.excess.clone(), "in_flight": flight})
         return {"kind": self.name, "local_steps": self.local_steps, "sync_every_s": self.sync_every_s,
-                "outer_steps": self._outer_steps, "inner_steps": self._inner_steps, "buckets": out}
+                "fragments": self.fragments, "fragment_sync_delay": self.delay, "fragment_update_alpha": self.alpha,
+                "outer_steps": self._outer_steps, "inner_steps": self._inner_steps,
+                "resync": sorted(self._resync), "buckets": out}
 
     @torch.no_grad()
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
@@ -291,17 +330,22 @@ class LocalStepsExchange(Exchange):
             raise ValueError(f"the checkpoint was saved {'without' if state is None else 'with another'} exchange "
                              f"({None if state is None else state.get('kind')!r}); this run uses local_steps="
                              f"{self.local_steps} (the global copies and outer optimizers are part of the state)")
-        if state["local_steps"] != self.local_steps or state.get("sync_every_s") != self.sync_every_s:
-            raise ValueError(f"the checkpoint was saved with local_steps={state['local_steps']}, sync_every_s="
-                             f"{state.get('sync_every_s')}; this run has local_steps={self.local_steps}, "
-                             f"sync_every_s={self.sync_every_s}")
+        theirs = {k: state.get(k, default) for k, default in
+                 (("local_steps", None), ("sync_every_s", None), ("fragments", 1), ("fragment_sync_delay", 0),
+                  ("fragment_update_alpha", 0.0))}
+        mine = {"local_steps": self.local_steps, "sync_every_s": self.sync_every_s, "fragments": self.fragments,
+                "fragment_sync_delay": self.delay, "fragment_update_alpha": self.alpha}
+        if theirs != mine:
+            raise ValueError("the checkpoint was saved with " + ", ".join(f"{k}={v}" for k, v in theirs.items())
+                             + "; this run has " + ", ".join(f"{k}={v}" for k, v in mine.items()))
         buckets = self.strategy.buckets
         if len(state["buckets"]) != len(buckets):
             raise ValueError(f"the checkpoint has outer state for {len(state['buckets'])} buckets, this run has "
                              f"{len(buckets)}")
         self._outer_steps = int(state["outer_steps"])
         self._inner_steps = int(state.get("inner_steps", 0))
-        self._decided = (-1, False)
+        self._decided = (-1, None)
+        self._resync = set(state.get("resync", ()))
         self._window_t0 = None  # a time budget restarts with the resumed run
         for b, saved in zip(buckets, state["buckets"]):
             if saved is None:
@@ -315,3 +359,6 @@ class LocalStepsExchange(Exchange):
                     raise ValueError("the checkpoint was saved without compression's error feedback; this run "
                                      f"compresses the outer exchange ({self.compression!r})")
                 st.excess.copy_(saved["excess"])
+            flight = saved.get("in_flight")
+            st.pending = None if flight is None else InFlight(int(flight["due"]), None, flight["result"].clone(),
+                                                              bool(flight["compressed"]))

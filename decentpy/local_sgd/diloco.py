@@ -14,7 +14,6 @@ argument (docs/migration/torchft.md).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from types import TracebackType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
@@ -26,6 +25,7 @@ from torch.optim import Optimizer
 
 from ..comm import CommGroup, check_on_every_rank, default_timeout, or_world
 from ..optim.compression import Compression, resolve_compression
+from ..optim.outer import check_fragments, check_outer_options
 from ..topology import Topology, make_topology
 from .outer import Fragment, TopologyMixer
 
@@ -67,12 +67,7 @@ class _LocalSteps:
             if not isinstance(inner_optimizer, Optimizer):
                 raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
             if sync_every_s is not None:
-                if sync_every is not None:
-                    raise ValueError(f"give sync_every (inner steps) or sync_every_s (seconds), not both: got "
-                                     f"sync_every={sync_every!r}, sync_every_s={sync_every_s!r}")
-                if isinstance(sync_every_s, bool) or not isinstance(sync_every_s, (int, float)) or \
-                        not (math.isfinite(sync_every_s) and sync_every_s > 0):
-                    raise ValueError(f"sync_every_s must be a number of seconds > 0, got {sync_every_s!r}")
+                check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s)
             elif isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
                 raise ValueError(f"sync_every must be an int >= 1 (inner steps between outer steps), got {sync_every!r}")
             found.append(_topology(topology, self._group.size))
@@ -209,34 +204,16 @@ class DiLoCo(_LocalSteps):
                 raise ValueError(f"should_quantize=True asks for int8, compression={comp.kind!r} for another "
                                  "compressor: give one of them")
             if comp is not None:
-                if not topo.is_exact_average():
-                    raise ValueError(f"compression={comp.kind!r} (should_quantize) needs topology='complete': the "
-                                     "compressed outer exchange averages the pseudo-gradients exactly; a gossip outer "
-                                     "step mixes the global copies themselves, which are not compressed yet")
+                check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s, comp.kind,
+                                    topo.is_exact_average(), topo.name)
                 if comm != "torch":
                     raise ValueError(f"compression={comp.kind!r} runs over comm='torch' (point to point), got "
                                      f"comm={comm!r}")
-                if sync_every_s is not None:
-                    raise ValueError(f"compression={comp.kind!r} with sync_every_s is not available yet: the weighted "
-                                     "pseudo-gradients travel in full precision; use sync_every")
-            if sync_every_s is not None:
-                if len(fragments) > 1 or fragment_sync_delay:
-                    raise ValueError("sync_every_s (a time budget) runs one fragment without fragment_sync_delay; "
-                                     "streaming fragments take sync_every (inner steps)")
-                return comp
-            if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            if sync_every_s is None and (isinstance(sync_every, bool) or not isinstance(sync_every, int)
+                                         or sync_every < 1):
                 return comp  # (the common check names it)
-            if sync_every < len(fragments) or sync_every % len(fragments):
-                raise ValueError(f"sync_every={sync_every} must be a multiple of the number of fragments "
-                                 f"({len(fragments)}): one fragment is synchronised every sync_every / fragments steps")
-            period = sync_every // len(fragments)
-            if isinstance(fragment_sync_delay, bool) or not isinstance(fragment_sync_delay, int) or \
-                    not 0 <= fragment_sync_delay < period:
-                raise ValueError(f"fragment_sync_delay must be an int in [0, {period}) (sync_every / fragments = "
-                                 f"{period}: a fragment's exchange must complete before its next one), got "
-                                 f"{fragment_sync_delay!r}")
-            if not 0.0 <= float(fragment_update_alpha) <= 1.0:
-                raise ValueError(f"fragment_update_alpha must be in [0, 1], got {fragment_update_alpha!r}")
+            check_fragments("sync_every", sync_every or 0, len(fragments), fragment_sync_delay,
+                            fragment_update_alpha, sync_every_s is not None)
             seen: Dict[int, int] = {}
             for i, f in enumerate(fragments):
                 for p in f.parameters():

@@ -32,8 +32,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..comm import CommGroup, select_communicator
-from ..comm.group_exchange import GroupExchange, GroupExchanger
-from ..comm.plans import BufferMix, ExchangeSchedule, NoExchange
+from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
+from ..comm.plans import BufferMix, ExchangeSchedule, unweigh, weigh
 from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import outer_step, pseudo_gradient
@@ -54,7 +54,7 @@ class TopologyMixer:
         self.schedule = ExchangeSchedule(topology, group.rank)
         self.compression = compression
         # a compressed exchange runs point to point (the two rounds of the group exchange)
-        needs = None if compression is None else (any(len(g.ranks) > 1 for g in topology.unique_groups()), [])
+        needs = None if compression is None else compressed_needs(topology)
         self.comm = select_communicator(comm, topology, timeout, device=device, group=group, needs=needs)
         self.complete = topology.is_exact_average()
         self._exchanger = GroupExchanger()
@@ -70,13 +70,9 @@ class TopologyMixer:
         ``numel`` elements) over its group at outer step ``step``: the group exchange of compressed
         gossip, whose owners' re-quantisation is fed back into ``excess`` (an exact-average topology)."""
         assert self.compression is not None
-        plan = self.schedule.at(step)
-        others = [] if isinstance(plan, NoExchange) else [r for r in plan.group.ranks if r != self.rank]
-        work = None
-        if others:
-            work = GroupExchange(self.comm, self._exchanger, tag, plan.group.ranks, self.rank, self.compression,
-                                 numel, wires[0], list(wires[2:2 + len(others)]), wires[1], excess, self.timeout, step)
-        return CompressedMean(self.compression, work, wires[1] if others else wires[0], numel, dtype, self.timeout)
+        work, mean = start_compressed_mean(self.comm, self._exchanger, tag, self.schedule.at(step), self.rank,
+                                           self.compression, numel, wires, excess, self.timeout, step)
+        return CompressedMean(self.compression, work, mean, numel, dtype, self.timeout)
 
     def close(self) -> None:
         self._exchanger.close()
@@ -164,11 +160,14 @@ class Fragment:
             if send_globals:
                 parts += [self.backup[i].to(self.params[i].device).reshape(-1) for i in idx]
             deltas = [(self.backup[i].to(self.params[i].device) - self.params[i].detach()).reshape(-1) for i in idx]
-            if weight is not None:
-                deltas = [d * weight for d in deltas]
-                deltas.append(torch.full((1,), weight, dtype=deltas[0].dtype, device=deltas[0].device))
             parts += deltas
-            self._pending.append(mixer.launch(step, tag + k, torch.cat(parts)))
+            if weight is not None:  # one more element for the weight
+                parts.append(deltas[0].new_empty(1))
+            buf = torch.cat(parts)
+            if weight is not None:
+                n = sum(d.numel() for d in deltas)
+                weigh(buf[-1 - n:-1], buf[-1:], weight)
+            self._pending.append(mixer.launch(step, tag + k, buf))
 
     def _prepare_compressed(self, mixer: TopologyMixer, step: int, tag: int) -> None:
         """Each buffer's pseudo-gradient, compressed with error feedback (the fused pack), and its
@@ -215,10 +214,7 @@ class Fragment:
             sub = [self.params[i] for i in idx]
             n = sum(p.numel() for p in sub)
             if self._weighted:  # sum w_j delta_j / sum w_j (no inner step anywhere in the group: no move)
-                total = flat[-1]
-                flat = flat[:-1]
-                body = flat[n:] if send_globals else flat
-                body.div_(total.clamp(min=torch.finfo(body.dtype).tiny))  # (no host sync; all weights 0: all deltas 0)
+                flat = unweigh(flat, n)
             if send_globals:
                 mixes += _split(flat[:n], sub)
                 deltas += _split(flat[n:], sub)

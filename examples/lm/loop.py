@@ -96,6 +96,9 @@ class RunSpec:
     compression: Optional[str] = None  # decentpy only
     intra_node: str = "gossip"  # decentpy only
     local_steps: int = 1  # decentpy only: H inner steps between outer steps (DiLoCo; 1: gossip every step)
+    fragments: int = 1  # decentpy local steps only: Streaming DiLoCo's fragments (groups of buckets)
+    fragment_sync_delay: int = 0  # inner steps a fragment's exchange stays in flight
+    fragment_update_alpha: float = 0.0  # the merge of those steps after the fragment's outer step
     preset: str = "small"
     tokens: int = 1_000_000  # the budget: steps = tokens // (global_batch * context)
     seed: int = 0
@@ -132,6 +135,12 @@ class RunSpec:
             raise ValueError(f"local_steps={self.local_steps} is decentpy's, with intra_node='gossip' and compression "
                              f"only on the complete topology (got mode {self.mode!r}, topology={self.topology!r}, "
                              f"compression={self.compression!r}, intra_node={self.intra_node!r})")
+        if (self.fragments != 1 or self.fragment_sync_delay or self.fragment_update_alpha) and (
+                self.mode != "decentpy" or self.local_steps < 2):
+            raise ValueError(f"fragments={self.fragments} / fragment_sync_delay={self.fragment_sync_delay} / "
+                             f"fragment_update_alpha={self.fragment_update_alpha} stream decentpy's local steps: "
+                             f"give mode 'decentpy' and local_steps >= 2 (got mode {self.mode!r}, local_steps="
+                             f"{self.local_steps})")
         if self.tokens < 1 or self.evals < 1 or self.val_windows < 1:
             raise ValueError(f"tokens, evals and val_windows must be >= 1, got {self.tokens}, {self.evals}, "
                              f"{self.val_windows}")
@@ -294,6 +303,15 @@ class _DDPArm(_Arm):
         return float(self.opt.param_groups[0]["lr"])
 
 
+def _bucket_mb(model: nn.Module, fragments: int) -> float:
+    """The wrapper's default bucket size, or with fragments a size that gives every fragment about
+    two buckets (a fragment is a set of buckets)."""
+    if fragments == 1:
+        return 25.0
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return min(25.0, nbytes / (2 * fragments) / 2**20)
+
+
 class _DecentpyArm(_Arm):
     bytes_source = "decentpy.stats"
 
@@ -306,7 +324,10 @@ class _DecentpyArm(_Arm):
                                      weight_decay=spec.weight_decay, eps=EPS)
         self.ddp = DecentralizedDataParallel(model, optim_fn, _scheduler_fn(cfg.lr, sched), topology=spec.topology,
                                              local_world_size=lws, intra_node=spec.intra_node,
-                                             compression=spec.compression, local_steps=spec.local_steps)
+                                             compression=spec.compression, local_steps=spec.local_steps,
+                                             fragments=spec.fragments, fragment_sync_delay=spec.fragment_sync_delay,
+                                             fragment_update_alpha=spec.fragment_update_alpha,
+                                             bucket_size_in_mb=_bucket_mb(model, spec.fragments))
 
     def train_step(self, x: Tensor, y: Tensor) -> Tensor:
         loss = _loss(self.ddp(x), y)
@@ -601,7 +622,7 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
         compression=(spec.compression or "none") if spec.mode == "decentpy" else
         (f"powersgd-rank{POWERSGD_RANK}" if spec.mode == "ddp-powersgd" else "none"),
         intra_node=spec.intra_node if spec.mode == "decentpy" else None,
-        local_steps=spec.local_steps if spec.mode in ("decentpy", "torchft-diloco") else 1, fragments=1,
+        local_steps=spec.local_steps if spec.mode in ("decentpy", "torchft-diloco") else 1, fragments=spec.fragments,
         link_mbit=spec.link_mbit,
         workers=n,
         preset=spec.preset, seed=spec.seed, params=count_parameters(model), bytes_source=arm.bytes_source,
