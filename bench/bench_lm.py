@@ -63,6 +63,16 @@ ARMS: Dict[str, Dict[str, Any]] = {
     "diloco-128": dict(mode="decentpy", topology="complete", local_steps=128),
     "diloco-128-int8": dict(mode="decentpy", topology="complete", local_steps=128, compression="int8"),
     "diloco-32-random-pairs": dict(mode="decentpy", topology="random-pairs", local_steps=32),
+    # compressed gossip outer steps (CHOCO on [theta; delta], int8) and H=128 on the gossip topologies
+    "diloco-32-aer-int8": dict(mode="decentpy", topology="alternating-exp-ring", local_steps=32, compression="int8"),
+    "diloco-32-random-pairs-int8": dict(mode="decentpy", topology="random-pairs", local_steps=32,
+                                        compression="int8"),
+    "diloco-128-aer": dict(mode="decentpy", topology="alternating-exp-ring", local_steps=128),
+    "diloco-128-aer-int8": dict(mode="decentpy", topology="alternating-exp-ring", local_steps=128,
+                                compression="int8"),
+    "diloco-128-random-pairs": dict(mode="decentpy", topology="random-pairs", local_steps=128),
+    "diloco-128-random-pairs-int8": dict(mode="decentpy", topology="random-pairs", local_steps=128,
+                                         compression="int8"),
     # Streaming DiLoCo: 4 fragments, one every 8 steps, each exchange in flight over 2 inner steps
     # and merged with alpha 0.5 (the Streaming DiLoCo paper's tau and alpha range)
     "diloco-32-streaming-4": dict(mode="decentpy", topology="complete", local_steps=32, fragments=4,

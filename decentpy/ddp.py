@@ -105,8 +105,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             and the pseudo-gradient with its group of that outer step, a gossip outer step -- while the
             backward finishes, and before the next forward ``outer_optim`` steps from the (mixed) global
             copy. With ``intra_node='allreduce'`` every node is a replica (its ranks all-reduce the gradients
-            every inner step; the outer step runs between the nodes). With ``compression`` (the complete
-            topology) the pseudo-gradients travel compressed with error feedback. Not with
+            every inner step; the outer step runs between the nodes). With ``compression`` the outer
+            exchange is compressed: on ``'complete'`` the pseudo-gradients with error feedback, on a
+            gossip topology the global copy and pseudo-gradient by compressed gossip (CHOCO). Not with
             ``intra_node='shard'`` yet (docs/guide/local_sgd.md).
         outer_optim: a bucket's float32 global copy (a one-tensor list) -> its outer optimizer (any
             torch optimizer); default DiLoCo's ``SGD(lr=0.7, momentum=0.9, nesterov=True)``.

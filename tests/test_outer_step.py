@@ -194,8 +194,6 @@ def test_bad_inputs_name_the_argument() -> None:
     (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=0.0), "number of seconds > 0, got 0.0"),
     (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=True), "got True"),
     (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=float("nan")), "got nan"),
-    (dict(steps_name="local_steps", steps=4, steps_given=True, sync_every_s=None, compression="int8", exact=False,
-          topology="ring"), "local_steps with compression='int8' needs topology='complete'"),
     (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=3, compression="int4"),
      "sync_every_s with compression='int4' is not available yet"),
 ])
@@ -206,7 +204,7 @@ def test_window_and_compression_rules(kw: dict, text: str) -> None:
 
 
 def test_window_rules_accept_what_is_valid() -> None:
-    assert check_outer_options("local_steps", 8, True, None, "int8", True, "complete") is None
+    assert check_outer_options("local_steps", 8, True, None, "int8") is None
     assert check_outer_options("local_steps", 1, False, 3) == 3.0
     assert isinstance(check_outer_options("sync_every", None, False, 3), float)
 

@@ -16,8 +16,12 @@ outer optimizer (a torch optimizer over the flat block; DiLoCo's Nesterov SGD by
 and the result is the new global copy.
 
 The outer step itself is :func:`decentpy.optim.outer.outer_step` (fused for torch's SGD / Adam /
-AdamW). With ``compression`` (an exact-average topology) the pseudo-gradient travels compressed with
-error feedback through compressed gossip's group exchange. With ``sync_every_s`` a window is a time
+AdamW). With ``compression`` on an exact-average topology the pseudo-gradient travels compressed with
+error feedback through compressed gossip's group exchange; on a gossip topology the buffer ``[theta;
+delta]`` is mixed by compressed gossip against public copies (:class:`decentpy.comm.compressed_mix.
+CompressedMix`: CHOCO, the replicas' mean unchanged by the mix). With ``fragments`` (Streaming DiLoCo)
+the buckets take their outer steps in turn, each exchange in flight over ``fragment_sync_delay``
+inner steps. With ``sync_every_s`` a window is a time
 budget instead of ``H`` iterations, the pseudo-gradients weighted by the inner steps behind them.
 Under the elastic failure policy a failed outer exchange is dropped (:meth:`abandon`: the global
 copies stay, the window's progress stays in the parameters) and the outer state carries over a
@@ -39,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..comm.compressed_mix import CompressedMix, GossipCopies
 from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
 from ..comm.plans import BufferMix, ExchangePlan, communication_needs, unweigh, weigh
 from ..optim import kernels
@@ -70,7 +75,7 @@ class InFlight:
     due: int
     #: the exchange (None once received); ``result``: where its result lands -- the mixed buffer
     #: ``[theta;] delta [; weight]``, or with compression the mean's wire bytes
-    work: Union[None, BufferMix, GroupExchange]
+    work: Union[None, BufferMix, CompressedMix, GroupExchange]
     result: Tensor
     compressed: bool
 
@@ -78,6 +83,8 @@ class InFlight:
         """The exchange's result (waits for it, bounded by ``timeout``)."""
         work, self.work = self.work, None
         if isinstance(work, BufferMix):
+            self.result = work.wait()
+        elif isinstance(work, CompressedMix):
             self.result = work.wait()
         elif work is not None:
             work.wait(timeout)
@@ -95,6 +102,8 @@ class OuterState:
     buf: Optional[Tensor] = None
     excess: Optional[Tensor] = None
     wires: List[Tensor] = field(default_factory=list)  # q, result, then one receive slot per other member
+    #: a compressed gossip outer step's public copies of the buffer ``[theta; delta]``
+    copies: Optional[GossipCopies] = None
 
 
 class LocalStepsExchange(Exchange):
@@ -113,8 +122,7 @@ class LocalStepsExchange(Exchange):
         self.local_steps = local_steps
         #: a time budget per window instead of ``local_steps`` (seconds; None: a step count)
         self.sync_every_s = check_outer_options("local_steps", local_steps, local_steps != 1, sync_every_s,
-                                                None if compression is None else compression.kind, self.exact,
-                                                strategy.topology.name)
+                                                None if compression is None else compression.kind)
         #: Streaming DiLoCo: bucket ``i`` is in fragment ``i % fragments``; one fragment's outer exchange
         #: starts every ``local_steps / fragments`` iterations, in turn, and is applied
         #: ``fragment_sync_delay`` inner steps later, merged with ``fragment_update_alpha``
@@ -128,7 +136,7 @@ class LocalStepsExchange(Exchange):
         self._decided: Tuple[int, Optional[int]] = (-1, None)  # (iteration, the fragment it launches, or None)
         self.outer_optim: OuterOptimFn = outer_optim if outer_optim is not None else diloco_outer_optim
         self.compression = compression
-        if compression is not None:
+        if compression is not None and self.exact:  # (the mean's wire is decoded inside the fused step)
             why = fused_outer_reason(self.outer_optim([torch.zeros(1)]))
             if why is not None:
                 raise ValueError(f"local_steps with compression={compression.kind!r} runs the fused outer step, and "
@@ -151,8 +159,8 @@ class LocalStepsExchange(Exchange):
         return self._outer_steps
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
-        """A compressed outer exchange runs point to point (the two rounds of the group exchange),
-        beside the plans' all-reduces (the full-precision exchange after a re-formation)."""
+        """A compressed outer exchange runs point to point (pairs, the two rounds of the group
+        exchange), beside the plans' all-reduces (the full-precision exchange after a re-formation)."""
         if self.compression is None:
             return None
         p2p, _ = compressed_needs(self.strategy.topology)
@@ -174,7 +182,7 @@ class LocalStepsExchange(Exchange):
         """An elastic re-formation keeps each replica's global copy, outer optimizer state and error
         feedback (a joiner receives its neighbour's: the whole training state travels); on an exact
         topology the next outer exchange averages the global copies as well, once."""
-        self.load_state_dict(state)
+        self._load(state, copies=False)
         self._resync = set(range(self.fragments)) if self.exact else set()
 
     def state_of(self, b: Bucket) -> OuterState:
@@ -189,7 +197,9 @@ class LocalStepsExchange(Exchange):
                 for p, off in zip(b.params, b.offsets):
                     theta[off:off + p.numel()].copy_(self._window_start[id(p)].reshape(-1))
             st = OuterState(theta, self.outer_optim([theta]))
-            if self.compression is not None:
+            if self.compression is not None and not self.exact:
+                self._new_copies(st)
+            elif self.compression is not None:
                 n = theta.numel()
                 st.excess = torch.zeros_like(theta)
                 wire = functools.partial(torch.empty, kernels.compressed_bytes(self.compression.compressor, n),
@@ -205,6 +215,15 @@ class LocalStepsExchange(Exchange):
                                len(self.strategy.buckets), self.fragments,
                                list(range(len(self.strategy.buckets), self.fragments)))
         return st
+
+    def _new_copies(self, st: OuterState) -> None:
+        """A compressed gossip outer step's public copies of ``[theta; delta]``: from ``[theta; 0]``,
+        which every replica holds alike while they are equal (the broadcast start), else from zero."""
+        s = self.strategy
+        n = st.theta.numel()
+        start = torch.cat([st.theta, torch.zeros_like(st.theta)]) if s.replicas_equal else None
+        assert self.compression is not None
+        st.copies = GossipCopies(s.topology, s.rank, 2 * n, self.compression, st.theta.device, start)
 
     def _launching(self) -> Optional[int]:
         """The fragment whose outer exchange this iteration starts, or None: with a step count the one
@@ -251,7 +270,7 @@ class LocalStepsExchange(Exchange):
         due = s.step + 1 + self.delay
         resync = fragment in self._resync
         exact = self.exact and not resync
-        if self.compression is not None and not resync:
+        if self.compression is not None and exact:
             assert st.excess is not None
             pseudo_gradient(block, st.theta, st.wires[0], self.compression.compressor, st.excess)
             work, mean = start_compressed_mean(s.comm, self._exchanger, b.index, plan, s.rank, self.compression, n,
@@ -267,7 +286,13 @@ class LocalStepsExchange(Exchange):
         pseudo_gradient(block, st.theta, st.buf[at:at + n])
         if self.weighted:  # sum w_j delta_j / sum w_j over the group: the weights travel as one more element
             weigh(st.buf[at:at + n], st.buf[-1:], float(self._inner_steps))
-        st.pending = InFlight(due, BufferMix(plan, s.comm, b.index, st.buf, s.timeout), st.buf, compressed=False)
+        if self.compression is not None and not exact:  # a compressed gossip outer step: [theta; delta] by CHOCO
+            assert st.copies is not None
+            mix: Union[BufferMix, CompressedMix] = CompressedMix(plan, s.comm, self._exchanger, b.index, st.buf,
+                                                                 st.copies, s.timeout, s.step)
+        else:
+            mix = BufferMix(plan, s.comm, b.index, st.buf, s.timeout)
+        st.pending = InFlight(due, mix, st.buf, compressed=False)
         return None
 
     @torch.no_grad()
@@ -318,14 +343,18 @@ class LocalStepsExchange(Exchange):
                 flight = {"due": st.pending.due, "compressed": st.pending.compressed,
                           "result": st.pending.receive(self.strategy.timeout).clone()}
             out.append({"theta": st.theta.clone(), "optimizer": st.optimizer.state_dict(),
-                        "excess": None if st.excess is None else st.excess.clone(), "in_flight": flight})
+                        "excess": None if st.excess is None else st.excess.clone(), "in_flight": flight,
+                        "copies": None if st.copies is None else st.copies.state_dict()})
         return {"kind": self.name, "local_steps": self.local_steps, "sync_every_s": self.sync_every_s,
                 "fragments": self.fragments, "fragment_sync_delay": self.delay, "fragment_update_alpha": self.alpha,
                 "outer_steps": self._outer_steps, "inner_steps": self._inner_steps,
                 "resync": sorted(self._resync), "buckets": out}
 
-    @torch.no_grad()
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
+        self._load(state, copies=True)
+
+    @torch.no_grad()
+    def _load(self, state: Optional[Dict[str, Any]], copies: bool) -> None:
         if state is None or state.get("kind") != self.name:
             raise ValueError(f"the checkpoint was saved {'without' if state is None else 'with another'} exchange "
                              f"({None if state is None else state.get('kind')!r}); this run uses local_steps="
@@ -359,6 +388,14 @@ class LocalStepsExchange(Exchange):
                     raise ValueError("the checkpoint was saved without compression's error feedback; this run "
                                      f"compresses the outer exchange ({self.compression!r})")
                 st.excess.copy_(saved["excess"])
+            if st.copies is not None:
+                if not copies:  # an elastic re-formation: new partners, copies afresh (both ends alike)
+                    self._new_copies(st)
+                elif saved.get("copies") is None:
+                    raise ValueError("the checkpoint was saved without the compressed gossip outer step's public "
+                                     f"copies; this run compresses it ({self.compression!r})")
+                else:
+                    st.copies.load_state_dict(saved["copies"])
             flight = saved.get("in_flight")
             st.pending = None if flight is None else InFlight(int(flight["due"]), None, flight["result"].clone(),
                                                               bool(flight["compressed"]))

@@ -94,7 +94,7 @@ class _LocalSteps:
                         dist.broadcast(t.data, src=src, group=pg)
         device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
         self._mixer = TopologyMixer(self.topology, self._group, default_timeout(), comm, device=device,
-                                    compression=compression[0])
+                                    compression=compression[0], replicas_equal=broadcast_parameters)
 
     def __enter__(self) -> "_LocalSteps":
         if self._closed:
@@ -170,11 +170,12 @@ class DiLoCo(_LocalSteps):
     every device; torchft 0.2.0 quantises on CUDA with Triton only and otherwise sends full precision
     without saying so).
 
-    ``compression`` (``"int8"``, ``"int4"``, ``"bf16"`` or a :class:`~decentpy.Compression`): the
-    pseudo-gradients travel compressed with error feedback (what one outer step's compression drops
-    is sent at the next), averaged by compressed gossip's group exchange (each member re-quantises
-    its chunk of the mean and feeds that rounding back too): ``topology="complete"``,
-    ``comm="torch"``, ``sync_every`` only.
+    ``compression`` (``"int8"``, ``"int4"``, ``"bf16"`` or a :class:`~decentpy.Compression`): on
+    ``topology="complete"`` the pseudo-gradients travel compressed with error feedback (what one outer
+    step's compression drops is sent at the next), averaged by compressed gossip's group exchange (each
+    member re-quantises its chunk of the mean and feeds that rounding back too); on a gossip topology
+    the global copy and the pseudo-gradient are mixed by compressed gossip against public copies
+    (:mod:`decentpy.comm.compressed_mix`). ``comm="torch"``, ``sync_every`` only.
     """
 
     def __init__(self, model_fragments: Union[nn.Module, Sequence[nn.Module]], inner_optimizer: Optimizer,
@@ -204,8 +205,7 @@ class DiLoCo(_LocalSteps):
                 raise ValueError(f"should_quantize=True asks for int8, compression={comp.kind!r} for another "
                                  "compressor: give one of them")
             if comp is not None:
-                check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s, comp.kind,
-                                    topo.is_exact_average(), topo.name)
+                check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s, comp.kind)
                 if comm != "torch":
                     raise ValueError(f"compression={comp.kind!r} runs over comm='torch' (point to point), got "
                                      f"comm={comm!r}")

@@ -14,6 +14,11 @@ through the same exchange plans as every-step gossip (:mod:`decentpy.comm.plans`
   stochastic, so the replicas' mean global copy follows DiLoCo's update with the mean
   pseudo-gradient (for momentum optimizers too: the outer update is linear in its gradient).
 
+With ``compression``: on ``complete`` the error-fed pseudo-gradient's compressed mean
+(:class:`CompressedMean`); on another topology the buffer ``[theta; delta]`` mixed by compressed
+gossip against public copies (:class:`decentpy.comm.compressed_mix.CompressedMix`), which keeps the
+replicas' mean as the uncompressed mix does.
+
 Then the outer step, :func:`decentpy.optim.outer.outer_step` (the engine's ``local_steps=`` runs the
 same function): the outer optimizer steps the (mixed) global copy with the (mixed) pseudo-gradient
 (any torch optimizer; Nesterov SGD in DiLoCo; torch's SGD / Adam / AdamW over float32 parameters
@@ -32,6 +37,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..comm import CommGroup, select_communicator
+from ..comm.compressed_mix import CompressedMix, GossipCopies
 from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
 from ..comm.plans import BufferMix, ExchangeSchedule, unweigh, weigh
 from ..optim import kernels
@@ -47,8 +53,11 @@ class TopologyMixer:
     ``group`` at construction: the communicator's sub-groups)."""
 
     def __init__(self, topology: Topology, group: CommGroup, timeout: datetime.timedelta, comm: str = "torch",
-                 device: Optional[torch.device] = None, compression: Optional[Compression] = None) -> None:
+                 device: Optional[torch.device] = None, compression: Optional[Compression] = None,
+                 replicas_equal: bool = True) -> None:
         self.topology = topology
+        #: every replica started from the same parameters (compressed gossip's public copies start from them)
+        self.replicas_equal = replicas_equal
         self.rank = group.rank
         self.timeout = timeout
         self.schedule = ExchangeSchedule(topology, group.rank)
@@ -73,6 +82,18 @@ class TopologyMixer:
         work, mean = start_compressed_mean(self.comm, self._exchanger, tag, self.schedule.at(step), self.rank,
                                            self.compression, numel, wires, excess, self.timeout, step)
         return CompressedMean(self.compression, work, mean, numel, dtype, self.timeout)
+
+    def launch_compressed_mix(self, step: int, tag: int, buf: Tensor, copies: GossipCopies) -> CompressedMix:
+        """Start mixing the float32 ``buf`` with this rank's group at outer step ``step`` by compressed
+        gossip against ``copies`` (a gossip outer step with ``compression``)."""
+        return CompressedMix(self.schedule.at(step), self.comm, self._exchanger, tag, buf, copies, self.timeout, step)
+
+    def new_copies(self, numel: int, start: Tensor) -> GossipCopies:
+        """Public copies for :meth:`launch_compressed_mix` of a buffer of ``numel`` elements: from
+        ``start`` where every replica holds it alike, else from zero."""
+        assert self.compression is not None
+        return GossipCopies(self.topology, self.rank, numel, self.compression, start.device,
+                            start if self.replicas_equal else None)
 
     def close(self) -> None:
         self._exchanger.close()
@@ -126,7 +147,11 @@ class Fragment:
             dev = backup_device if backup_device is not None else torch.device("cpu")
             t = torch.empty(p.shape, dtype=p.dtype, device=dev)
             self.backup.append(t.pin_memory() if pin and t.device.type == "cpu" else t)
-        self._pending: List[Union[BufferMix, CompressedMean]] = []
+        self._pending: List[Union[BufferMix, CompressedMean, CompressedMix]] = []
+        #: a compressed gossip outer step's public copies, per exchange buffer (made at its first use;
+        #: a checkpoint's wait in ``_copies_saved`` until then)
+        self.copies: List[Optional[GossipCopies]] = [None] * len(self.groups)
+        self._copies_saved: List[Optional[Dict[str, object]]] = [None] * len(self.groups)
         #: a compressed exchange's error feedback and wire buffers, per exchange buffer (made at its first use)
         self.excess: List[Optional[Tensor]] = [None] * len(self.groups)
         self._wires: List[List[Tensor]] = [[] for _ in self.groups]
@@ -152,7 +177,7 @@ class Fragment:
         if self.in_flight:
             raise RuntimeError(f"internal error: fragment {self.index} prepared twice")
         self._weighted = weight is not None
-        if mixer.compression is not None:
+        if mixer.compression is not None and not send_globals:
             self._prepare_compressed(mixer, step, tag)
             return
         for k, idx in enumerate(self.groups):
@@ -167,7 +192,24 @@ class Fragment:
             if weight is not None:
                 n = sum(d.numel() for d in deltas)
                 weigh(buf[-1 - n:-1], buf[-1:], weight)
-            self._pending.append(mixer.launch(step, tag + k, buf))
+            if mixer.compression is not None:  # a compressed gossip outer step: [theta; delta] by CHOCO
+                self._pending.append(mixer.launch_compressed_mix(step, tag + k, buf.float(), self._copies(mixer, k,
+                                                                                                          buf)))
+            else:
+                self._pending.append(mixer.launch(step, tag + k, buf))
+
+    def _copies(self, mixer: TopologyMixer, k: int, buf: Tensor) -> GossipCopies:
+        """Buffer ``k``'s public copies (``[theta; 0]`` at the start, or a checkpoint's)."""
+        c = self.copies[k]
+        if c is None:
+            n = buf.numel() // 2
+            start = buf.to(torch.float32, copy=True)
+            start[n:].zero_()
+            c = self.copies[k] = mixer.new_copies(buf.numel(), start)
+            saved, self._copies_saved[k] = self._copies_saved[k], None
+            if saved is not None:
+                c.load_state_dict(saved)
+        return c
 
     def _prepare_compressed(self, mixer: TopologyMixer, step: int, tag: int) -> None:
         """Each buffer's pseudo-gradient, compressed with error feedback (the fused pack), and its
@@ -213,6 +255,7 @@ class Fragment:
         for idx, flat in zip(self.groups, mixed):
             sub = [self.params[i] for i in idx]
             n = sum(p.numel() for p in sub)
+            flat = flat.to(sub[0].dtype)  # (a compressed gossip mix is float32)
             if self._weighted:  # sum w_j delta_j / sum w_j (no inner step anywhere in the group: no move)
                 flat = unweigh(flat, n)
             if send_globals:
@@ -240,7 +283,9 @@ class Fragment:
         mixed = [m.clone() for m in self.wait()] if self.in_flight else None
         return {"backup": [b.clone() for b in self.backup],
                 "outer_optimizer": self.outer.state_dict() if self.outer is not None else None,
-                "in_flight": mixed, "excess": [None if e is None else e.clone() for e in self.excess]}
+                "in_flight": mixed, "excess": [None if e is None else e.clone() for e in self.excess],
+                "copies": [c.state_dict() if c is not None else saved for c, saved in zip(self.copies,
+                                                                                        self._copies_saved)]}
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, object]) -> None:
@@ -257,6 +302,13 @@ class Fragment:
         for k, e in enumerate(state.get("excess") or []):  # type: ignore[arg-type]
             if e is not None:
                 self.excess[k] = e.clone()  # (the wires are made at the next exchange: sizes follow)
+        for k, c in enumerate(state.get("copies") or []):  # type: ignore[arg-type]
+            if c is None:
+                continue
+            if self.copies[k] is not None:
+                self.copies[k].load_state_dict(c)  # type: ignore[union-attr]
+            else:
+                self._copies_saved[k] = c  # (made at the next exchange)
         mixed = state.get("in_flight")
         self._pending = []
         self._mixed = [m.clone() for m in mixed] if mixed is not None else None  # type: ignore[union-attr]

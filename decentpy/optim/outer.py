@@ -47,24 +47,19 @@ def diloco_outer_optim(params: List[Tensor]) -> Optimizer:
 
 
 def check_outer_options(steps_name: str, steps: object, steps_given: bool, sync_every_s: object,
-                        compression: Optional[str] = None, exact: bool = True, topology: str = "") -> Optional[float]:
-    """The rules of a window and of a compressed outer exchange, for every face of local steps (the
-    engine's ``local_steps=`` and :class:`decentpy.DiLoCo`'s ``sync_every=``): raises ``ValueError``
-    naming the bad value; returns the time budget in seconds (None: a step count). ``steps``: the
-    step count given with ``sync_every_s`` (None, or 1 for the engine's default: not given)."""
+                        compression: Optional[str] = None) -> Optional[float]:
+    """The rules of a window, for every face of local steps (the engine's ``local_steps=`` and
+    :class:`decentpy.DiLoCo`'s ``sync_every=``): raises ``ValueError`` naming the bad value; returns
+    the time budget in seconds (None: a step count). ``steps``: the step count, ``steps_given``
+    whether the caller gave it (not its default)."""
     if sync_every_s is not None:
-        if steps is not None and steps != 1:
+        if steps_given:
             raise ValueError(f"give {steps_name} (inner steps) or sync_every_s (seconds), not both: got "
                              f"{steps_name}={steps!r}, sync_every_s={sync_every_s!r}")
         if isinstance(sync_every_s, bool) or not isinstance(sync_every_s, (int, float)) or \
                 not (math.isfinite(sync_every_s) and sync_every_s > 0):
             raise ValueError(f"sync_every_s must be a number of seconds > 0, got {sync_every_s!r}")
-    if compression is not None:
-        if not exact:
-            raise ValueError(f"{steps_name} with compression={compression!r} needs topology='complete' (a topology "
-                             f"that averages exactly: DiLoCo with compressed pseudo-gradients); {topology!r} mixes "
-                             "the global copies themselves, which are not compressed yet")
-        if sync_every_s is not None:
+        if compression is not None:
             raise ValueError(f"sync_every_s with compression={compression!r} is not available yet: the weighted "
                              f"pseudo-gradients travel in full precision; use {steps_name}")
     return None if sync_every_s is None else float(sync_every_s)
