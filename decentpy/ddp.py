@@ -115,7 +115,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             fit in this many seconds, then the outer step, whose pseudo-gradients are weighted by the
             inner steps behind them (``sum s_j delta_j / sum s_j`` over the group), so replicas of
             different speeds need no per-replica tuning and nobody waits for a slow one longer than its
-            last inner step. Not with ``compression`` yet.
+            last inner step. With ``compression`` the weighted pseudo-gradients travel
+            compressed and the weights apart, uncompressed.
         fragments: Streaming DiLoCo (with ``local_steps``): the buckets in ``fragments`` groups
             (bucket ``i`` in fragment ``i % fragments``, strided through the model), synchronised in
             turn, one every ``local_steps / fragments`` iterations, so each fragment still takes one

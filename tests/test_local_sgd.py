@@ -125,14 +125,17 @@ def _weighted_diloco(rank: int, windows: List[int], make_inner: Any) -> torch.Te
     return _flat(ref)
 
 
-def _int8_diloco_reference(rank: int, world: int, steps: int, face: bool = False) -> torch.Tensor:
+def _int8_diloco_reference(rank: int, world: int, steps: int, face: bool = False,
+                           windows: Optional[List[int]] = None) -> torch.Tensor:
     """DiLoCo with int8 pseudo-gradients, written from csrc/kernels/outer_step.h and docs/compression.md
     in float64 with torch's AdamW inside: each rank sends ``D(Q(d))`` of ``d = theta - x - e`` and keeps
     ``e = D(Q(d)) - d`` (error feedback); the group's mean ``mu`` is re-quantised, ``r = D(Q(mu))``, and
     the owner of each chunk of scale blocks (position p of 4 owns blocks [p B // 4, (p + 1) B // 4))
     adds ``4 (r - mu)`` to its ``e`` there; the outer Nesterov SGD steps ``theta`` with ``r``. The flat
     buffer is the engine's bucket (reverse registration order, 128-byte aligned), or with ``face`` the
-    DiLoCo face's (the parameters in order, back to back) and its inner AdamW."""
+    DiLoCo face's (the parameters in order, back to back) and its inner AdamW. With ``windows`` (a time
+    budget: this rank's inner steps per outer step) the compressed value is ``w (theta - x)`` and the
+    outer step takes ``r`` over the ranks' mean weight."""
     import torch.distributed as dist
     from compression_reference import INT8_BLOCK, FlatModels, quantize64
 
@@ -152,11 +155,12 @@ def _int8_diloco_reference(rank: int, world: int, steps: int, face: bool = False
     blocks = -(-n // INT8_BLOCK)
     lo = min(n, rank * blocks // world * INT8_BLOCK)
     hi = min(n, (rank + 1) * blocks // world * INT8_BLOCK)
-    for k in range(steps):
-        _train(ref, inner, rank, range(k, k + 1))
-        if (k + 1) % H:
-            continue
-        d = theta - flat.get(0) - excess
+    k = 0
+    for w in (windows if windows is not None else [H] * (steps // H)):
+        _train(ref, inner, rank, range(k, k + w))
+        k += w
+        u = (theta - flat.get(0)) * (w if windows is not None else 1)
+        d = u - excess
         v = quantize64("int8", d, {})
         excess = v - d
         every = [torch.empty_like(v) for _ in range(world)]
@@ -164,13 +168,18 @@ def _int8_diloco_reference(rank: int, world: int, steps: int, face: bool = False
         mu = sum(every[1:], every[0]) / world
         r = quantize64("int8", mu, {})
         excess[lo:hi] += world * (r[lo:hi] - mu[lo:hi])
+        if windows is not None:
+            total = torch.tensor([float(w)], dtype=torch.float64)
+            dist.all_reduce(total)
+            r = r / (total / world)
         mom = r.clone() if mom is None else 0.9 * mom + r
         theta = theta - 0.7 * (r + 0.9 * mom)
         flat.set(0, theta.float())
     return _flat(ref)
 
 
-def _gossip_int8_reference(rank: int, world: int, steps: int, topology: str, face: bool = False) -> torch.Tensor:
+def _gossip_int8_reference(rank: int, world: int, steps: int, topology: str, face: bool = False,
+                           windows: Optional[List[int]] = None) -> torch.Tensor:
     """A compressed gossip outer step (int8), written from decentpy/comm/compressed_mix.py's docstring
     in float64 with torch's AdamW inside: the buffer ``z = [theta; theta - x]`` (the engine's flat
     bucket twice), CHOCO against public copies that start from ``[theta_0; 0]``: a pair sends
@@ -178,7 +187,9 @@ def _gossip_int8_reference(rank: int, world: int, steps: int, topology: str, fac
     a group of m: ``v`` likewise against ``zhat_i``, the owners' re-quantised mean ``r`` of the members'
     ``v`` (owner's copy += m (r - mu) on its chunk), ``M += r``, ``z += s m (M - zhat_i)``; then torch's
     outer Nesterov SGD (lr 0.7, momentum 0.9) from the mixed ``theta`` with the mixed ``delta``. With
-    ``face`` the DiLoCo face's buffer (the parameters in order, back to back) and its inner AdamW."""
+    ``face`` the DiLoCo face's buffer (the parameters in order, back to back) and its inner AdamW. With
+    ``windows`` (a time budget) the buffer is ``[theta; w (theta - x)]`` and the mixed pseudo-gradient is
+    divided by the weights' own uncompressed mix with the same coefficients."""
     import torch.distributed as dist
     from compression_reference import INT8_BLOCK, FlatModels, group_schedule, one_peer_exp_partner, pair_schedule, \
         quantize64
@@ -199,12 +210,17 @@ def _gossip_int8_reference(rank: int, world: int, steps: int, topology: str, fac
     z0 = torch.cat([theta, torch.zeros_like(theta)])
     copies: Dict[Tuple[int, ...], List[torch.Tensor]] = {}
     mom: Optional[torch.Tensor] = None
-    for o in range(steps // H):
-        _train(ref, inner, rank, range(o * H, (o + 1) * H))
+    wins = windows if windows is not None else [H] * (steps // H)
+    for o, w in enumerate(wins):
+        _train(ref, inner, rank, range(sum(wins[:o]), sum(wins[:o + 1])))
         peers, nw = schedule(o, rank)
         g = tuple(sorted(peers + [rank]))
         own, public = copies.setdefault(g, [z0.clone(), z0.clone()])
-        z = torch.cat([theta, theta - flat.get(0)])
+        z = torch.cat([theta, (theta - flat.get(0)) * (w if windows is not None else 1)])
+        if windows is not None:
+            ws = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
+            dist.all_gather(ws, torch.tensor([float(w)], dtype=torch.float64))
+            total = (1 - nw * len(peers)) * float(w) + nw * sum(float(ws[j]) for j in peers)
         v = quantize64("int8", z - own, {})
         own += v
         every = [torch.empty_like(v) for _ in range(world)]
@@ -222,7 +238,7 @@ def _gossip_int8_reference(rank: int, world: int, steps: int, topology: str, fac
             own[lo:hi] += m * (r[lo:hi] - mu[lo:hi])
             public += r
             z += nw * m * (public - own)
-        d = z[n:]
+        d = z[n:] / (total if windows is not None else 1)
         mom = d.clone() if mom is None else 0.9 * mom + d
         theta = z[:n] - 0.7 * (d + 0.9 * mom)
         flat.set(0, theta.float())
@@ -466,6 +482,36 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     out["engine_timed"] = _flat(m)
     out["engine_timed_outer_steps"] = ddp.outer_steps
     ddp.close()
+    # the same with the int8 outer exchange (the weights mixed apart, uncompressed)
+    now = [0.0]
+    m = make_mlp(0)
+    ddp = decentpy.DecentralizedDataParallel(m, decentpy_optim_fn("adamw"), topology="complete", sync_every_s=4.0,
+                                             compression="int8")
+    for k in range(sum(windows)):
+        x, y = batch(rank, k)
+        loss_fn(ddp(x), y).backward()
+        now[0] += speed
+    ddp.wait()
+    out["engine_timed_int8"] = _flat(m)
+    ddp.close()
+    out["engine_timed_int8_ref"] = _int8_diloco_reference(rank, world, 0, windows=windows)
+    # and the DiLoCo face's compressed gossip outer step (one-peer-exp) with a time budget
+    now = [0.0]
+    model = make_mlp(0)
+    inner = _inner(model)
+    per = 4 // speed
+    d = decentpy.DiLoCo(model, inner, _outer(model.parameters()), sync_every=None, sync_every_s=4.0,
+                        clock=lambda: now[0], topology="one-peer-exp", compression="int8")
+    with d:
+        for k in range(3 * per):
+            x, y = batch(rank, k)
+            inner.zero_grad()
+            loss_fn(model(x), y).backward()
+            now[0] += speed
+            inner.step()
+    out["face_timed_gossip_int8"] = _flat(model)
+    out["face_timed_gossip_int8_ref"] = _gossip_int8_reference(rank, world, 0, "one-peer-exp", face=True,
+                                                               windows=[per] * 3)
     out["engine_timed_ref"] = _weighted_diloco(rank, windows, REF_OPTIMIZERS["adamw"])
 
     # compressed outer exchange: int8 pseudo-gradients with error feedback, a resume from iteration 5
@@ -764,6 +810,16 @@ def test_engine_time_budget_weights_the_pseudo_gradients_by_inner_steps(results:
         torch.testing.assert_close(r["engine_timed"], r["engine_timed_ref"], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"rank {rank}: {m}")
         assert torch.equal(r["engine_timed"], results[0]["engine_timed"]), f"rank {rank}: not the same global copy"
+
+
+@pytest.mark.parametrize("kind", ["engine_timed_int8", "face_timed_gossip_int8"])
+def test_time_budget_with_a_compressed_outer_exchange(results: List[Dict[str, Any]], kind: str) -> None:
+    """sync_every_s with compression='int8' (odd ranks twice as slow): the engine on the complete
+    topology (the weighted pseudo-gradient error-fed, the weights' mean apart) and the DiLoCo face's
+    compressed gossip outer step on one-peer-exp -- each against its float64 re-computation."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r[kind].double(), r[f"{kind}_ref"].double(), rtol=1e-4, atol=2e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
 
 
 def test_diloco_face_should_quantize_is_the_int8_outer_exchange(results: List[Dict[str, Any]]) -> None:

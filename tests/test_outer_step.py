@@ -194,17 +194,15 @@ def test_bad_inputs_name_the_argument() -> None:
     (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=0.0), "number of seconds > 0, got 0.0"),
     (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=True), "got True"),
     (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=float("nan")), "got nan"),
-    (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=3, compression="int4"),
-     "sync_every_s with compression='int4' is not available yet"),
 ])
-def test_window_and_compression_rules(kw: dict, text: str) -> None:
+def test_window_rules(kw: dict, text: str) -> None:
     with pytest.raises(ValueError) as info:
         check_outer_options(**kw)
     assert text in str(info.value), str(info.value)
 
 
 def test_window_rules_accept_what_is_valid() -> None:
-    assert check_outer_options("local_steps", 8, True, None, "int8") is None
+    assert check_outer_options("local_steps", 8, True, None) is None
     assert check_outer_options("local_steps", 1, False, 3) == 3.0
     assert isinstance(check_outer_options("sync_every", None, False, 3), float)
 

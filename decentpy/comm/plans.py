@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .protocol import Communicator, Work
 
 __all__ = ["ExchangePlan", "NoExchange", "PairExchange", "GroupAllReduce", "plan_exchange", "ExchangeSchedule",
-           "communication_needs", "BufferMix", "weigh", "unweigh"]
+           "communication_needs", "BufferMix", "weigh", "unweigh", "WEIGHT_TAG"]
 
 
 class ExchangePlan(abc.ABC):
@@ -166,8 +166,10 @@ class BufferMix:
     averages). The buffer must not be written until then."""
 
     def __init__(self, plan: ExchangePlan, comm: "Communicator", tag: int, buf: Tensor,
-                 timeout: datetime.timedelta) -> None:
-        self.plan, self.buf, self.timeout = plan, buf, timeout
+                 timeout: datetime.timedelta, adaptive_factor: float = 1.0) -> None:
+        """``adaptive_factor``: the mix ``(1 - f) x + f (a x + b recv)`` (the coefficients of a
+        compressed gossip mix with ``gamma = f``, for a value that must mix alike)."""
+        self.plan, self.buf, self.timeout, self.factor = plan, buf, timeout, adaptive_factor
         self.recv: Optional[Tensor] = None
         self.work: Optional["Work"] = None
         if plan.mixes:
@@ -181,7 +183,7 @@ class BufferMix:
         if self.work is not None:
             work, self.work = self.work, None
             work.wait(self.timeout)
-            a, b = self.plan.mix_coefficients(1.0)
+            a, b = self.plan.mix_coefficients(self.factor)
             self.buf.mul_(a).add_(self.recv, alpha=b)
             self.recv = None
         return self.buf
@@ -190,7 +192,11 @@ class BufferMix:
 # A weighted mean ``sum_j w_j d_j / sum_j w_j`` over a group (local steps with a time budget: the
 # pseudo-gradients weighted by the inner steps behind them) travels in one buffer: the body ``w d``,
 # then ``w`` as its last element; any plan's mix then leaves ``sum W_j w_j d_j`` and ``sum W_j w_j``,
-# whose ratio is the weighted mean under the mixing weights ``W``.
+# whose ratio is the weighted mean under the mixing weights ``W``. With compression the weights mix
+# apart, one uncompressed element under its own tag, with the compressed exchange's coefficients.
+
+#: the communicator tag of a time budget's weight exchange (apart from the buffers' tags)
+WEIGHT_TAG = 1 << 20
 
 
 def weigh(body: Tensor, slot: Tensor, weight: float) -> None:

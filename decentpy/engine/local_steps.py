@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 
 from ..comm.compressed_mix import CompressedMix, GossipCopies
 from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
-from ..comm.plans import BufferMix, ExchangePlan, communication_needs, unweigh, weigh
+from ..comm.plans import WEIGHT_TAG, BufferMix, ExchangePlan, communication_needs, unweigh, weigh
 from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import check_fragments, check_outer_options, diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
@@ -66,6 +66,8 @@ OuterOptimFn = Callable[[List[Tensor]], Optimizer]
 CLOCK: Callable[[], float] = time.monotonic
 
 
+
+
 @dataclass
 class InFlight:
     """A bucket's outer exchange in flight: started after the inner step of one iteration, applied
@@ -78,16 +80,20 @@ class InFlight:
     work: Union[None, BufferMix, CompressedMix, GroupExchange]
     result: Tensor
     compressed: bool
+    #: a time budget with compression: the inner-step weights' own (uncompressed) mix, one element,
+    #: shared by the buckets of the outer step; ``total`` its result once received
+    weight: Optional[BufferMix] = None
+    total: Optional[Tensor] = None
 
     def receive(self, timeout: datetime.timedelta) -> Tensor:
         """The exchange's result (waits for it, bounded by ``timeout``)."""
         work, self.work = self.work, None
-        if isinstance(work, BufferMix):
-            self.result = work.wait()
-        elif isinstance(work, CompressedMix):
+        if isinstance(work, (BufferMix, CompressedMix)):
             self.result = work.wait()
         elif work is not None:
             work.wait(timeout)
+        if self.weight is not None:
+            self.total, self.weight = self.weight.wait(), None
         return self.result
 
 
@@ -104,6 +110,8 @@ class OuterState:
     wires: List[Tensor] = field(default_factory=list)  # q, result, then one receive slot per other member
     #: a compressed gossip outer step's public copies of the buffer ``[theta; delta]``
     copies: Optional[GossipCopies] = None
+    #: a time budget with compression on ``complete``: the weighted pseudo-gradient, then zeros
+    scratch: Optional[Tensor] = None
 
 
 class LocalStepsExchange(Exchange):
@@ -121,8 +129,7 @@ class LocalStepsExchange(Exchange):
         self.exact = strategy.topology.is_exact_average()
         self.local_steps = local_steps
         #: a time budget per window instead of ``local_steps`` (seconds; None: a step count)
-        self.sync_every_s = check_outer_options("local_steps", local_steps, local_steps != 1, sync_every_s,
-                                                None if compression is None else compression.kind)
+        self.sync_every_s = check_outer_options("local_steps", local_steps, local_steps != 1, sync_every_s)
         #: Streaming DiLoCo: bucket ``i`` is in fragment ``i % fragments``; one fragment's outer exchange
         #: starts every ``local_steps / fragments`` iterations, in turn, and is applied
         #: ``fragment_sync_delay`` inner steps later, merged with ``fragment_update_alpha``
@@ -134,6 +141,7 @@ class LocalStepsExchange(Exchange):
         self._inner_steps = 0                   # inner steps in the current window (this iteration's included)
         self._window_t0: Optional[float] = None  # when the window started (the time budget)
         self._decided: Tuple[int, Optional[int]] = (-1, None)  # (iteration, the fragment it launches, or None)
+        self._weight_at: Tuple[int, Optional[BufferMix]] = (-1, None)  # (iteration, its weight mix)
         self.outer_optim: OuterOptimFn = outer_optim if outer_optim is not None else diloco_outer_optim
         self.compression = compression
         if compression is not None and self.exact:  # (the mean's wire is decoded inside the fused step)
@@ -270,30 +278,55 @@ class LocalStepsExchange(Exchange):
         due = s.step + 1 + self.delay
         resync = fragment in self._resync
         exact = self.exact and not resync
+        # a time budget with compression: the weighted pseudo-gradient compressed, its weight mixed apart
+        weight = self._weight_mix(plan) if self.weighted and self.compression is not None else None
         if self.compression is not None and exact:
             assert st.excess is not None
-            pseudo_gradient(block, st.theta, st.wires[0], self.compression.compressor, st.excess)
+            if weight is None:
+                pseudo_gradient(block, st.theta, st.wires[0], self.compression.compressor, st.excess)
+            else:  # Q(w d - e): the weighted pseudo-gradient against zero
+                if st.scratch is None:
+                    st.scratch = torch.zeros(2 * n, dtype=torch.float32, device=st.theta.device)
+                wd, zero = st.scratch[:n], st.scratch[n:]
+                pseudo_gradient(block, st.theta, wd)
+                wd.mul_(float(self._inner_steps))
+                pseudo_gradient(zero, wd, st.wires[0], self.compression.compressor, st.excess)
             work, mean = start_compressed_mean(s.comm, self._exchanger, b.index, plan, s.rank, self.compression, n,
                                                st.wires, st.excess, s.timeout, s.step)
-            st.pending = InFlight(due, work, mean, compressed=True)
+            st.pending = InFlight(due, work, mean, compressed=True, weight=weight)
             return None
-        size = (n if exact else 2 * n) + (1 if self.weighted else 0)
+        size = (n if exact else 2 * n) + (1 if self.weighted and weight is None else 0)
         if st.buf is None or st.buf.numel() != size:
             st.buf = torch.empty(size, dtype=torch.float32, device=st.theta.device)
         at = 0 if exact else n
         if not exact:
             st.buf[:n].copy_(st.theta)
         pseudo_gradient(block, st.theta, st.buf[at:at + n])
-        if self.weighted:  # sum w_j delta_j / sum w_j over the group: the weights travel as one more element
+        if weight is not None:
+            st.buf[at:at + n].mul_(float(self._inner_steps))
+        elif self.weighted:  # sum w_j delta_j / sum w_j over the group: the weights travel as one more element
             weigh(st.buf[at:at + n], st.buf[-1:], float(self._inner_steps))
-        if self.compression is not None and not exact:  # a compressed gossip outer step: [theta; delta] by CHOCO
+        if self.compression is not None and not self.exact:  # a compressed gossip outer step: [theta; delta], CHOCO
             assert st.copies is not None
             mix: Union[BufferMix, CompressedMix] = CompressedMix(plan, s.comm, self._exchanger, b.index, st.buf,
                                                                  st.copies, s.timeout, s.step)
         else:
             mix = BufferMix(plan, s.comm, b.index, st.buf, s.timeout)
-        st.pending = InFlight(due, mix, st.buf, compressed=False)
+        st.pending = InFlight(due, mix, st.buf, compressed=False, weight=weight)
         return None
+
+    def _weight_mix(self, plan: ExchangePlan) -> BufferMix:
+        """This outer step's mix of the inner-step weights (one element, started at its first bucket's
+        launch; uncompressed, with the coefficients of the compressed exchange beside it)."""
+        s = self.strategy
+        if self._weight_at[0] != s.step:
+            gamma = 1.0 if self.exact else float(self.compression.gamma)  # type: ignore[union-attr,arg-type]
+            w = torch.full((1,), float(self._inner_steps), dtype=torch.float32, device=s.layout.params[0].device)
+            assert s.comm is not None
+            self._weight_at = (s.step, BufferMix(plan, s.comm, WEIGHT_TAG, w, s.timeout, adaptive_factor=gamma))
+        mix = self._weight_at[1]
+        assert mix is not None
+        return mix
 
     @torch.no_grad()
     def wait_params(self) -> None:
@@ -310,10 +343,20 @@ class LocalStepsExchange(Exchange):
             pending, st.pending = st.pending, None
             n = st.theta.numel()
             got = pending.receive(self.strategy.timeout)
-            if pending.compressed:  # the mean's wire bytes, decoded inside the fused outer step
+            total = pending.total
+            tiny = torch.finfo(torch.float32).tiny
+            if pending.compressed and total is None:  # the mean's wire bytes, decoded inside the fused outer step
                 delta, mix, comp = got, None, self.compression
+            elif pending.compressed:  # the weighted mean's wire: decoded, divided by the mean weight
+                assert self.compression is not None
+                delta = torch.empty_like(st.theta)
+                kernels.outer_decode(self.compression.compressor, got, delta)
+                delta.div_(total.clamp(min=tiny))
+                mix, comp = None, None
             else:
-                if self.weighted:
+                if total is not None:
+                    got[-n:].div_(total.clamp(min=tiny))
+                elif self.weighted:
                     got = unweigh(got, n)
                 delta, mix, comp = (got, None, None) if got.numel() == n else (got[n:], [got[:n]], None)
             outer_step(st.optimizer, [b.param], [st.theta], [delta], stepped=[st.theta], theta_mix=mix,
@@ -340,8 +383,10 @@ class LocalStepsExchange(Exchange):
                 continue
             flight = None
             if st.pending is not None:
-                flight = {"due": st.pending.due, "compressed": st.pending.compressed,
-                          "result": st.pending.receive(self.strategy.timeout).clone()}
+                result = st.pending.receive(self.strategy.timeout).clone()
+                total = st.pending.total
+                flight = {"due": st.pending.due, "compressed": st.pending.compressed, "result": result,
+                          "total": None if total is None else total.clone()}
             out.append({"theta": st.theta.clone(), "optimizer": st.optimizer.state_dict(),
                         "excess": None if st.excess is None else st.excess.clone(), "in_flight": flight,
                         "copies": None if st.copies is None else st.copies.state_dict()})
@@ -397,5 +442,6 @@ class LocalStepsExchange(Exchange):
                 else:
                     st.copies.load_state_dict(saved["copies"])
             flight = saved.get("in_flight")
-            st.pending = None if flight is None else InFlight(int(flight["due"]), None, flight["result"].clone(),
-                                                              bool(flight["compressed"]))
+            st.pending = None if flight is None else InFlight(
+                int(flight["due"]), None, flight["result"].clone(), bool(flight["compressed"]),
+                total=None if flight.get("total") is None else flight["total"].clone())

@@ -205,7 +205,7 @@ class DiLoCo(_LocalSteps):
                 raise ValueError(f"should_quantize=True asks for int8, compression={comp.kind!r} for another "
                                  "compressor: give one of them")
             if comp is not None:
-                check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s, comp.kind)
+                check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s)
                 if comm != "torch":
                     raise ValueError(f"compression={comp.kind!r} runs over comm='torch' (point to point), got "
                                      f"comm={comm!r}")

@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from ..comm import CommGroup, select_communicator
 from ..comm.compressed_mix import CompressedMix, GossipCopies
 from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
-from ..comm.plans import BufferMix, ExchangeSchedule, unweigh, weigh
+from ..comm.plans import WEIGHT_TAG, BufferMix, ExchangeSchedule, communication_needs, unweigh, weigh
 from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import outer_step, pseudo_gradient
@@ -62,16 +62,25 @@ class TopologyMixer:
         self.timeout = timeout
         self.schedule = ExchangeSchedule(topology, group.rank)
         self.compression = compression
-        # a compressed exchange runs point to point (the two rounds of the group exchange)
-        needs = None if compression is None else compressed_needs(topology)
+        # a compressed exchange runs point to point (the two rounds of the group exchange); a time
+        # budget's weights mix through the plans (pairs, all-reduces)
+        needs = None if compression is None else (compressed_needs(topology)[0], communication_needs(topology)[1])
         self.comm = select_communicator(comm, topology, timeout, device=device, group=group, needs=needs)
         self.complete = topology.is_exact_average()
         self._exchanger = GroupExchanger()
 
-    def launch(self, step: int, tag: int, buf: Tensor) -> BufferMix:
+    def launch(self, step: int, tag: int, buf: Tensor, adaptive_factor: float = 1.0) -> BufferMix:
         """Start mixing ``buf`` with this rank's group at outer step ``step`` (``tag``: one per buffer
-        in flight at once)."""
-        return BufferMix(self.schedule.at(step), self.comm, tag, buf, self.timeout)
+        in flight at once; ``adaptive_factor``: see :class:`~decentpy.comm.plans.BufferMix`)."""
+        return BufferMix(self.schedule.at(step), self.comm, tag, buf, self.timeout, adaptive_factor)
+
+    def launch_weight(self, step: int, weight: float, device: torch.device) -> BufferMix:
+        """A time budget with compression: start mixing this rank's inner-step weight (one element,
+        uncompressed) with the coefficients of the compressed exchange beside it."""
+        assert self.compression is not None
+        gamma = 1.0 if self.complete else float(self.compression.gamma)  # type: ignore[arg-type]
+        w = torch.full((1,), float(weight), dtype=torch.float32, device=device)
+        return self.launch(step, WEIGHT_TAG, w, gamma)
 
     def launch_compressed(self, step: int, tag: int, numel: int, wires: Sequence[Tensor], excess: Tensor,
                           dtype: torch.dtype) -> "CompressedMean":
@@ -115,7 +124,7 @@ class CompressedMean:
             work.wait(self.timeout)
         out = torch.empty(self.numel, dtype=torch.float32, device=self.wire.device)
         kernels.outer_decode(self.compression.compressor, self.wire, out)
-        return out if self.dtype == torch.float32 else out.to(self.dtype)
+        return out  # (float32: the outer step converts to the parameters' dtype)
 
 
 def _split(flat: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
@@ -155,7 +164,8 @@ class Fragment:
         #: a compressed exchange's error feedback and wire buffers, per exchange buffer (made at its first use)
         self.excess: List[Optional[Tensor]] = [None] * len(self.groups)
         self._wires: List[List[Tensor]] = [[] for _ in self.groups]
-        self._weighted = False  # the exchange in flight carries weighted pseudo-gradients
+        self._weighted = False  # the exchange in flight carries weighted pseudo-gradients and their weight
+        self._weight_mix: Optional[BufferMix] = None  # a time budget with compression: the weights' own mix
         self._mixed: Optional[List[Tensor]] = None  # results read back by state_dict (an exchange in flight)
 
     @torch.no_grad()
@@ -166,7 +176,7 @@ class Fragment:
 
     @property
     def in_flight(self) -> bool:
-        return bool(self._pending) or self._mixed is not None
+        return bool(self._pending) or self._mixed is not None or self._weight_mix is not None
 
     @torch.no_grad()
     def prepare(self, mixer: TopologyMixer, step: int, tag: int, send_globals: bool,
@@ -176,9 +186,12 @@ class Fragment:
         weights travel as one more element of the buffer)."""
         if self.in_flight:
             raise RuntimeError(f"internal error: fragment {self.index} prepared twice")
-        self._weighted = weight is not None
+        # the weight travels as one more element, or with compression in its own mix (uncompressed)
+        self._weighted = weight is not None and mixer.compression is None
+        if weight is not None and mixer.compression is not None:
+            self._weight_mix = mixer.launch_weight(step, weight, self.params[0].device)
         if mixer.compression is not None and not send_globals:
-            self._prepare_compressed(mixer, step, tag)
+            self._prepare_compressed(mixer, step, tag, weight)
             return
         for k, idx in enumerate(self.groups):
             parts = []
@@ -186,12 +199,14 @@ class Fragment:
                 parts += [self.backup[i].to(self.params[i].device).reshape(-1) for i in idx]
             deltas = [(self.backup[i].to(self.params[i].device) - self.params[i].detach()).reshape(-1) for i in idx]
             parts += deltas
-            if weight is not None:  # one more element for the weight
+            if self._weighted:  # one more element for the weight
                 parts.append(deltas[0].new_empty(1))
             buf = torch.cat(parts)
-            if weight is not None:
-                n = sum(d.numel() for d in deltas)
-                weigh(buf[-1 - n:-1], buf[-1:], weight)
+            n = sum(d.numel() for d in deltas)
+            if self._weighted:
+                weigh(buf[-1 - n:-1], buf[-1:], weight)  # type: ignore[arg-type]
+            elif weight is not None:
+                buf[-n:].mul_(weight)
             if mixer.compression is not None:  # a compressed gossip outer step: [theta; delta] by CHOCO
                 self._pending.append(mixer.launch_compressed_mix(step, tag + k, buf.float(), self._copies(mixer, k,
                                                                                                           buf)))
@@ -211,7 +226,7 @@ class Fragment:
                 c.load_state_dict(saved)
         return c
 
-    def _prepare_compressed(self, mixer: TopologyMixer, step: int, tag: int) -> None:
+    def _prepare_compressed(self, mixer: TopologyMixer, step: int, tag: int, weight: Optional[float]) -> None:
         """Each buffer's pseudo-gradient, compressed with error feedback (the fused pack), and its
         compressed mean over the group (an exact-average topology: the global copies stay home)."""
         comp = mixer.compression
@@ -230,7 +245,12 @@ class Fragment:
                                   for _ in range(1 + max(1, mixer.topology.world_size))]
             excess = self.excess[k]
             assert excess is not None
-            pseudo_gradient(x, theta, self._wires[k][0], comp.compressor, excess)
+            if weight is None:
+                pseudo_gradient(x, theta, self._wires[k][0], comp.compressor, excess)
+            else:  # Q(w d - e): the weighted pseudo-gradient against zero
+                wd = torch.empty_like(theta)
+                pseudo_gradient(x, theta, wd)
+                pseudo_gradient(torch.zeros_like(wd), wd.mul_(weight), self._wires[k][0], comp.compressor, excess)
             self._pending.append(mixer.launch_compressed(step, tag + k, n, self._wires[k], excess, sub[0].dtype))
 
     def wait(self) -> List[Tensor]:
@@ -238,6 +258,12 @@ class Fragment:
         if self._mixed is None:
             self._mixed = [m.wait() for m in self._pending]
             self._pending = []
+            if self._weight_mix is not None:  # sum w d / sum w: the mixed body over the mixed weight
+                total = self._weight_mix.wait().clamp(min=torch.finfo(torch.float32).tiny)
+                self._weight_mix = None
+                for idx, flat in zip(self.groups, self._mixed):
+                    n = sum(self.params[i].numel() for i in idx)
+                    flat[-n:].div_(total.to(flat.dtype))
         return self._mixed
 
     @torch.no_grad()

@@ -46,8 +46,7 @@ def diloco_outer_optim(params: List[Tensor]) -> Optimizer:
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
-def check_outer_options(steps_name: str, steps: object, steps_given: bool, sync_every_s: object,
-                        compression: Optional[str] = None) -> Optional[float]:
+def check_outer_options(steps_name: str, steps: object, steps_given: bool, sync_every_s: object) -> Optional[float]:
     """The rules of a window, for every face of local steps (the engine's ``local_steps=`` and
     :class:`decentpy.DiLoCo`'s ``sync_every=``): raises ``ValueError`` naming the bad value; returns
     the time budget in seconds (None: a step count). ``steps``: the step count, ``steps_given``
@@ -59,9 +58,6 @@ def check_outer_options(steps_name: str, steps: object, steps_given: bool, sync_
         if isinstance(sync_every_s, bool) or not isinstance(sync_every_s, (int, float)) or \
                 not (math.isfinite(sync_every_s) and sync_every_s > 0):
             raise ValueError(f"sync_every_s must be a number of seconds > 0, got {sync_every_s!r}")
-        if compression is not None:
-            raise ValueError(f"sync_every_s with compression={compression!r} is not available yet: the weighted "
-                             f"pseudo-gradients travel in full precision; use {steps_name}")
     return None if sync_every_s is None else float(sync_every_s)
 
 
