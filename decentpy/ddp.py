@@ -105,10 +105,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             and the pseudo-gradient with its group of that outer step, a gossip outer step -- while the
             backward finishes, and before the next forward ``outer_optim`` steps from the (mixed) global
             copy. With ``intra_node='allreduce'`` every node is a replica (its ranks all-reduce the gradients
-            every inner step; the outer step runs between the nodes). With ``compression`` the outer
+            every inner step; the outer step runs between the nodes); with ``intra_node='shard'`` too,
+            each rank then keeping the global copy and outer state of its ``1/L`` shard only and
+            exchanging it with the same shard's ranks on the other nodes. With ``compression`` the outer
             exchange is compressed: on ``'complete'`` the pseudo-gradients with error feedback, on a
-            gossip topology the global copy and pseudo-gradient by compressed gossip (CHOCO). Not with
-            ``intra_node='shard'`` yet (docs/guide/local_sgd.md).
+            gossip topology the global copy and pseudo-gradient by compressed gossip (CHOCO).
         outer_optim: a bucket's float32 global copy (a one-tensor list) -> its outer optimizer (any
             torch optimizer); default DiLoCo's ``SGD(lr=0.7, momentum=0.9, nesterov=True)``.
         sync_every_s: a time budget instead of ``local_steps``: each rank takes as many inner steps as
@@ -230,9 +231,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             if comm == "nccl":  # libnccl and the GPU, checked here: the agreement below raises on every rank
                 resolve_comm(comm, self._params[0].device, self._group)
             self._check_dense_gradients()
-            if (local_steps != 1 or outer_optim is not None or sync_every_s is not None) and intra_node == "shard":
-                raise ValueError(f"local_steps with intra_node={intra_node!r} is not available yet; use "
-                                 "intra_node='gossip' (every rank a replica) or 'allreduce' (every node a replica)")
             if outer_optim is not None and not callable(outer_optim):
                 raise TypeError(f"outer_optim must be callable ([a bucket's float32 global copy] -> Optimizer), got "
                                 f"{type(outer_optim).__name__}")

@@ -185,7 +185,7 @@ def test_bad_presets_and_specs_name_the_value() -> None:
     with pytest.raises(ValueError, match="mode 'ddp' takes neither"):
         L.RunSpec(mode="ddp", compression="int8").check(2)
     with pytest.raises(ValueError, match="local_steps=4 is decentpy's"):
-        L.RunSpec(mode="decentpy", intra_node="shard", local_steps=4).check(2)
+        L.RunSpec(mode="ddp", local_steps=4).check(2)
     L.RunSpec(mode="decentpy", compression="int8", local_steps=4).check(2)  # a compressed gossip outer step
     with pytest.raises(ValueError, match="give local_steps >= 2"):
         L.RunSpec(mode="torchft-diloco").check(2)

@@ -465,6 +465,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
             ref_outer.zero_grad()
             backup = [p.detach().clone() for p in ref.parameters()]
     out["engine_nodes_ref"] = _flat(ref)
+    # the same with intra_node='shard': each rank steps, keeps and exchanges its half of every bucket
+    out["engine_shard"], saved = engine("complete", steps, intra_node="shard", local_world_size=2)
+    out["engine_shard_resumed"], _ = engine("complete", steps, state=saved, start=5, intra_node="shard",
+                                            local_world_size=2)
     # a time budget in the engine: odd ranks twice as slow on their (fake) clocks; windows of 5 and 3
     # inner steps (the window ends at the first iteration whose backward starts 4 s after it began)
     import decentpy.engine.local_steps as local_steps_module
@@ -576,7 +580,7 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     out["engine_ring"], saved = engine("ring", steps, param_as_bucket_view=False)
     out["engine_ring_resumed"], _ = engine("ring", steps, state=saved, start=5, param_as_bucket_view=False)
     errors = {}
-    for name, kw in {"zero": dict(local_steps=0), "shard": dict(local_steps=4, intra_node="shard", local_world_size=2),
+    for name, kw in {"zero": dict(local_steps=0),
                      "fragments": dict(local_steps=4, fragments=3),
                      "delay": dict(local_steps=4, fragments=2, fragment_sync_delay=2),
                      "alpha": dict(local_steps=4, fragment_update_alpha=-0.1),
@@ -748,6 +752,18 @@ def test_engine_local_steps_with_node_allreduce_is_node_level_diloco(results: Li
         torch.testing.assert_close(r["engine_nodes"], results[0]["engine_nodes"], rtol=0, atol=0)
 
 
+def test_engine_local_steps_with_node_shard_is_node_level_diloco(results: List[Dict[str, Any]]) -> None:
+    """intra_node='shard' + local_steps: the node reduce-scatters the gradients, each rank steps its half
+    of every bucket and keeps that half's global copy and outer momentum, DiLoCo across the nodes
+    between the ranks holding the same half -- the same plain-torch node-level DiLoCo as
+    intra_node='allreduce'; a checkpoint at iteration 5 resumes bit for bit."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["engine_shard"], r["engine_nodes_ref"], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(r["engine_shard"], results[0]["engine_shard"], rtol=0, atol=0)
+        assert torch.equal(r["engine_shard"], r["engine_shard_resumed"]), f"rank {rank}: the resume differs"
+
+
 @pytest.mark.parametrize("kind", ["gossip_int8", "aer_int8"])
 def test_engine_compressed_gossip_outer_step_matches_float64_reference(results: List[Dict[str, Any]],
                                                                       kind: str) -> None:
@@ -837,7 +853,7 @@ def test_diloco_face_should_quantize_is_the_int8_outer_exchange(results: List[Di
 
 
 def test_engine_local_steps_bad_input(results: List[Dict[str, Any]]) -> None:
-    want = {"zero": "local_steps must be an int >= 1", "shard": "local_steps with intra_node='shard'",
+    want = {"zero": "local_steps must be an int >= 1",
             "fragments": "local_steps=4 must be a multiple of the number of fragments (3)",
             "delay": "fragment_sync_delay must be an int in [0, 2)",
             "alpha": "fragment_update_alpha must be in [0, 1], got -0.1",

@@ -200,10 +200,12 @@ class LocalStepsExchange(Exchange):
             if self._window_start is None and not layout.final and self._outer_steps == 0:
                 self._window_start = {id(p): p.detach().clone() for p in layout.params}
             b.gather_params()
-            theta = b.param.detach().to(torch.float32, copy=True)
+            theta = b.param.detach().to(torch.float32, copy=True)  # (this rank's part: a shard with 'shard')
             if self._window_start is not None:
+                whole = b.param_block.detach().to(torch.float32, copy=True)
                 for p, off in zip(b.params, b.offsets):
-                    theta[off:off + p.numel()].copy_(self._window_start[id(p)].reshape(-1))
+                    whole[off:off + p.numel()].copy_(self._window_start[id(p)].reshape(-1))
+                theta.copy_(whole[b.lo:b.hi])
             st = OuterState(theta, self.outer_optim([theta]))
             if self.compression is not None and not self.exact:
                 self._new_copies(st)
@@ -361,7 +363,7 @@ class LocalStepsExchange(Exchange):
                 delta, mix, comp = (got, None, None) if got.numel() == n else (got[n:], [got[:n]], None)
             outer_step(st.optimizer, [b.param], [st.theta], [delta], stepped=[st.theta], theta_mix=mix,
                        compressor=comp.compressor if comp is not None else None, alpha=self.alpha)
-            b.scatter_params()
+            self.strategy.node_mode.part_changed(b)  # (intra_node='shard': the node all-gathers the shards)
             self._resync.discard(b.index % self.fragments)
             done = True
         if done:

@@ -132,6 +132,11 @@ class NodeMode:
     def wait_params(self) -> None:
         """Wait for whatever still writes the parameters after a step (before they are used again)."""
 
+    def part_changed(self, b: Bucket) -> None:
+        """The part of ``b`` this rank steps changed outside the kernel pass (the outer step of local
+        steps, before the next forward): the bucket's parameters must reflect it when this returns."""
+        b.scatter_params()  # param_as_bucket_view=False: the parameters follow the block
+
     def drop_work(self) -> None:
         """Forget the node's own collectives in flight without waiting (after one of them failed: the
         rest will never complete). No node, none."""

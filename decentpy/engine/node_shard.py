@@ -91,6 +91,14 @@ class NodeShard(NodeReduction):
         super().drop_work()
         self._gathers = {}
 
+    def part_changed(self, b: Bucket) -> None:
+        """The shard's outer step (local steps): the node all-gathers the shards again, now."""
+        group = self.node.group
+        if group is not None:
+            self.node.wait(group.all_gather(b.param_block, b.param),
+                           f"the node's all-gather of bucket {b.index}'s shards after its outer step")
+        b.scatter_params()
+
     def wait_params(self) -> None:
         for b in self.strategy.buckets:
             work = self._gathers.pop(b.index, None)

@@ -129,10 +129,9 @@ class RunSpec:
         if self.mode == "torchft-diloco" and self.local_steps < 2:
             raise ValueError(f"mode 'torchft-diloco' is torchft 0.2.0's DiLoCo: give local_steps >= 2 (its "
                              f"sync_every), got {self.local_steps}")
-        if self.local_steps > 1 and self.mode != "torchft-diloco" and (
-                self.mode != "decentpy" or self.intra_node != "gossip"):
-            raise ValueError(f"local_steps={self.local_steps} is decentpy's, with intra_node='gossip' (got mode "
-                             f"{self.mode!r}, intra_node={self.intra_node!r})")
+        if self.local_steps > 1 and self.mode not in ("decentpy", "torchft-diloco"):
+            raise ValueError(f"local_steps={self.local_steps} is decentpy's (or mode 'torchft-diloco'), got mode "
+                             f"{self.mode!r}")
         if (self.fragments != 1 or self.fragment_sync_delay or self.fragment_update_alpha) and (
                 self.mode != "decentpy" or self.local_steps < 2):
             raise ValueError(f"fragments={self.fragments} / fragment_sync_delay={self.fragment_sync_delay} / "
