@@ -70,6 +70,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--local-steps", type=int, default=1, metavar="H",
                    help="decentpy: H inner steps between outer steps (DiLoCo's outer Nesterov step over the topology; "
                         "'complete' = DiLoCo); 1: gossip every step")
+    p.add_argument("--fragments", type=int, default=1,
+                   help="decentpy local steps: Streaming DiLoCo's fragments (groups of buckets synchronised in turn)")
+    p.add_argument("--fragment-sync-delay", type=int, default=0, metavar="TAU",
+                   help="inner steps a fragment's outer exchange stays in flight")
+    p.add_argument("--fragment-update-alpha", type=float, default=0.0, metavar="A",
+                   help="the share of those inner steps kept after the fragment's outer step")
     p.add_argument("--preset", default="small", choices=sorted(model.PRESETS), help="model size")
     p.add_argument("--tokens", type=_count, default=1_000_000,
                    help="token budget over all workers (steps = tokens / (global batch x context))")
@@ -112,7 +118,10 @@ def make_spec(args: argparse.Namespace) -> loop.RunSpec:
     """The arm the options describe; --eval-every becomes a number of evaluations."""
     spec = loop.RunSpec(mode=args.mode, topology=args.topology,
                         compression=None if args.compression == "none" else args.compression,
-                        intra_node=args.intra_node, local_steps=args.local_steps, preset=args.preset, tokens=args.tokens, seed=args.seed,
+                        intra_node=args.intra_node, local_steps=args.local_steps, fragments=args.fragments,
+                        fragment_sync_delay=args.fragment_sync_delay,
+                        fragment_update_alpha=args.fragment_update_alpha, preset=args.preset, tokens=args.tokens,
+                        seed=args.seed,
                         evals=args.evals, val_windows=args.val_windows, lr=args.lr, global_batch=args.global_batch,
                         context=args.context, local_world_size=args.local_world_size, log_every=args.log_every)
     if args.eval_every is not None:

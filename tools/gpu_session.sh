@@ -119,6 +119,13 @@ if want lm; then
     --device cuda --tokens 1000000 --evals 4 --topology alternating-exp-ring --compression int8
   step lm_1_nccl 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 examples/train_lm.py \
     --device cuda --backend nccl --tokens 1000000 --evals 4 --local-world-size 1
+  # local steps on the GPU: the int8 gossip outer step (compressed_mix over the CUDA outer kernels)
+  # and Streaming DiLoCo's fragments
+  step lm_4_local_steps 100 "$PY" -m torch.distributed.run --standalone --nproc_per_node=4 examples/train_lm.py \
+    --device cuda --tokens 1000000 --evals 4 --topology alternating-exp-ring --compression int8 --local-steps 32
+  step lm_4_streaming 100 "$PY" -m torch.distributed.run --standalone --nproc_per_node=4 examples/train_lm.py \
+    --device cuda --tokens 1000000 --evals 4 --topology complete --local-steps 32 --fragments 4 \
+    --fragment-sync-delay 2 --fragment-update-alpha 0.5
 fi
 
 if want ncu; then
