@@ -85,3 +85,24 @@ def test_from_csv_merges_runs_and_keeps_each_rows_machine(tmp_path) -> None:
     assert float(summary["ddp"]["final_val_bits_per_byte"]) == pytest.approx(2.95)
     assert float(summary["aer"]["final_val_bits_per_byte"]) == pytest.approx(2.0)
     assert summary["aer"]["machine"] == "machine A; machine B"
+
+
+def test_link_probe_derives_ddp_time_from_the_probe_and_the_loopback_curve() -> None:
+    """bench/lm_link_probe.py: DDP's step to an arm's final loss, linear between evaluations, times
+    the probe's seconds per step, against the same arithmetic written out."""
+    from bench.lm_link_probe import link_table, step_reaching
+
+    curve = [(0, 8.0), (10, 4.0), (20, 3.0), (30, 2.5)]
+    assert step_reaching(curve, 3.5) == 15.0
+    assert step_reaching(curve, 8.5) == 0
+    assert step_reaching(curve, 2.0) is None
+    runs = [dict(mode="ddp", link_mbit=None, local_steps=1, step=s, val_bits_per_byte=v, wall_s=0.1 * s)
+            for s, v in curve]
+    runs += [dict(mode="decentpy", topology="complete", compression="none", intra_node="gossip", link_mbit=100.0,
+                  local_steps=32, fragments=1, step=s, val_bits_per_byte=v, wall_s=w)
+             for s, v, w in [(0, 8.0, 0.0), (30, 3.5, 6.0)]]
+    probe = [dict(mode="ddp", step=s, wall_s=0.5 * s) for s in (0, 4, 8)]
+    (row,) = link_table(runs, probe, 100.0)
+    assert row["arm"] == "diloco-32" and row["ddp_step_to_that_loss"] == 15.0
+    assert row["ddp_wall_s_to_that_loss"] == 7.5 and row["speedup_vs_ddp"] == round(7.5 / 6.0, 2)
+    assert row["ddp_full_budget_s"] == 15.0

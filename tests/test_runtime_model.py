@@ -1062,3 +1062,203 @@ def test_cli_local_steps_only(tmp_path, capsys):
     assert png.is_file() or png.with_suffix(".svg").is_file()
     with pytest.raises(SystemExit):
         cli.main(["--local-steps-only", "--out", str(tmp_path), "--local-steps-gpus", "12"])
+
+
+# ---------------------------------------------------------------------------------------------
+# local steps measured: the replicas' int8 path, windows, bench-lm runs, the link calibration
+# ---------------------------------------------------------------------------------------------
+
+
+def test_replicas_int8_outer_exchange_is_compressed_gossip_of_the_buffer():
+    m = WL.model_bytes
+    for name, buffers in (("complete", 1), ("alternating-exp-ring", 2), ("ring", 2)):
+        got = rm.outer_exchange_times(name, 16, 8, m, HW, "int8", node_level=False)
+        want = rm.step_comm_times(name, 16, 8, buffers * m, HW, "int8")
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+        # kernels: error feedback, quantise, dequantise of the whole buffer, not a 1/L shard
+        y = buffers * m
+        mix = 0.0 if name == "complete" else 6.0 * m
+        assert rm.outer_kernel_time(name, 16, 8, WL, HW, "int8", node_level=False) == \
+            pytest.approx((11.0 * m + mix + 4 * y + 2 * _int8_wire(y)) / HW.mem_bw, rel=1e-12)
+    # off the node-level topologies the two paths are one
+    np.testing.assert_array_equal(rm.outer_exchange_times("ring", 16, 8, m, HW, "int8"),
+                                  rm.outer_exchange_times("ring", 16, 8, m, HW, "int8", False))
+    # bench-lm's 2 nodes of 2: the group of 4 puts 2 wires through each NIC, the node-level path 1
+    nic_only = replace(BYTES_ONLY, intra_bw=math.inf)
+    replicas = rm.outer_exchange_times("complete", 4, 2, m, nic_only, "int8", node_level=False)
+    fp32 = rm.outer_exchange_times("complete", 4, 2, m, nic_only)
+    assert replicas[0] / fp32[0] == pytest.approx(2 * _int8_wire(m) / m, rel=1e-3)
+    assert rm.local_steps_iteration_time("complete", 4, 2, WL, HW, 8, "int8")[0] < \
+        rm.local_steps_iteration_time("complete", 4, 2, WL, HW, 8, "int8", node_level=False)[0]
+
+
+@pytest.mark.parametrize("name,kind", [("complete", None), ("alternating-exp-ring", "int8"),
+                                       ("one-peer-exp", None)])
+def test_local_steps_window_by_hand(name, kind):
+    n, local, h = 16, 8, 4
+    inner, outer = rm.local_steps_step_times(name, n, local, WL, HW, kind)
+    period = len(outer)
+    # whole periods of the schedule: the steady-state mean
+    assert rm.local_steps_window_time(name, n, local, WL, HW, h, 1, h * period, kind) == \
+        pytest.approx(rm.local_steps_iteration_time(name, n, local, WL, HW, h, kind)[0], rel=1e-12)
+    # iterations 3..13 at H = 4: outer steps at 4, 8, 12 (topology steps 0, 1, 2 mod period)
+    want = (8 * inner + sum(outer[k % period] for k in range(3))) / 11
+    assert rm.local_steps_window_time(name, n, local, WL, HW, h, 3, 13, kind) == \
+        pytest.approx(want, rel=1e-12)
+    # no outer step inside: inner iterations only
+    assert rm.local_steps_window_time(name, n, local, WL, HW, h, 5, 7, kind) == \
+        pytest.approx(inner, rel=1e-12)
+    with pytest.raises(ValueError, match="first=5"):
+        rm.local_steps_window_time(name, n, local, WL, HW, h, 5, 4, kind)
+
+
+def test_predict_local_steps_is_the_model_function():
+    hw = replace(HW, overlap=0.7)
+    wl = replace(WL, compute_s=0.05)
+    for topo, kind in (("complete", None), ("complete", "int8"), ("alternating-exp-ring", "int8")):
+        m = fit.Measurement("decentpy", topo, 16, "x", 1.0, wl.model_bytes, wl.compute_s, 8,
+                            local_steps=32, compression=kind, link_mbit=100.0)
+        assert m.kind == "local-steps"
+        assert fit.predict(m, hw) == rm.local_steps_iteration_time(
+            topo, 16, 8, wl, hw, 32, kind, node_level=False)[0]
+        w = replace(m, window=(31, 244))
+        assert fit.predict(w, hw) == rm.local_steps_window_time(
+            topo, 16, 8, wl, hw, 32, 31, 244, kind, node_level=False)
+    every = fit.Measurement("decentpy", "alternating-exp-ring", 16, "x", 1.0, wl.model_bytes,
+                            wl.compute_s, 8, compression="int8")
+    assert fit.predict(every, hw) == rm.decentralized_iteration_time(
+        "alternating-exp-ring", 16, 8, wl, hw, "int8")[0]
+    with pytest.raises(ValueError, match="shard"):
+        fit.predict(replace(m, sharded=True), hw)
+
+
+_LM_HEADER = ("framework,mode,topology,compression,intra_node,local_steps,fragments,link_mbit,"
+              "workers,preset,seed,step,tokens,wall_s,bytes_sent_per_worker,params,device")
+
+
+def _lm_run(arm, link, seed, points, params=1000):
+    """bench-lm rows of one run: arm = (framework, mode, topology, compression, intra_node, H, F)."""
+    fw, mode, topo, comp, intra, h, frag = arm
+    return [f"{fw},{mode},{topo},{comp},{intra},{h},{frag},{link},4,small,{seed},{s},{s * 64},{w},"
+            f"0.0,{params},cpu" for s, w in points]
+
+
+_DILOCO8 = ("decentpy", "decentpy", "complete", "none", "gossip", 8, 1)
+_AER32_INT8 = ("decentpy", "decentpy", "alternating-exp-ring", "int8", "gossip", 32, 1)
+_RANDOM32 = ("decentpy", "decentpy", "random-pairs", "none", "gossip", 32, 1)
+_DDP = ("torch", "ddp", "allreduce", "none", "", "", "")
+
+
+def _write_lm_csv(path, throttled=True):
+    rows = []
+    # loopback: start-up in the first interval (step 0 -> 10), then 0.1 / 0.12 / 0.2 s per step
+    rows += _lm_run(_DILOCO8, "", 0, [(0, 0.0), (10, 5.0), (20, 6.0), (40, 8.0)])
+    rows += _lm_run(_AER32_INT8, "", 0, [(0, 0.0), (10, 3.0), (40, 6.6)])
+    rows += _lm_run(_RANDOM32, "", 0, [(0, 0.0), (10, 2.0), (40, 8.0)])
+    rows += _lm_run(_DDP, "", 0, [(0, 0.0), (10, 1.0), (40, 4.0)])
+    rows += _lm_run(_DDP, "", 1, [(0, 0.0), (10, 1.0), (40, 7.0)])
+    if throttled:
+        rows += _lm_run(_DILOCO8, "100.0", 0, [(40, 6.0), (10, 1.5), (0, 0.0), (20, 3.0)])
+        rows += _lm_run(_AER32_INT8, "100.0", 0, [(0, 0.0), (40, 9.0)])  # two points: from 0
+        rows += _lm_run(_RANDOM32, "100.0", 0, [(0, 0.0), (10, 2.0), (40, 9.0)])
+        rows += _lm_run(_DDP, "100.0", 0, [(0, 0.0), (10, 4.0), (40, 16.0)])
+        rows += _lm_run(("torch", "ddp-powersgd", "allreduce", "powersgd-rank4", "", "", ""),
+                        "100.0", 0, [(0, 0.0), (40, 9.0)])
+        rows += _lm_run(("decentpy", "decentpy", "ring", "none", "gossip", "", ""), "100.0", 0,
+                        [(0, 0.0), (40, 9.0)])  # no loopback run of its arm
+        rows += _lm_run(("decentpy", "decentpy", "complete", "none", "gossip", 32, 4), "100.0", 0,
+                        [(0, 0.0), (40, 9.0)])
+        rows += _lm_run(_DILOCO8, "1000.0", 0, [(40, 5.0)])  # one point: no time
+    path.write_text(_LM_HEADER + "\n" + "\n".join(rows) + "\n")
+
+
+def test_bench_lm_loader(tmp_path):
+    path = tmp_path / "bench_lm.csv"
+    _write_lm_csv(path)
+    assert fit.is_bench_lm(path)
+    runs = fit.load_bench_lm(path)
+    assert runs.loopback_runs == 5
+    by = {(m.topology, m.local_steps): m for m in runs.measurements}
+    assert set(by) == {("complete", 8), ("alternating-exp-ring", 32), ("allreduce", 1)}
+    pooled = 0.12  # median of the local-steps loopback runs: 0.1, 0.12, 0.2 (random-pairs too)
+    d = by[("complete", 8)]
+    assert (d.framework, d.workers, d.local, d.model, d.link_mbit) == ("decentpy", 4, 2, "lm-small", 100.0)
+    assert d.model_bytes == 4000.0 and d.compression is None and not d.sharded
+    assert d.window == (11, 40) and d.step_time_s == pytest.approx((6.0 - 1.5) / 30)
+    assert d.compute_time_s == pytest.approx(pooled)
+    a = by[("alternating-exp-ring", 32)]
+    assert a.compression == "int8" and a.window == (1, 40) and a.step_time_s == pytest.approx(9.0 / 40)
+    assert a.compute_time_s == pytest.approx(pooled)
+    ddp = by[("allreduce", 1)]
+    assert ddp.kind == "allreduce" and ddp.step_time_s == pytest.approx(0.4)
+    assert ddp.compute_time_s == pytest.approx(0.15)  # the median of its two seeds: 0.1, 0.2
+    reasons = {s.run.split(" @ ")[0] + " @ " + s.run.split(" @ ")[1].split(",")[0]: s.reason
+               for s in runs.skipped}
+    assert "random-pairs" in reasons["decentpy random-pairs H=32 @ 100 Mbit/s"]
+    assert "PowerSGD" in reasons["ddp-powersgd allreduce powersgd-rank4 @ 100 Mbit/s"]
+    assert "no loopback run" in reasons["decentpy ring @ 100 Mbit/s"]
+    assert "fragments" in reasons["decentpy complete H=32 F=4 @ 100 Mbit/s"]
+    assert "fewer than two" in reasons["decentpy complete H=8 @ 1000 Mbit/s"]
+    assert len(runs.skipped) == 5
+    assert fit.load_measurements(path) == runs.measurements
+    # compute='arm': the same arm and seed's loopback run
+    arm = {(m.topology, m.local_steps): m for m in fit.load_bench_lm(path, "arm").measurements}
+    assert arm[("complete", 8)].compute_time_s == pytest.approx(0.1)
+    assert arm[("alternating-exp-ring", 32)].compute_time_s == pytest.approx(0.12)
+    assert arm[("allreduce", 1)].compute_time_s == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="'median'"):
+        fit.load_bench_lm(path, "median")
+
+
+def _link_synthetic(eff, lat, ov, m_bytes=4.3e6):
+    """Throttled measurements like bench-lm's, step times from the model with a known link."""
+    out = []
+    for mbit in (100.0, 1000.0):
+        for topo, kind, h in (("allreduce", None, 1), ("complete", None, 1), ("ring", None, 1),
+                              ("one-peer-exp", None, 1), ("alternating-exp-ring", None, 1),
+                              ("alternating-exp-ring", "int8", 1), ("complete", None, 8),
+                              ("complete", "int8", 32), ("alternating-exp-ring", None, 32)):
+            m = fit.Measurement("decentpy", topo, 4, "lm", 1.0, m_bytes, 0.25, 2, local_steps=h,
+                                compression=kind, link_mbit=mbit, window=(31, 244))
+            t = fit.predict(m, fit.link_hardware(mbit, eff, lat, ov))
+            out.append(replace(m, step_time_s=t))
+    return out
+
+
+def test_link_calibration_recovers_a_known_link():
+    ms = _link_synthetic(0.8, 5e-3, 0.5)
+    res = fit.calibrate_links(ms, restarts=1)
+    assert res.fitted == [m.local_steps == 1 for m in ms]
+    assert res.efficiency == pytest.approx(0.8, rel=0.02)
+    assert res.latency_s == pytest.approx(5e-3, rel=0.1)
+    assert res.overlap == pytest.approx(0.5, abs=0.05)
+    assert res.median_abs_error(True) < 1e-3 and res.median_abs_error(False) < 1e-3
+    hw = res.hardware(100.0)
+    assert hw.inter_bw == pytest.approx(res.efficiency * 12.5e6) and hw.overlap == res.overlap
+    with pytest.raises(ValueError, match="calibrate_links"):
+        fit.calibrate(ms)
+    with pytest.raises(ValueError, match="link_mbit"):
+        fit.calibrate_links([replace(ms[0], link_mbit=None)])
+    with pytest.raises(ValueError, match="fit set"):
+        fit.calibrate_links(ms, fit_on=lambda m: False)
+
+
+def test_cli_calibrates_bench_lm(tmp_path, capsys):
+    path = tmp_path / "bench_lm.csv"
+    _write_lm_csv(path)
+    table = tmp_path / "docs" / "runtime_model_calibration_lm.csv"
+    out = tmp_path / "out"
+    assert cli.main(["--calibration-only", "--calibrate", str(path), "--out", str(out),
+                     "--lm-calibration-csv", str(table), "--local-steps-n", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "bench-lm calibration on the 3 throttled-link runs" in text
+    assert "random-pairs" in text and "NIC Gb/s per node" in text
+    lines = table.read_text().splitlines()
+    assert lines[0].startswith("run,set,link Mbit/s,H,compute ms,measured ms,model ms,rel err")
+    assert len(lines) == 1 + 3
+    assert (out / "runtime_model_calibration_lm.csv").is_file()
+    assert (out / "runtime_model_calibration_lm_params.csv").read_text().startswith("param,value")
+    loopback = tmp_path / "loopback.csv"
+    _write_lm_csv(loopback, throttled=False)
+    assert cli.main(["--calibration-only", "--calibrate", str(loopback), "--out", str(out)]) == 0
+    assert "no throttled-link run" in capsys.readouterr().out

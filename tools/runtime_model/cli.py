@@ -18,7 +18,19 @@ from typing import Dict, List, Optional, Sequence
 from tools.tables import print_table, write_csv
 
 from . import model as runtime_model
-from .fit import calibrate, load_measurements
+from .fit import (
+    COMPUTE_RULES,
+    BenchLmRuns,
+    LinkCalibration,
+    Measurement,
+    calibrate,
+    calibrate_links,
+    is_bench_lm,
+    link_hardware,
+    load_bench_lm,
+    load_measurements,
+    predict,
+)
 from .model import (
     COMPRESSION_MODES,
     EXACT_GAP_MAX_N,
@@ -40,6 +52,7 @@ from .model import (
     TOPOLOGIES,
     Hardware,
     Workload,
+    bandwidth_for_utilisation,
     compression_table,
     decentralized_iteration_time,
     ddp_iteration_time,
@@ -49,6 +62,7 @@ from .model import (
     local_steps_table,
     local_steps_workload,
     mode_name,
+    gpu_hardware,
     published_table,
     spectral_gap,
     topology_valid,
@@ -86,7 +100,18 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--calibrate", nargs="*",
                    default=["bench/out/bench_train.csv", "bench/out/bench_hybrid.csv"],
                    help="CSVs of measured CPU step times, fitted together (missing files are "
-                   "skipped with a message; no file: no calibration)")
+                   "skipped with a message; no file: no calibration); a bench-lm CSV (docs/data/"
+                   "bench_lm.csv, recognised by its columns) gives its throttled-link runs, whose "
+                   "link is fitted on the every-step runs and validated on the local-steps runs")
+    p.add_argument("--calibration-only", action="store_true",
+                   help="only the calibration on the --calibrate CSVs (no tables at scale)")
+    p.add_argument("--lm-compute", choices=COMPUTE_RULES, default="pooled",
+                   help="bench-lm CSVs: a throttled run's compute time from the loopback runs -- "
+                   "'pooled': local-steps runs the median of all of decentpy's local-steps loopback "
+                   "runs, every-step runs their arm's over the seeds; 'arm': the same arm and seed")
+    p.add_argument("--lm-calibration-csv", default=None,
+                   help="also write the printed bench-lm calibration table, cell for cell, to this "
+                   "CSV (the docs' table is docs/data/runtime_model_calibration_lm.csv)")
     p.add_argument("--out", default="bench/out")
     p.add_argument("--hybrid-plot", default=None,
                    help="plot of the hybrid modes at scale (default: OUT/runtime_hybrid.png; the "
@@ -271,8 +296,8 @@ def _local_steps_report(out_dir: Path, gpus: Sequence[int], n_plot: int,
           "local_steps=h on complete (one all-reduce of the pseudo-gradient per h steps); "
           "AER-DiLoCo = a gossip outer step on AER (global copy and pseudo-gradient, 2 models); the "
           "outer exchange overlaps the rest of the h-th backward only; +int8 outer exchange "
-          "(planned in decentpy, modelled): exact fp32 inside the node, each GPU's "
-          f"1/{HYBRID_LOCAL} shard int8 across nodes")
+          "(node level, as decentpy's intra_node=\"shard\" runs it): exact fp32 inside the node, "
+          f"each GPU's 1/{HYBRID_LOCAL} shard int8 across nodes")
     print("compute utilisation = (forward + backward + Adam step of one GPU alone) / iteration "
           "time; NIC Gb/s per node needed to reach it (bisection; out of reach: latencies and "
           "kernel passes cap it below the target)")
@@ -297,8 +322,187 @@ def _local_steps_report(out_dir: Path, gpus: Sequence[int], n_plot: int,
         f"Local steps (DiLoCo) against an exchange every step: Transformer-110M "
         f"({wl.model_bytes / 1e6:.0f} MB, {wl.compute_s * 1e3:.1f} ms forward+backward per GPU), "
         f"{HYBRID_LOCAL} GPUs per node, NVLink intra-node\nanalytic model "
-        "(tools/runtime_model), not a measurement; the int8 outer exchange is planned in decentpy, "
-        "not implemented"))
+        "(tools/runtime_model), not a measurement; int8: the node-level outer exchange (exact in "
+        "the node, each GPU's shard int8 across)"))
+    return written
+
+
+def _tied_report(ms: List[Measurement], sources: str, wl: Workload, out_dir: Path) -> List[Path]:
+    """The one-machine calibration (bench-train, bench-hybrid rows): fit, table, parameter CSV."""
+    res = calibrate(ms, replace(wl, model_bytes=0.0, compute_s=0.0))
+    h = res.hardware
+    print(f"calibration on {len(ms)} measurements from {sources}: effective bandwidth "
+          f"{h.intra_bw / 1e9:.3g} GB/s, latency {h.intra_lat * 1e6:.3g} us, kernel "
+          f"bandwidth {h.mem_bw / 1e9:.3g} GB/s, overlap {h.overlap:.2f}")
+    print_table(
+        ["framework", "mode", "topology", "n", "L", "model", "measured ms", "model ms",
+         "rel err"],
+        [[m.framework, m.kind, m.topology, m.workers, m.local, m.model,
+          f"{m.step_time_s * 1e3:.2f}", f"{p * 1e3:.2f}", f"{e:+.1%}"]
+         for m, p, e in zip(res.measurements, res.predictions, res.rel_errors)])
+    by_kind: Dict[str, List[float]] = {}
+    for m, e in zip(res.measurements, res.rel_errors):
+        by_kind.setdefault(m.kind, []).append(abs(e))
+    print(f"median |relative error|: {res.median_abs_error:.1%} ("
+          + ", ".join(f"{k} {statistics.median(v):.1%} over {len(v)}"
+                      for k, v in sorted(by_kind.items())) + ")")
+    path = out_dir / "runtime_model_calibration.csv"
+    with open(path, "w", newline="") as fh:
+        wr = csv.writer(fh)
+        wr.writerow(["param", "value"])
+        for k, v in asdict(h).items():
+            wr.writerow([k, v])
+        wr.writerow(["median_abs_rel_error", res.median_abs_error])
+    return [path]
+
+
+def _link_report(runs: BenchLmRuns, sources: str, wl: Workload, out_dir: Path, compute: str,
+                 table_csv: Optional[str], n_gpus: int) -> List[Path]:
+    """The bench-lm calibration: the throttled link fitted on the every-step runs, predicted for
+    the local-steps runs (a validation); table, CSVs, and what the fitted overlap would change in
+    the local-steps table at scale."""
+    base = replace(wl, model_bytes=0.0, compute_s=0.0)
+    res: LinkCalibration = calibrate_links(runs.measurements, base)
+    ms = res.measurements
+    nominal = [_nominal(m, base) for m in ms]
+    links = sorted({m.link_mbit for m in ms})  # type: ignore[type-var]
+    print(f"bench-lm calibration on the {len(ms)} throttled-link runs of {sources}: "
+          f"{ms[0].workers} CPU workers as 2 nodes of {ms[0].local} (decentpy's local_world_size), "
+          "each node's link limited by tc tbf to " + " / ".join(f"{g:g}" for g in links)
+          + " Mbit/s each way, loopback inside a node")
+    rule = ("the median of decentpy's local-steps loopback runs for local steps, of the arm's "
+            "loopback runs over the seeds every step" if compute == "pooled"
+            else "the same arm and seed's loopback run")
+    print("step time: slope of the training wall time (evaluations excluded) from the first "
+          "evaluation after step 0 to the last; local steps: the outer steps at the multiples of H "
+          f"in that window; compute time: {rule} (what stays on the machine, measured); the model "
+          "adds what crosses the link")
+    for ref, t in runs.compute_s.items():
+        print(f"  compute {t * 1e3:.1f} ms: {ref}")
+    n_fit = sum(res.fitted)
+    print(f"link fitted on the {n_fit} every-step runs: efficiency {res.efficiency:.3g} of the tc "
+          f"rate, latency {res.latency_s * 1e3:.3g} ms per message, overlap {res.overlap:.2f}; "
+          f"median |relative error| {res.median_abs_error(True):.1%} fitted, "
+          f"{res.median_abs_error(False):.1%} on the {len(ms) - n_fit} local-steps runs "
+          "(predicted, not fitted)")
+    if res.efficiency > 1:
+        print("  (an efficiency above 1 is not physical: the fit trades the model's mismatches of "
+              "the every-step modes against each other, see the errors below)")
+    header = ["run", "set", "link Mbit/s", "H", "compute ms", "measured ms", "model ms", "rel err",
+              "measured - compute ms", "model - compute ms", "nominal link ms"]
+    order = sorted(range(len(ms)), key=lambda i: (not res.fitted[i], ms[i].link_mbit,
+                                                  ms[i].local_steps, ms[i].run))
+    table = []
+    for i in order:
+        m, p, e = ms[i], res.predictions[i], res.rel_errors[i]
+        table.append([m.run, "fit" if res.fitted[i] else "validation", f"{m.link_mbit:g}",
+                      str(m.local_steps),
+                      f"{m.compute_time_s * 1e3:.1f}", f"{m.step_time_s * 1e3:.1f}",
+                      f"{p * 1e3:.1f}", f"{e:+.1%}",
+                      f"{(m.step_time_s - m.compute_time_s) * 1e3:+.1f}",
+                      f"{(p - m.compute_time_s) * 1e3:+.1f}", f"{nominal[i] * 1e3:.1f}"])
+    print("per run (nominal link: the tc rate, no latency, full overlap):")
+    print_table(header, table, group=lambda row: row[1])
+    if runs.skipped:
+        print(f"not predicted ({len(runs.skipped)} throttled runs):")
+        for sk in runs.skipped:
+            print(f"  {sk.run}: {sk.reason}")
+    rows = [dict(run=m.run, framework=m.framework, topology=m.topology,
+                 compression=m.compression or "", sharded=m.sharded, local_steps=m.local_steps,
+                 link_mbit=m.link_mbit, workers=m.workers, local=m.local, model=m.model,
+                 model_bytes=m.model_bytes, window_first=m.window[0] if m.window else None,
+                 window_last=m.window[1] if m.window else None, fitted=f,
+                 compute_s=m.compute_time_s, measured_s=m.step_time_s, predicted_s=p,
+                 rel_error=e, nominal_link_s=q)
+            for m, p, e, f, q in zip(ms, res.predictions, res.rel_errors, res.fitted, nominal)]
+    written = _write_tables(out_dir / "runtime_model_calibration_lm.csv", rows, header, table,
+                            table_csv)
+    params = out_dir / "runtime_model_calibration_lm_params.csv"
+    with open(params, "w", newline="") as fh:
+        wr = csv.writer(fh)
+        wr.writerow(["param", "value"])
+        wr.writerows([["link_efficiency", res.efficiency], ["link_latency_s", res.latency_s],
+                      ["overlap", res.overlap], ["compute_rule", compute],
+                      ["median_abs_rel_error_fit", res.median_abs_error(True)],
+                      ["median_abs_rel_error_local_steps", res.median_abs_error(False)]])
+    written.append(params)
+    _overlap_sensitivity(res.overlap, n_gpus)
+    return written
+
+
+def _nominal(m: Measurement, base: Workload) -> float:
+    """``m`` predicted on its nominal link (the tc rate, no latency, full overlap)."""
+    return predict(m, link_hardware(m.link_mbit), base)  # type: ignore[arg-type]
+
+
+def _overlap_sensitivity(overlap: float, n: int) -> None:
+    """The local-steps table's NIC bandwidth for 90% / 95% at ``n`` GPUs, with full overlap (the
+    table) and with the CPU fit's ``overlap``: the only fitted parameter with a meaning on a GPU
+    cluster (the link efficiency and latency are tc's and TCP's on one machine, and they absorb the
+    model's mismatches)."""
+    def hardware(gbps: float) -> Hardware:
+        return replace(gpu_hardware(gbps), overlap=overlap)
+
+    targets = list(LOCAL_STEPS_TARGETS)
+    table = []
+    for mode in LOCAL_STEPS_MODES:
+        if not mode.valid(n, HYBRID_LOCAL):
+            continue
+        full = [bandwidth_for_utilisation(mode, n, t) for t in targets]
+        cpu = [bandwidth_for_utilisation(mode, n, t, hardware=hardware) for t in targets]
+        table.append([label(mode.name), *(f"{_gbps_cell(a)} / {_gbps_cell(b)}"
+                                          for a, b in zip(full, cpu))])
+    print(f"local steps at scale ({n} GPUs, the table's cluster): NIC Gb/s per node for "
+          + " and ".join(f"{round(t * 100)}%" for t in targets)
+          + f" utilisation, full overlap / the CPU fit's overlap {overlap:.2f} (a sensitivity, "
+          "not a calibration of the GPU cluster)")
+    print_table(["mode", *[f"Gb/s for {round(t * 100)}%" for t in targets]], table)
+
+
+def _calibration_report(args: argparse.Namespace, wl: Workload, out_dir: Path) -> List[Path]:
+    """Read the --calibrate CSVs and run the one-machine calibration on the bench-train /
+    bench-hybrid rows and the link calibration on the bench-lm runs; the paths written."""
+    ms: List[Measurement] = []
+    used: List[str] = []
+    lm_runs: List[BenchLmRuns] = []
+    lm_used: List[str] = []
+    for cal in args.calibrate or []:
+        cal_path = Path(cal)
+        if not cal_path.is_file():
+            print(f"calibration skipped for {cal_path}: it does not exist (bench_train.py / "
+                  "bench_hybrid.py write it: columns framework, topology, workers, model, "
+                  "step_time_s, bytes_per_step, compute_time_s; or bench_lm.py's CSV)")
+            continue
+        if is_bench_lm(cal_path):
+            runs = load_bench_lm(cal_path, args.lm_compute)
+            if not runs.measurements:
+                print(f"calibration skipped for {cal_path}: no throttled-link run the model "
+                      f"predicts ({runs.loopback_runs} loopback runs, {len(runs.skipped)} "
+                      "throttled runs skipped)")
+                continue
+            lm_runs.append(runs)
+            lm_used.append(str(cal_path))
+            continue
+        found = load_measurements(cal_path)
+        if not found:
+            print(f"calibration skipped for {cal_path}: no usable rows")
+            continue
+        ms += found
+        used.append(str(cal_path))
+    written: List[Path] = []
+    if ms:
+        written += _tied_report(ms, ", ".join(used), wl, out_dir)
+    if lm_runs:
+        if ms:
+            print()
+        merged = BenchLmRuns([m for r in lm_runs for m in r.measurements],
+                             [s for r in lm_runs for s in r.skipped],
+                             {k: v for r in lm_runs for k, v in r.compute_s.items()},
+                             sum(r.loopback_runs for r in lm_runs))
+        written += _link_report(merged, ", ".join(lm_used), wl, out_dir, args.lm_compute,
+                                args.lm_calibration_csv, args.local_steps_n)
+    if not ms and not lm_runs:
+        print("calibration skipped: no measurements")
     return written
 
 
@@ -316,6 +520,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = [n for n in (2 ** k for k in range(3, 13)) if n <= args.max_n and n % local == 0]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.calibration_only:
+        written = _calibration_report(args, wl, out_dir)
+        if written:
+            print(f"\nwrote {', '.join(map(str, written))}")
+        return 0
     if args.hybrid_only or args.compression_only or args.local_steps_only:
         paths = []
         if args.hybrid_only:
@@ -422,47 +631,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                         args.local_steps_csv, args.local_steps_plot)
 
     print()
-    ms, used = [], []
-    for cal in args.calibrate or []:
-        cal_path = Path(cal)
-        if not cal_path.is_file():
-            print(f"calibration skipped for {cal_path}: it does not exist (bench_train.py / "
-                  "bench_hybrid.py write it: columns framework, topology, workers, model, "
-                  "step_time_s, bytes_per_step, compute_time_s)")
-            continue
-        found = load_measurements(cal_path)
-        if not found:
-            print(f"calibration skipped for {cal_path}: no usable rows")
-            continue
-        ms += found
-        used.append(str(cal_path))
-    if ms:
-        sources = ", ".join(used)
-        res = calibrate(ms, replace(wl, model_bytes=0.0, compute_s=0.0))
-        h = res.hardware
-        print(f"calibration on {len(ms)} measurements from {sources}: effective bandwidth "
-              f"{h.intra_bw / 1e9:.3g} GB/s, latency {h.intra_lat * 1e6:.3g} us, kernel "
-              f"bandwidth {h.mem_bw / 1e9:.3g} GB/s, overlap {h.overlap:.2f}")
-        print_table(
-            ["framework", "mode", "topology", "n", "L", "model", "measured ms", "model ms",
-             "rel err"],
-            [[m.framework, m.kind, m.topology, m.workers, m.local, m.model,
-              f"{m.step_time_s * 1e3:.2f}", f"{p * 1e3:.2f}", f"{e:+.1%}"]
-             for m, p, e in zip(res.measurements, res.predictions, res.rel_errors)])
-        by_kind: Dict[str, List[float]] = {}
-        for m, e in zip(res.measurements, res.rel_errors):
-            by_kind.setdefault(m.kind, []).append(abs(e))
-        print(f"median |relative error|: {res.median_abs_error:.1%} ("
-              + ", ".join(f"{k} {statistics.median(v):.1%} over {len(v)}"
-                          for k, v in sorted(by_kind.items())) + ")")
-        with open(out_dir / "runtime_model_calibration.csv", "w", newline="") as fh:
-            wr = csv.writer(fh)
-            wr.writerow(["param", "value"])
-            for k, v in asdict(h).items():
-                wr.writerow([k, v])
-            wr.writerow(["median_abs_rel_error", res.median_abs_error])
-    else:
-        print("calibration skipped: no measurements")
+    hybrid_paths += _calibration_report(args, wl, out_dir)
 
     csv_path = out_dir / "runtime_model.csv"
     write_csv(csv_path, list(csv_rows[0]) if csv_rows else ["n"], csv_rows)

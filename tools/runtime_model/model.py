@@ -158,21 +158,33 @@ outer step on any other topology; docs/guide/local_sgd.md):
   ``min(bucket_bytes, M)`` the last bucket, exposed. ``K_out = kernel_traffic_outer * M / mem_bw``
   (pseudo-gradient and outer optimizer), plus ``kernel_traffic_outer_mix * M / mem_bw`` for a gossip
   outer step's mix, plus the int8 passes below. Mean iteration: ``((H - 1) T_in + mean_t T_out,t) /
-  H``; with overlap == 1 the outer step exposes ``b's exchange + max(0, X - b's - B)``.
+  H``; with overlap == 1 the outer step exposes ``b's exchange + max(0, X - b's - B)``. A window of
+  iterations that is not whole periods (a measured one): the iterations c that are multiples of H
+  are outer steps (the c / H-th, topology step ``(c / H - 1) mod period``), the rest inner ones.
 * X_t: ``complete`` (DiLoCo): the hierarchical all-reduce of the M-byte pseudo-gradient (the global
   copies are equal everywhere and stay home). Another topology (gossip DiLoCo): the buffer [theta;
   delta], 2M bytes, mixed with the group of step t, costed as uncompressed gossip of 2M (pairs point
   to point, M -> 2M each way: twice DiLoCo's bytes; groups the hierarchical all-reduce).
-* ``compression="int8"`` of the outer exchange (planned in decentpy, refused there today; an option
-  here): on ``complete`` and ``alternating-exp-ring``, whose groups are whole nodes, exact in the
-  node and int8 across: the fp32 ring reduce-scatter of the buffer over the node's L ranks, each
-  rank's 1/L shard exchanged int8 with the same shard of the group's other nodes (sharded
-  compressed gossip's node rows: a pair of nodes one message of ``wire_bytes(x / 4 / L)`` each way,
-  a group of k > 2 nodes -- all N for ``complete`` -- the two rounds of compressed chunks; L flows per
-  NIC, 0.254x the fp32 NIC bytes), the fp32 all-gather in the node: ``X = allreduce_time(x, L, L) +
-  node rows``. Other topologies: decentpy's compressed gossip of the 2M buffer (point to point, the
-  rows of every-step compressed gossip). Kernels: error feedback, quantise and dequantise, ``4 y + 2
-  wire_bytes(y)`` per compressed y bytes of a rank (its shard on the node-level path).
+* ``compression="int8"`` of the outer exchange, two paths (``node_level``). The node-level path
+  (``node_level=True``, the default and the tables at scale): on ``complete`` and
+  ``alternating-exp-ring``, whose groups are whole nodes, exact in the node and int8 across: the fp32
+  ring reduce-scatter of the buffer over the node's L ranks, each rank's 1/L shard exchanged int8
+  with the same shard of the group's other nodes (sharded compressed gossip's node rows: a pair of
+  nodes one message of ``wire_bytes(x / 4 / L)`` each way, a group of k > 2 nodes -- all N for
+  ``complete`` -- the two rounds of compressed chunks; L flows per NIC, 0.254x the fp32 NIC bytes),
+  the fp32 all-gather in the node: ``X = allreduce_time(x, L, L) + node rows``; other topologies as
+  below. decentpy's ``intra_node="shard"`` with ``local_steps`` and compression is the nearest
+  implementation (each rank's shard int8 across the nodes, without the fp32 reduce-scatter: the
+  node's ranks hold the same parameters). The replicas' path (``node_level=False``) is what decentpy
+  runs with every rank a replica (``DecentralizedDataParallel(local_steps=H, compression="int8")``,
+  ``intra_node="gossip"``, measured by bench-lm): on ``complete`` the error-fed int8
+  pseudo-gradients through compressed gossip's two-round group exchange over all n ranks, on a
+  gossip topology compressed gossip (CHOCO) of the buffer [theta; delta]; both costed as every-step
+  compressed gossip of the buffer on the topology's groups of ranks (point to point: pairs one wire
+  each way, a group of m > 2 the two rounds of chunks; on ``complete`` at L = 2 and N = 2, 2 W
+  through each NIC, 0.51x the fp32 all-reduce's M, where the node-level path puts 0.254 M).
+  Kernels: error feedback, quantise and dequantise, ``4 y + 2 wire_bytes(y)`` per compressed y bytes
+  of a rank (its shard on the node-level path, the whole buffer on the replicas' path).
 * Compute utilisation ``= T_solo / T``, ``T_solo = T_c + K_in``: the share of an iteration that one
   GPU alone would also spend (forward, backward, its Adam step), so it tends to 1 as H grows.
   :func:`bandwidth_for_utilisation` bisects (on a log scale) the per-node NIC speed at which a mode
@@ -250,6 +262,8 @@ __all__ = [
     "outer_exchange_times",
     "outer_kernel_time",
     "local_steps_iteration_time",
+    "local_steps_step_times",
+    "local_steps_window_time",
     "diloco_iteration_time",
     "gossip_diloco_iteration_time",
     "solo_iteration_time",
@@ -1024,15 +1038,16 @@ def _check_local_steps(local_steps: int) -> int:
 
 
 def outer_exchange_times(name: str, n: int, local: int, nbytes: float, hw: Hardware,
-                         compression: Optional[str] = None) -> np.ndarray:
+                         compression: Optional[str] = None, node_level: bool = True) -> np.ndarray:
     """Per outer step of the topology's period, the seconds of the outer exchange of a model (or a
     bucket) of ``nbytes`` parameter bytes: ``complete`` (DiLoCo), the hierarchical all-reduce of
     the pseudo-gradient; another topology (gossip DiLoCo), the buffer [global copy; pseudo-gradient]
     of 2 ``nbytes`` mixed with the group of the step, costed as uncompressed gossip of it.
-    ``compression='int8'`` (or another decentpy kind): on :data:`NODE_LEVEL_INT8` topologies exact
-    in the node and compressed across nodes (the intra ring all-reduce of the buffer plus sharded
-    compressed gossip's node rows of its 1/L shards); elsewhere decentpy's compressed gossip of the
-    buffer, point to point (module docstring)."""
+    ``compression='int8'`` (or another decentpy kind): with ``node_level`` on :data:`NODE_LEVEL_INT8`
+    topologies exact in the node and compressed across nodes (the intra ring all-reduce of the buffer
+    plus sharded compressed gossip's node rows of its 1/L shards); otherwise, and always with
+    ``node_level=False`` (decentpy with every rank a replica), decentpy's compressed gossip of the
+    buffer over the topology's groups of ranks, point to point (module docstring)."""
     kind = _compression_kind(compression)
     _valid_topology(name, n, local)
     x = _outer_buffers(name) * nbytes
@@ -1040,7 +1055,7 @@ def outer_exchange_times(name: str, n: int, local: int, nbytes: float, hw: Hardw
         if name == "complete":
             return np.array([allreduce_time(x, n, local, hw)])
         return step_comm_times(name, n, local, x, hw)
-    if name in NODE_LEVEL_INT8:
+    if node_level and name in NODE_LEVEL_INT8:
         nodes = _check_nodes(n, local)
         intra = allreduce_time(x, local, local, hw)  # reduce-scatter + all-gather in the node
         if nodes == 1:
@@ -1051,12 +1066,12 @@ def outer_exchange_times(name: str, n: int, local: int, nbytes: float, hw: Hardw
 
 
 def outer_kernel_time(name: str, n: int, local: int, wl: Workload, hw: Hardware,
-                      compression: Optional[str] = None) -> float:
+                      compression: Optional[str] = None, node_level: bool = True) -> float:
     """Seconds of one outer step's memory-bound passes (not hidden): the pseudo-gradient and the
     outer optimizer (``kernel_traffic_outer``), a gossip outer step's mix
     (``kernel_traffic_outer_mix``), and with compression the error feedback, quantisation and
     dequantisation of what the rank compresses, ``4 y + 2 wire_bytes(y)`` for y bytes (the buffer,
-    or its 1/L shard on the node-level path)."""
+    or its 1/L shard on the node-level path: ``node_level`` as in :func:`outer_exchange_times`)."""
     kind = _compression_kind(compression)
     m = wl.model_bytes
     traffic = wl.kernel_traffic_outer * m
@@ -1064,47 +1079,89 @@ def outer_kernel_time(name: str, n: int, local: int, wl: Workload, hw: Hardware,
         traffic += wl.kernel_traffic_outer_mix * m
     if kind is not None and n > 1:
         x = _outer_buffers(name) * m
-        node_level = name in NODE_LEVEL_INT8
-        if not (node_level and n == local):  # one node: nothing crosses a NIC, nothing compressed
-            y = x / local if node_level else x
+        node_path = node_level and name in NODE_LEVEL_INT8
+        if not (node_path and n == local):  # one node: nothing crosses a NIC, nothing compressed
+            y = x / local if node_path else x
             traffic += 4.0 * y + 2.0 * wire_bytes(kind, _numel(y))
     return traffic / hw.mem_bw
 
 
+def _outer_parts(name: str, n: int, local: int, wl: Workload, hw: Hardware,
+                 compression: Optional[str], node_level: bool
+                 ) -> Tuple[float, float, float, np.ndarray, float]:
+    """(forward, backward, inner kernel, the H-th backward with its outer exchange per outer step of
+    the period, outer kernel) seconds: the pieces of :func:`local_steps_iteration_time`."""
+    fwd, bwd = _fwd_bwd(wl)
+    k_in = wl.kernel_traffic_ddp * wl.model_bytes / hw.mem_bw
+    full = outer_exchange_times(name, n, local, wl.model_bytes, hw, compression, node_level)
+    tail = outer_exchange_times(name, n, local, min(wl.bucket_bytes, wl.model_bytes), hw,
+                                compression, node_level)
+    backward = np.array([_bucketed(bwd, a, e, hw.overlap) for a, e in zip(full, tail)])
+    return fwd, bwd, k_in, backward, outer_kernel_time(name, n, local, wl, hw, compression,
+                                                       node_level)
+
+
 def local_steps_iteration_time(name: str, n: int, local: int, wl: Workload, hw: Hardware,
-                               local_steps: int, compression: Optional[str] = None
-                               ) -> Tuple[float, float]:
+                               local_steps: int, compression: Optional[str] = None,
+                               node_level: bool = True) -> Tuple[float, float]:
     """(mean iteration time, mean exposed outer communication per iteration) of local steps:
     ``local_steps`` = H - 1 iterations without communication and one outer step whose exchange on
     topology ``name`` (``complete``: DiLoCo; another: gossip DiLoCo) overlaps the rest of the
     H-th backward only, like DDP's buckets (the last bucket exposed); averaged over the outer
-    steps of the topology's period (module docstring)."""
+    steps of the topology's period (module docstring; ``node_level``: the int8 path, as in
+    :func:`outer_exchange_times`)."""
     h = _check_local_steps(local_steps)
-    fwd, bwd = _fwd_bwd(wl)
-    k_in = wl.kernel_traffic_ddp * wl.model_bytes / hw.mem_bw
-    full = outer_exchange_times(name, n, local, wl.model_bytes, hw, compression)
-    tail = outer_exchange_times(name, n, local, min(wl.bucket_bytes, wl.model_bytes), hw,
-                                compression)
-    backward = np.array([_bucketed(bwd, a, e, hw.overlap) for a, e in zip(full, tail)])
-    outer = fwd + float(np.mean(backward)) + k_in + outer_kernel_time(name, n, local, wl, hw,
-                                                                      compression)
+    fwd, bwd, k_in, backward, k_out = _outer_parts(name, n, local, wl, hw, compression,
+                                                   node_level)
+    outer = fwd + float(np.mean(backward)) + k_in + k_out
     inner = wl.compute_s + k_in
     return ((h - 1) * inner + outer) / h, float(np.mean(backward) - bwd) / h
 
 
+def local_steps_step_times(name: str, n: int, local: int, wl: Workload, hw: Hardware,
+                           compression: Optional[str] = None, node_level: bool = True
+                           ) -> Tuple[float, np.ndarray]:
+    """(an inner iteration's seconds, the seconds of the iteration that ends with outer step t, for
+    each t of the topology's period): the terms whose mean :func:`local_steps_iteration_time` takes,
+    for a window of iterations that is not whole periods (:func:`local_steps_window_time`)."""
+    fwd, _, k_in, backward, k_out = _outer_parts(name, n, local, wl, hw, compression, node_level)
+    return wl.compute_s + k_in, fwd + backward + k_in + k_out
+
+
+def local_steps_window_time(name: str, n: int, local: int, wl: Workload, hw: Hardware,
+                            local_steps: int, first: int, last: int,
+                            compression: Optional[str] = None, node_level: bool = True) -> float:
+    """Mean seconds of iterations ``first`` .. ``last`` (1-based, inclusive) of a local-steps run:
+    iteration c ends with an outer step when c is a multiple of H (the ``c / H``-th outer step, which
+    runs the topology's step ``(c / H - 1) mod period``), the others are inner iterations. A
+    measured window is rarely whole periods of H iterations (bench-lm's evaluation points are not
+    multiples of H), and at H = 128 one outer step in 214 iterations is not 1 / H of them; over
+    whole periods of the topology's schedule this is :func:`local_steps_iteration_time`."""
+    h = _check_local_steps(local_steps)
+    if not 1 <= first <= last:
+        raise ValueError(f"the window must be 1 <= first <= last, got first={first!r}, last={last!r}")
+    inner, outer = local_steps_step_times(name, n, local, wl, hw, compression, node_level)
+    outers = range((first + h - 1) // h, last // h + 1)  # c / H of the multiples c of H inside
+    total = (last - first + 1 - len(outers)) * inner
+    total += sum(float(outer[(k - 1) % len(outer)]) for k in outers)
+    return total / (last - first + 1)
+
+
 def diloco_iteration_time(n: int, local: int, wl: Workload, hw: Hardware, local_steps: int,
-                          compression: Optional[str] = None) -> Tuple[float, float]:
+                          compression: Optional[str] = None, node_level: bool = True
+                          ) -> Tuple[float, float]:
     """DiLoCo (``topology='complete'``): :func:`local_steps_iteration_time` on ``complete``."""
-    return local_steps_iteration_time("complete", n, local, wl, hw, local_steps, compression)
+    return local_steps_iteration_time("complete", n, local, wl, hw, local_steps, compression,
+                                      node_level)
 
 
 def gossip_diloco_iteration_time(name: str, n: int, local: int, wl: Workload, hw: Hardware,
-                                 local_steps: int, compression: Optional[str] = None
-                                 ) -> Tuple[float, float]:
+                                 local_steps: int, compression: Optional[str] = None,
+                                 node_level: bool = True) -> Tuple[float, float]:
     """Gossip DiLoCo on topology ``name`` (not ``complete``): :func:`local_steps_iteration_time`."""
     if name == "complete":
         raise ValueError("'complete' is DiLoCo, not a gossip outer step: diloco_iteration_time")
-    return local_steps_iteration_time(name, n, local, wl, hw, local_steps, compression)
+    return local_steps_iteration_time(name, n, local, wl, hw, local_steps, compression, node_level)
 
 
 def solo_iteration_time(wl: Workload, hw: Hardware) -> float:
@@ -1167,7 +1224,7 @@ class LocalStepsMode:
 
 _AER = "alternating-exp-ring"
 #: DDP; AER every step, fp32 and int8; DiLoCo and gossip DiLoCo over AER, H = 32 and 128, fp32 and
-#: int8 (the int8 outer exchange is planned in decentpy: modelled, not implemented).
+#: int8 (the node-level int8 outer exchange: exact in the node, each GPU's shard int8 across).
 LOCAL_STEPS_MODES: Tuple[LocalStepsMode, ...] = (
     LocalStepsMode("ddp"),
     LocalStepsMode("gossip", _AER), LocalStepsMode("gossip", _AER, compression="int8"),
