@@ -475,29 +475,25 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     now = [0.0]
     speed = 1 + rank % 2
     local_steps_module.CLOCK = lambda: now[0]
-    m = make_mlp(0)
-    ddp = decentpy.DecentralizedDataParallel(m, decentpy_optim_fn("adamw"), topology="complete", sync_every_s=4.0)
     windows = [5, 5, 5] if speed == 1 else [3, 3, 3]
-    for k in range(sum(windows)):
-        x, y = batch(rank, k)
-        loss_fn(ddp(x), y).backward()
-        now[0] += speed
-    ddp.wait()
-    out["engine_timed"] = _flat(m)
-    out["engine_timed_outer_steps"] = ddp.outer_steps
-    ddp.close()
+
+    def timed_engine(**kw: Any) -> Tuple[torch.Tensor, Optional[int]]:
+        now[0] = 0.0
+        m = make_mlp(0)
+        ddp = decentpy.DecentralizedDataParallel(m, decentpy_optim_fn("adamw"), topology="complete",
+                                                 sync_every_s=4.0, **kw)
+        for k in range(sum(windows)):
+            x, y = batch(rank, k)
+            loss_fn(ddp(x), y).backward()
+            now[0] += speed
+        ddp.wait()
+        got, outer_steps = _flat(m), ddp.outer_steps
+        ddp.close()
+        return got, outer_steps
+
+    out["engine_timed"], out["engine_timed_outer_steps"] = timed_engine()
     # the same with the int8 outer exchange (the weights mixed apart, uncompressed)
-    now = [0.0]
-    m = make_mlp(0)
-    ddp = decentpy.DecentralizedDataParallel(m, decentpy_optim_fn("adamw"), topology="complete", sync_every_s=4.0,
-                                             compression="int8")
-    for k in range(sum(windows)):
-        x, y = batch(rank, k)
-        loss_fn(ddp(x), y).backward()
-        now[0] += speed
-    ddp.wait()
-    out["engine_timed_int8"] = _flat(m)
-    ddp.close()
+    out["engine_timed_int8"], _ = timed_engine(compression="int8")
     out["engine_timed_int8_ref"] = _int8_diloco_reference(rank, world, 0, windows=windows)
     # and the DiLoCo face's compressed gossip outer step (one-peer-exp) with a time budget
     now = [0.0]

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .protocol import Communicator, Work
 
 __all__ = ["ExchangePlan", "NoExchange", "PairExchange", "GroupAllReduce", "plan_exchange", "ExchangeSchedule",
-           "communication_needs", "BufferMix", "weigh", "unweigh", "WEIGHT_TAG"]
+           "communication_needs", "BufferMix", "weigh", "unweigh", "WEIGHT_TAG", "weight_mix"]
 
 
 class ExchangePlan(abc.ABC):
@@ -212,3 +212,12 @@ def unweigh(mixed: Tensor, n: int) -> Tensor:
     total, out = mixed[-1], mixed[:-1]
     out[-n:].div_(total.clamp(min=torch.finfo(out.dtype).tiny))
     return out
+
+
+def weight_mix(plan: ExchangePlan, comm: "Communicator", weight: float, device: torch.device,
+               timeout: datetime.timedelta, exact: bool, gamma: float) -> BufferMix:
+    """A time budget with compression: start mixing this rank's inner-step ``weight`` (one element,
+    uncompressed, under :data:`WEIGHT_TAG`) with the coefficients of the compressed exchange beside it:
+    the exact mean on an exact-average topology, else compressed gossip's ``gamma``."""
+    w = torch.full((1,), float(weight), dtype=torch.float32, device=device)
+    return BufferMix(plan, comm, WEIGHT_TAG, w, timeout, adaptive_factor=1.0 if exact else gamma)

@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 
 from ..comm.compressed_mix import CompressedMix, GossipCopies
 from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
-from ..comm.plans import WEIGHT_TAG, BufferMix, ExchangePlan, communication_needs, unweigh, weigh
+from ..comm.plans import BufferMix, ExchangePlan, communication_needs, unweigh, weigh, weight_mix
 from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import check_fragments, check_outer_options, diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
@@ -322,10 +322,9 @@ class LocalStepsExchange(Exchange):
         launch; uncompressed, with the coefficients of the compressed exchange beside it)."""
         s = self.strategy
         if self._weight_at[0] != s.step:
-            gamma = 1.0 if self.exact else float(self.compression.gamma)  # type: ignore[union-attr,arg-type]
-            w = torch.full((1,), float(self._inner_steps), dtype=torch.float32, device=s.layout.params[0].device)
-            assert s.comm is not None
-            self._weight_at = (s.step, BufferMix(plan, s.comm, WEIGHT_TAG, w, s.timeout, adaptive_factor=gamma))
+            assert s.comm is not None and self.compression is not None
+            self._weight_at = (s.step, weight_mix(plan, s.comm, self._inner_steps, s.layout.params[0].device,
+                                                  s.timeout, self.exact, float(self.compression.gamma)))  # type: ignore[arg-type]
         mix = self._weight_at[1]
         assert mix is not None
         return mix

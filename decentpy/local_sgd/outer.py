@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from ..comm import CommGroup, select_communicator
 from ..comm.compressed_mix import CompressedMix, GossipCopies
 from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
-from ..comm.plans import WEIGHT_TAG, BufferMix, ExchangeSchedule, communication_needs, unweigh, weigh
+from ..comm.plans import BufferMix, ExchangeSchedule, communication_needs, unweigh, weigh, weight_mix
 from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import outer_step, pseudo_gradient
@@ -78,9 +78,8 @@ class TopologyMixer:
         """A time budget with compression: start mixing this rank's inner-step weight (one element,
         uncompressed) with the coefficients of the compressed exchange beside it."""
         assert self.compression is not None
-        gamma = 1.0 if self.complete else float(self.compression.gamma)  # type: ignore[arg-type]
-        w = torch.full((1,), float(weight), dtype=torch.float32, device=device)
-        return self.launch(step, WEIGHT_TAG, w, gamma)
+        return weight_mix(self.schedule.at(step), self.comm, weight, device, self.timeout, self.complete,
+                          float(self.compression.gamma))  # type: ignore[arg-type]
 
     def launch_compressed(self, step: int, tag: int, numel: int, wires: Sequence[Tensor], excess: Tensor,
                           dtype: torch.dtype) -> "CompressedMean":
