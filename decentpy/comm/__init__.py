@@ -8,6 +8,7 @@
   that builds (or rebuilds, for a new set of members) a wrapper's communicator;
 * :mod:`.groups` -- process-group defaults (:func:`or_world`), group ranks, :class:`CommGroup` and
   its private sub-groups;
+* :mod:`.wire` -- what crosses a process boundary as data (JSON, plain-data states), never pickle;
 * :mod:`.agreement` -- cross-rank agreement: every rank learns of a difference or a failure before
   a collective that would hang on it;
 * :mod:`.failures` -- a peer's failure classified once (:class:`PeerTimeoutError` and its subclasses
@@ -21,7 +22,7 @@
 Below the engine: nothing here imports a strategy, a bucket or a wrapper.
 """
 
-from .agreement import (agree_across_ranks, check_on_every_rank, comparable, everyone,
+from .agreement import (SettingsMismatchError, agree_across_ranks, check_on_every_rank, comparable, everyone,
                         first_difference_across_ranks, raise_if_any_rank_failed)
 from .failures import (DEFAULT_LIVENESS_TIMEOUT, NonFiniteGradientError, PeerReportedError, PeerUnreachableError,
                        PeerWatch, peer_monitor)
@@ -32,11 +33,13 @@ from .protocol import Communicator, Work
 from .select import COMM_CHOICES, check_comm, resolve_comm, select_communicator
 from .torch_comm import Exchange, TorchCommunicator
 from .waits import PeerTimeoutError, default_timeout, wait_bounded
+from .wire import MalformedMessageError
 
 __all__ = ["Communicator", "Work", "TorchCommunicator", "Exchange", "NcclCommunicator", "NcclExchange",
            "nccl_available", "nccl_compiled", "nccl_library_candidates", "nccl_unavailable_reason", "COMM_CHOICES",
            "check_comm", "resolve_comm", "select_communicator", "CommGroup", "SubGroup", "group_ranks", "or_world",
            "check_on_every_rank", "everyone", "first_difference_across_ranks", "raise_if_any_rank_failed", "PeerTimeoutError",
-           "default_timeout", "wait_bounded", "agree_across_ranks", "comparable",
+           "default_timeout", "wait_bounded", "agree_across_ranks", "comparable", "SettingsMismatchError",
+           "MalformedMessageError",
            "DEFAULT_LIVENESS_TIMEOUT", "NonFiniteGradientError", "PeerReportedError", "PeerUnreachableError", "PeerWatch",
            "peer_monitor"]
