@@ -91,6 +91,17 @@ class PeerNonFiniteError(PeerReportedError, NonFiniteGradientError):
 
 #: how often (at most) a rank looks for its peers' notices (non-finite skips): one store read
 NOTICE_INTERVAL_S = 5.0
+#: notices of one rank read per look, at most
+_MAX_NOTICES = 64
+#: characters of a peer's report or notice kept
+_MAX_TEXT = 2000
+
+
+def _printable(value: bytes) -> str:
+    """A peer's text from the store, as untrusted input: decoded leniently, control characters
+    (but newlines) replaced, at most :data:`_MAX_TEXT` characters."""
+    text = value[:_MAX_TEXT * 4].decode("utf-8", errors="replace")[:_MAX_TEXT]
+    return "".join(c if c.isprintable() or c == "\n" else "?" for c in text)
 
 
 class PeerMonitor:
@@ -105,6 +116,7 @@ class PeerMonitor:
         self._notices_total = 0
         self._notices_seen: Dict[int, int] = {}
         self._notices_checked = time.monotonic()
+        self._malformed: set = set()  # ranks whose malformed report was named
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="decentpy-heartbeat", daemon=True)
@@ -191,9 +203,19 @@ class PeerMonitor:
                 if r == self.rank:
                     continue
                 n = int(self.store.add(f"{_PREFIX}notice/{r}/n", 0))
-                for i in range(self._notices_seen.get(r, 0) + 1, n + 1):
-                    out.append((r, self.store.get(f"{_PREFIX}notice/{r}/{i}").decode(errors="replace")))
-                self._notices_seen[r] = n
+                first = self._notices_seen.get(r, 0) + 1
+                if n - first >= _MAX_NOTICES:  # a flood: the last ones only (each is one store read)
+                    logger.warning("rank %d posted %d notices at once; showing the last %d", r, n - first + 1,
+                                   _MAX_NOTICES)
+                    first = n - _MAX_NOTICES + 1
+                seen = first - 1
+                for i in range(first, n + 1):
+                    key = f"{_PREFIX}notice/{r}/{i}"
+                    if not self.store.check([key]):  # counted, not written yet: read at the next look, never waited for
+                        break
+                    out.append((r, _printable(self.store.get(key))))
+                    seen = i
+                self._notices_seen[r] = seen
             return out
         except Exception:  # noqa: BLE001 - the store is gone: the next wait reports it
             return []
@@ -207,8 +229,15 @@ class PeerMonitor:
         for r in ranks:
             key = f"{_PREFIX}error/{r}"
             if r != self.rank and self.store.check([key]):
-                gone, _, text = self.store.get(key).decode(errors="replace").partition("|")
-                out[r] = ([int(x) for x in gone.split(",") if x], text)
+                gone, _, text = _printable(self.store.get(key)).partition("|")
+                ranks_gone = [int(x) for x in gone.split(",") if x.isdigit() and len(x) < 10]
+                if len(ranks_gone) != len([x for x in gone.split(",") if x]):  # not a list of ranks: the message stands
+                    if r not in self._malformed:
+                        self._malformed.add(r)
+                        logger.warning("rank %d's error report names its unreachable ranks as %r, not a list of "
+                                       "ranks: that part is ignored", r, gone[:80])
+                    ranks_gone = []
+                out[r] = (ranks_gone, text)
         return out
 
 

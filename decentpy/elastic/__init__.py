@@ -5,14 +5,16 @@
 - :mod:`.etcd` -- the same membership in an etcd cluster (:func:`~decentpy.elastic.etcd.connect_etcd`),
   where no single host may be trusted to stay up (imported on demand: it needs ``python-etcd``);
 - :mod:`.membership` -- member ids, heartbeats, and the agreement on each epoch's member list;
+- :mod:`.auth` -- admission by a job secret: signed membership records, the job's namespace, the
+  handshake of every membership's process group (docs/security.md);
 - the gossip step that finishes locally when a peer fails is the elastic failure policy of every
   gossip strategy (:class:`decentpy.engine.failure.ElasticPolicy`);
 - :mod:`.wrapper` -- :class:`ElasticGossip`, one ``DecentralizedDataParallel`` per membership epoch.
 """
 
-from .membership import EvictedError, Formation, Membership, RendezvousError
+from .membership import AdmissionError, EvictedError, Formation, JoinRefusedError, Membership, RendezvousError
 from .rendezvous import connect, serve
 from .wrapper import ElasticGossip, MembershipChange
 
 __all__ = ["ElasticGossip", "MembershipChange", "Membership", "Formation", "RendezvousError", "EvictedError",
-           "connect", "serve"]
+           "AdmissionError", "JoinRefusedError", "connect", "serve"]

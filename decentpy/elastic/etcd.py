@@ -8,16 +8,23 @@ and ``delete_key`` (a replacement reusing an id clears the old one's marks). :cl
 adds them on etcd's own atomic operations (create-if-absent and compare-and-swap), nothing else.
 
 The etcd server must serve the v2 API: ``etcd --enable-v2`` (etcd 3.4; Debian's ``etcd-server``).
+Over a network you do not trust, serve it with TLS and authentication and pass them here:
+``connect_etcd(..., protocol="https", ca_cert=..., cert=(cert, key), username=..., password=...)``
+(python-etcd's own options, passed through; docs/security.md).
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any, Union
+import logging
+import os
+from typing import Any, Optional, Tuple, Union
 
 from .membership import RendezvousError
 
 __all__ = ["EtcdRendezvousStore", "connect_etcd"]
+
+logger = logging.getLogger(__name__)
 
 try:  # torch's store and the client it is written for; both optional until an etcd store is asked for
     import etcd as _etcd  # type: ignore[import-not-found]
@@ -62,20 +69,68 @@ class EtcdRendezvousStore(_EtcdStore):  # type: ignore[misc,valid-type]
             return False
 
 
+def _tls_options(protocol: str, ca_cert: Optional[str], cert: Union[None, str, Tuple[str, str]],
+                 username: Optional[str], password: Optional[str]) -> dict:
+    """python-etcd's ``Client`` keywords for TLS and authentication, checked: ValueError naming
+    what is wrong and what would be valid."""
+    if protocol not in ("http", "https"):
+        raise ValueError(f"protocol must be 'http' or 'https', got {protocol!r}")
+    if protocol == "http" and (ca_cert is not None or cert is not None):
+        raise ValueError("ca_cert= and cert= need protocol='https' (TLS); with protocol='http' etcd's traffic is "
+                         "plain text and no certificate is used")
+    if isinstance(cert, (tuple, list)):
+        if len(cert) != 2 or not all(isinstance(c, str) and c for c in cert):
+            raise ValueError(f"cert must be a file name (certificate and key in one PEM file) or a pair (certificate "
+                             f"file, key file), got {cert!r}")
+        cert = (cert[0], cert[1])
+    elif cert is not None and not (isinstance(cert, str) and cert):
+        raise ValueError(f"cert must be a file name or a pair (certificate file, key file), got {cert!r}")
+    files = [("ca_cert", ca_cert)] + ([("cert", c) for c in cert] if isinstance(cert, tuple) else [("cert", cert)])
+    for what, path in files:
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{what}: no such file {path!r}")
+    if (username is None) != (password is None):
+        raise ValueError("etcd authentication needs both username= and password= (python-etcd ignores one alone), "
+                         f"got {'username' if username is not None else 'password'} only")
+    if username is not None and protocol == "http":
+        logger.warning("decentpy.elastic: connect_etcd sends the etcd password in plain text over http; use "
+                       "protocol='https' with ca_cert=")
+    if protocol == "https" and ca_cert is None:
+        logger.warning("decentpy.elastic: connect_etcd over https without ca_cert=: python-etcd does not verify "
+                       "the server's certificate then; pass the CA that signed it")
+    options: dict = {"protocol": protocol}
+    if ca_cert is not None:
+        options["ca_cert"] = ca_cert
+    if cert is not None:
+        options["cert"] = cert
+    if username is not None:
+        options.update(username=username, password=password)
+    return options
+
+
 def connect_etcd(endpoint: str = "127.0.0.1:2379", prefix: str = "/decentpy",
-                 timeout: datetime.timedelta = datetime.timedelta(seconds=30), protocol: str = "http") -> Any:
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=30), protocol: str = "http",
+                 ca_cert: Optional[str] = None, cert: Union[None, str, Tuple[str, str]] = None,
+                 username: Optional[str] = None, password: Optional[str] = None) -> Any:
     """A store on the etcd cluster at ``endpoint`` (``host:port``), under the key ``prefix``; pass it as
     ``ElasticGossip(store=...)``. :class:`RendezvousError` if etcd cannot be reached (or does not
-    serve the v2 API) within ``timeout``; every later store wait is bounded by it too."""
+    serve the v2 API) within ``timeout``; every later store wait is bounded by it too.
+
+    TLS and authentication (python-etcd's ``Client`` options, passed through): ``protocol='https'``;
+    ``ca_cert``: the CA file that signed the server's certificate (verified when given);
+    ``cert``: this client's certificate, a PEM file holding certificate and key or a pair
+    ``(certificate file, key file)``; ``username`` and ``password``: etcd's authentication (both)."""
+    options = _tls_options(protocol, ca_cert, cert, username, password)
     if _etcd is None:
         raise _missing_client()
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"endpoint must be 'host:port', got {endpoint!r}")
-    client = _etcd.Client(host=host, port=int(port), protocol=protocol, read_timeout=max(1, int(timeout.total_seconds())))
+    client = _etcd.Client(host=host, port=int(port), read_timeout=max(1, int(timeout.total_seconds())), **options)
     try:
         client.read("/")
-    except Exception as exc:  # noqa: BLE001 - refused, timed out, or no v2 API
-        raise RendezvousError(f"cannot reach etcd at {endpoint} through its v2 API ({str(exc).splitlines()[0][:200]}); "
-                              "start etcd with --enable-v2 (etcd 3.4)") from exc
+    except Exception as exc:  # noqa: BLE001 - refused, timed out, no v2 API, or TLS / authentication refused
+        raise RendezvousError(f"cannot reach etcd at {protocol}://{endpoint} through its v2 API "
+                              f"({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}); start etcd "
+                              "with --enable-v2 (etcd 3.4), and check the TLS and authentication options") from exc
     return EtcdRendezvousStore(client, prefix, timeout)

@@ -8,6 +8,12 @@ member list (:mod:`.membership`), the default process group is replaced by one o
 inner wrapper is built over the same model -- the topology re-made for the new ``n``, each survivor
 keeping its own parameters, optimizer and scheduler state (moved across with
 ``training_state_dict()`` / ``load_training_state_dict()``, no broadcast) -- and training goes on.
+
+With a job secret (:mod:`.auth`) every membership record is signed and every epoch's group runs a
+challenge-response before anything else; a joiner whose settings differ from the members' is
+refused (it raises :class:`~decentpy.elastic.JoinRefusedError`) and the members go on without it.
+What crosses between members (a joiner's state) is plain data (:mod:`decentpy.comm.wire`), never
+pickle.
 """
 
 from __future__ import annotations
@@ -17,23 +23,47 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import PeerTimeoutError, PeerUnreachableError
+from ..comm import MalformedMessageError, PeerTimeoutError, PeerUnreachableError, SettingsMismatchError
+from ..comm.wire import recv_state, send_state
 from ..ddp import DecentralizedDataParallel
 from ..engine import NODE_MODES
 from ..engine.layout import OptimFn, SchedulerFn
 from ..topology import Topology, TopologyError, make_topology, node_topology
-from .membership import EvictedError, Formation, Membership, RendezvousError
+from .auth import SECRET_ENV, JobKey, handshake, resolve_secret
+from .membership import AdmissionError, EvictedError, Formation, JoinRefusedError, Membership, RendezvousError
 from ..engine.failure import ElasticPolicy
 
 __all__ = ["ElasticGossip", "MembershipChange"]
 
 logger = logging.getLogger("decentpy.elastic")
+
+_WARNED_NO_SECRET = False
+#: joiners refused in one membership change, at most (each refusal is one more attempt at the epoch)
+_MAX_REFUSALS = 8
+
+
+def _warn_no_secret(job: str) -> None:
+    """Once per process: an elastic job without a secret admits anyone who reaches its store."""
+    global _WARNED_NO_SECRET
+    if not _WARNED_NO_SECRET:
+        _WARNED_NO_SECRET = True
+        logger.warning("decentpy.elastic: job %r runs without a job secret: anyone who can reach the rendezvous store "
+                       "can join the job and read the model; pass ElasticGossip(secret=...) or set %s on every "
+                       "worker (docs/security.md)", job, SECRET_ENV)
+
+
+class _Unauthenticated(RuntimeError):
+    """Members of a new group that failed its handshake (named in the log; left out)."""
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        super().__init__(f"member(s) {list(ids)} failed the group's handshake")
+        self.ids = list(ids)
 
 
 @dataclass(frozen=True)
@@ -92,6 +122,13 @@ class ElasticGossip(nn.Module):
         on_membership_change: ``callback(change: MembershipChange)``, called on every worker after
             each membership change, before the next forward (rebuild a ``DistributedSampler`` there).
         job: a name that separates jobs sharing one rendezvous store.
+        secret: the job secret (bytes or str; default: the ``DECENTPY_JOB_SECRET`` environment
+            variable), the same on every worker. Only workers holding it are admitted: every
+            membership record is signed with a key derived from it (HMAC-SHA256) and every
+            membership's process group authenticates its ranks before use; a worker without it
+            raises :class:`~decentpy.elastic.AdmissionError` and is named in the members' logs.
+            Without a secret the job admits anyone who reaches the store (one warning per
+            process). See docs/security.md; e.g. ``secrets.token_hex(32)``.
         node_id: with ``intra_node='allreduce'`` or ``'shard'``, this worker's node (default: the host
             name): the failure domain. A node is in a membership whole or not at all: when one of
             its ``local_world_size`` workers dies, the others of that node are left out too (they
@@ -107,7 +144,8 @@ class ElasticGossip(nn.Module):
                  peer_liveness_timeout: datetime.timedelta = datetime.timedelta(seconds=10),
                  reform_timeout: Optional[datetime.timedelta] = None,
                  on_membership_change: Optional[Callable[[MembershipChange], None]] = None,
-                 job: str = "default", node_id: Optional[str] = None, **ddp_kwargs: Any) -> None:
+                 job: str = "default", node_id: Optional[str] = None, secret: Union[None, bytes, str] = None,
+                 **ddp_kwargs: Any) -> None:
         super().__init__()
         if not isinstance(topology, str):
             raise TypeError(f"ElasticGossip needs a topology name (it is re-made for every membership size), got "
@@ -133,6 +171,11 @@ class ElasticGossip(nn.Module):
         if dist.is_initialized():
             raise RuntimeError("ElasticGossip creates the default process group itself (one per membership); "
                                "do not call torch.distributed.init_process_group in an elastic worker")
+        job_secret = resolve_secret(secret)
+        key = JobKey(job_secret, job) if job_secret is not None else None
+        if key is None:
+            _warn_no_secret(job)
+        self._key = key
         self._model = model
         self._optim_fn = optim_fn
         self._lr_scheduler_fn = lr_scheduler_fn
@@ -164,7 +207,7 @@ class ElasticGossip(nn.Module):
         self._check_topology(topology, int(initial_workers))
         _warm_up()
         self._membership = Membership(store, member_id, peer_liveness_timeout.total_seconds(), job, node=node_id,
-                                      node_size=self._node_size)
+                                      node_size=self._node_size, key=key)
         t0 = time.monotonic()
         formation = self._membership.form_initial(int(initial_workers), timeout.total_seconds())
         joining = self._membership.joining
@@ -288,7 +331,7 @@ class ElasticGossip(nn.Module):
         if dist.is_initialized():
             self._graveyard.append(dist.group.WORLD)
             dist.destroy_process_group()
-        prefix = dist.PrefixStore(f"{self._membership.prefix}epoch{formation.epoch}/pg", self._store)
+        prefix = dist.PrefixStore(self._membership.pg_prefix(formation.epoch), self._store)
         # Bounded by reform_timeout while the epoch is set up (a member dying then must not hold the
         # others for the whole timeout); the wrapper's timeout once it trains (see _establish).
         dist.init_process_group("gloo", store=prefix, rank=formation.rank_of(self._membership.id),
@@ -377,11 +420,15 @@ class ElasticGossip(nn.Module):
         """The epoch's process group and inner wrapper, with this worker's state (``state``: its own,
         None: the first epoch's broadcast, or a joiner's transfer; ``known``: the members that had a
         state before). A member failing meanwhile (the change itself fails): once more, over whoever
-        is left (up to 3 attempts)."""
+        is left (up to 3 attempts). A joiner whose settings differ from the members', or a rank
+        that fails the group's handshake, is left out and the epoch formed again without it."""
         last: Optional[BaseException] = None
-        for _attempt in range(3):
+        failures = refusals = 0
+        while True:
+            step = int(state["step"]) if state is not None else formation.step
             try:
                 self._init_world(formation)
+                self._authenticate(formation)
                 inner = self._build(broadcast=state is None and not joiner)
                 if state is not None:  # (its saved rank stays: with shards, its local rank must not change)
                     # (the exchange's own state, compressed gossip's public copies, is per membership:
@@ -395,16 +442,70 @@ class ElasticGossip(nn.Module):
                 if set_timeout is not None and self._reform_timeout != self._timeout:
                     set_timeout(self._timeout)
                 return formation, inner
+            except SettingsMismatchError as exc:
+                refused = self._refuse_joiners(formation, known, exc)
+                refusals += 1
+                if refusals > _MAX_REFUSALS:
+                    raise RendezvousError(f"member {self._membership.id}: {refusals} joiners refused in one membership "
+                                          f"change; the last: {exc}") from exc
+                formation = self._membership.reform([], step, self._reform_timeout.total_seconds(), exclude=refused)
+            except _Unauthenticated as exc:
+                failures += 1
+                if self._membership.id in exc.ids or failures >= 3:
+                    raise AdmissionError(f"member {self._membership.id}: {exc}") from exc
+                formation = self._membership.reform(exc.ids, step, self._reform_timeout.total_seconds(),
+                                                    exclude=exc.ids)
+            except MalformedMessageError:
+                raise  # a peer sent something that is not a state: named, never retried
             except (PeerTimeoutError, RuntimeError) as exc:
                 if isinstance(exc, (EvictedError, RendezvousError)):
                     raise
                 last = exc
+                failures += 1
+                if failures >= 3:
+                    raise RendezvousError(f"member {self._membership.id}: the membership could not be formed in 3 "
+                                          f"attempts: {last}") from exc
                 logger.warning("decentpy.elastic: member %s: forming epoch %d failed (%s); once more without whoever "
                                "stopped beating", self._membership.id, formation.epoch, str(exc).splitlines()[0][:300])
-                step = int(state["step"]) if state is not None else formation.step
                 formation = self._membership.reform([], step, self._reform_timeout.total_seconds())
-        raise RendezvousError(f"member {self._membership.id}: the membership could not be formed in 3 attempts: "
-                              f"{last}")
+
+    def _authenticate(self, formation: Formation) -> None:
+        """With a secret: the new group's challenge-response (:func:`.auth.handshake`) before any
+        other collective; a rank that answers without the job key is named and left out."""
+        if self._key is None:
+            return
+        me = formation.rank_of(self._membership.id)
+        bad = handshake(self._key, formation.epoch, formation.members, me, self._membership.context)
+        if bad:
+            named = ", ".join(f"rank {r} (member {formation.members[r]!r})" for r in bad)
+            logger.warning("decentpy.elastic: member %s: epoch %d: %s answered the group's challenge without the job "
+                           "key: left out, the others form the epoch again without it", self._membership.id,
+                           formation.epoch, named)
+            raise _Unauthenticated([formation.members[r] for r in bad])
+
+    def _refuse_joiners(self, formation: Formation, known: List[str], exc: SettingsMismatchError) -> List[str]:
+        """The inner wrapper's agreement found settings that differ (the same error on every rank):
+        when only joiners differ from a member that was in the job already, they are refused (a
+        signed ``refused/<id>`` record, a WARNING naming the setting and both values) and their ids
+        returned; a refused joiner raises :class:`JoinRefusedError`. When members differ among
+        themselves (or in the first epoch, where nobody was in the job before), the error stands."""
+        differing = [formation.members[r] for r in exc.differing if 0 <= r < len(formation.members)]
+        reference = formation.members[exc.reference_rank] if 0 <= exc.reference_rank < len(formation.members) else None
+        if not known or reference not in known or not differing or any(m in known for m in differing):
+            raise exc
+        me = self._membership.id
+        if me in differing:
+            self._membership.stop()
+            if dist.is_initialized():  # this process may build another ElasticGossip
+                self._graveyard.append(dist.group.WORLD)
+                dist.destroy_process_group()
+            raise JoinRefusedError(f"member {me} was refused by the members of the job: its setting {exc.setting!r} "
+                                   f"differs from theirs ({exc}); they go on without it", exc.setting) from exc
+        for m in differing:
+            self._membership.refuse(m, f"its setting {exc.setting!r} differs from the members': {exc}")
+        logger.warning("decentpy.elastic: member %s: refused joiner(s) %s: setting %r differs (%s); the members go on "
+                       "without it", me, differing, exc.setting, exc)
+        return differing
 
     def _transfer(self, formation: Formation, old_members: List[str], inner: _EpochDDP, joiner: bool) -> None:
         """Joiners receive their whole training state (parameters, buffers, optimizer and scheduler
@@ -423,7 +524,7 @@ class ElasticGossip(nn.Module):
                 logger.info("decentpy.elastic: member %s received its state from member %s (rank %d) at step %d",
                             m, formation.members[j - step], j - step, state["step"])
             elif me == j - step:
-                dist.send_object_list([inner.training_state_dict()], dst=j)
+                send_state(inner.training_state_dict(), dst=j)
 
     def _sync_node(self, formation: Formation, inner: _EpochDDP) -> None:
         """``intra_node='allreduce'``: the node's workers are replicas, but the iteration that failed
@@ -440,18 +541,22 @@ class ElasticGossip(nn.Module):
         if me == first:
             state = inner.training_state_dict()
             for k in range(1, size):
-                dist.send_object_list([state], dst=first + k)
+                send_state(state, dst=first + k)
         else:
             self._receive_state(formation, inner, first)
 
     def _receive_state(self, formation: Formation, inner: _EpochDDP, src: int) -> Dict[str, Any]:
         """The training state sent by rank ``src``, loaded into ``inner`` as this member's (its own
-        rank and the membership's size); returned."""
-        box: List[Any] = [None]
-        dist.recv_object_list(box, src=src)
+        rank and the membership's size); returned. Plain data loaded with ``weights_only=True``:
+        anything else raises :class:`~decentpy.comm.MalformedMessageError` naming the sender, and
+        nothing of it runs."""
+        received = recv_state(src, what=f"the training state of member {formation.members[src]!r}")
+        if not isinstance(received, dict):
+            raise MalformedMessageError(f"the training state of member {formation.members[src]!r} from rank {src}: a "
+                                        f"{type(received).__name__}, not a dict")
         # the sender's rank stays in the state: with shards it has this member's local rank (checked at load)
         # and the exchange's own state is per rank: this epoch's starts afresh (see _establish)
-        state = dict(box[0], world_size=len(formation.members), rebuild_exchange=True)
+        state = dict(received, world_size=len(formation.members), rebuild_exchange=True)
         inner.load_training_state_dict(state)
         return state
 
