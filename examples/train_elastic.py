@@ -7,17 +7,19 @@ One command runs the whole scenario on this machine::
     python examples/train_elastic.py --workers 4 --steps 400 --kill-after 5 --replace-after 3 \
         --topology one-peer-exp
 
-It starts the rendezvous (the TCPStore the membership lives in; in production
-``python -m decentpy.rendezvous --port P`` on a host of its own), then one process per worker (in
-production one launch per failure domain, e.g. per node, pointed at the rendezvous), SIGKILLs one
+It starts the rendezvous (the TCPStore the membership lives in, listening on 127.0.0.1 only; in
+production ``python -m decentpy.rendezvous --port P --host <private address>`` on a host of its
+own) and draws the job's secret, then one process per worker (in production one launch per failure
+domain, e.g. per node, pointed at the rendezvous, each with the secret in ``DECENTPY_JOB_SECRET``:
+only workers holding it are admitted, docs/security.md), SIGKILLs one
 worker ``--kill-after`` seconds in, and starts a replacement ``--replace-after`` seconds later.
 Each worker trains a small MLP on its shard of the training set, re-sharded at every membership
 change; at the end the members average their models (``global_avg``) and report the test
 accuracy.
 
-A worker alone::
+A worker alone (the job's secret in the environment)::
 
-    python examples/train_elastic.py --member 7 --rendezvous HOST:PORT --initial-workers 4
+    DECENTPY_JOB_SECRET=... python examples/train_elastic.py --member 7 --rendezvous HOST:PORT --initial-workers 4
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import argparse
 import datetime
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -73,6 +76,7 @@ def worker(args: argparse.Namespace) -> None:
               f"{change.rank}/{change.world_size} from step {change.step} (left {list(change.left)}, joined "
               f"{list(change.joined)}; re-formed in {change.reform_s:.2f} s)", flush=True)
 
+    # the job's secret comes from DECENTPY_JOB_SECRET (ElasticGossip's default; secret= would override it)
     eg = ElasticGossip(model, lambda named: dopt.optim_fn_sgd(named, lr=0.1, momentum=0.9), topology=args.topology,
                        store=store, member_id=str(args.member), initial_workers=args.initial_workers,
                        timeout=datetime.timedelta(seconds=60), peer_liveness_timeout=datetime.timedelta(seconds=5),
@@ -101,11 +105,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launcher(args: argparse.Namespace) -> int:
-    import torch.distributed as dist
+    from decentpy.elastic.auth import SECRET_ENV
+    from decentpy.elastic.rendezvous import host_store
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = host_store("127.0.0.1", 0)  # this host only (a plain TCPStore would listen on every interface)
     rdzv = f"127.0.0.1:{store.port}"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    env.setdefault(SECRET_ENV, secrets.token_hex(32))  # the job's secret: every worker of the job gets it
 
     def start(member: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, __file__, "--member", str(member), "--rendezvous", rdzv,
