@@ -36,7 +36,8 @@ import torch.distributed as dist
 from .exit import stop_at_exit
 
 __all__ = ["PeerTimeoutError", "PeerUnreachableError", "PeerReportedError", "NonFiniteGradientError",
-           "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "running_monitor", "start_heartbeat", "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
+           "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "running_monitor", "report_to_peers", "start_heartbeat",
+           "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +246,16 @@ def running_monitor() -> Optional[PeerMonitor]:
         except Exception:  # noqa: BLE001 - the process group is gone
             return None
         return _MONITOR if _MONITOR.store is store else None
+
+
+def report_to_peers(err: BaseException) -> None:
+    """Post ``err`` (this rank is about to raise it outside any wait: a bad hyper-parameter before a
+    step) on the job's error board, so that the ranks waiting on this one raise a
+    :class:`PeerReportedError` naming it within a heartbeat instead of at their timeout. Nothing
+    without a running monitor (one rank, or no heartbeats)."""
+    monitor = running_monitor()
+    if monitor is not None:
+        monitor.report(f"{type(err).__name__}: {err}")
 
 
 def start_heartbeat() -> None:

@@ -33,6 +33,7 @@ from ..engine.bucket import flatten_params
 from ..engine.driver import BoundedWait
 from ..optim.kernels import flat_alias
 from ..optim import fuse_torch_optimizer
+from ..optim.hyperparams import check_hyperparameters
 from .partition import MIN_SPLIT_NUMEL, Shard, owner_runs, partition_by_size
 
 __all__ = ["OSS"]
@@ -127,6 +128,7 @@ class OSS(Optimizer, Joinable):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _check_params_local(self) -> None:
+        check_hyperparameters(self, f"OSS({self._optim_class.__name__})")
         for gi, g in enumerate(self.param_groups):
             for i, p in enumerate(g["params"]):
                 if p.is_complex():
