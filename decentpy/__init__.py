@@ -40,7 +40,7 @@ else:
     from .local_sgd import DiLoCo, LocalSGD  # noqa: E402
     from .pipeline import AsyncPipe, PipelineError  # noqa: E402
     from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
-    from .preemption import PreemptionCheckpointer  # noqa: E402
+    from .preemption import CheckpointError, PreemptionCheckpointer  # noqa: E402
     from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
     from .sharding import OSS, ShardedDataParallel, ShardedGradScaler  # noqa: E402
     from .topology import (  # noqa: E402
@@ -66,6 +66,7 @@ else:
         "MalformedMessageError",
         "ArrivalError",
         "HyperparameterError",
+        "CheckpointError",
         "PreemptionCheckpointer",
         "Join",
         "DiLoCo",
