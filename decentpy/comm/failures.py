@@ -265,6 +265,11 @@ def start_heartbeat() -> None:
         peer_monitor()
 
 
+#: the timeout of the wait that ends a blocked one at exit
+_CANCEL_WAIT = datetime.timedelta(milliseconds=1)
+_Cancel = Optional[Callable[[], Any]]
+
+
 class _WakeOnStop(threading.Event):
     """The waiter's stop event: setting it also wakes the thread from its queue."""
 
@@ -285,31 +290,46 @@ class _Waiter:
     A wait given up on (a peer failed: the caller raised) keeps its thread inside the backend, GIL
     released, until the connection closes; if that happens while Python finalizes, the thread's
     return for the GIL ends in ``std::terminate`` (decentpy/comm/exit.py), so the thread is stopped
-    at exit like the heartbeat's: woken if idle, joined briefly if blocked -- peers exiting at the
-    same time close the connection within that window."""
+    at exit like the heartbeat's: woken if idle, and if blocked its wait is ended (the job's
+    ``cancel``: a 1 ms wait on the same work, after which gloo wakes the blocked one with an error)
+    and the thread joined, before finalization."""
 
     def __init__(self) -> None:
-        self._jobs: "queue.Queue[Optional[Tuple[Callable[[], Any], threading.Event, List[Any]]]]" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[Tuple[Callable[[], Any], threading.Event, List[Any], _Cancel]]]" = \
+            queue.Queue()
         self._stop = _WakeOnStop(self._jobs)
+        self._cancel: _Cancel = None  # ends the job running now (see _unblock)
         thread = threading.Thread(target=self._run, name="decentpy-waiter", daemon=True)
         thread.start()
-        stop_at_exit(self._stop, [thread])
+        stop_at_exit(self._stop, [thread], self._unblock)
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None or self._stop.is_set():
                 return
-            fn, done, box = job
+            fn, done, box, cancel = job
+            self._cancel = cancel
             try:
                 box.append(("ok", fn()))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box.append(("error", exc))
+            finally:
+                self._cancel = None
             done.set()
 
-    def submit(self, fn: Callable[[], Any]) -> Tuple[threading.Event, List[Any]]:
+    def _unblock(self) -> None:
+        """At exit (decentpy/comm/exit.py): end the wait this thread is blocked in, if any -- a wait
+        given up on, whose peer is alive and would close the connection only later, while the
+        interpreter finalizes (SIGABRT)."""
+        cancel = self._cancel
+        if cancel is not None:
+            cancel()
+
+    def submit(self, fn: Callable[[], Any], cancel: _Cancel = None) -> Tuple[threading.Event, List[Any]]:
+        """Run ``fn`` on the thread; ``cancel`` makes it return at once (called at exit only)."""
         done, box = threading.Event(), []  # type: ignore[var-annotated]
-        self._jobs.put((fn, done, box))
+        self._jobs.put((fn, done, box, cancel))
         return done, box
 
 
@@ -360,7 +380,9 @@ class PeerWatch:
                 raise self.classify(None, what, peers, bucket, step, start)
             return
         waiter = _waiter()
-        done, box = waiter.submit(lambda: work.wait(self.timeout))
+        # cancel: a wait with a 1 ms timeout on the same work ends the blocked one (gloo closes the
+        # work's connections and wakes it with an error); used at exit only, see decentpy/comm/exit.py
+        done, box = waiter.submit(lambda: work.wait(self.timeout), cancel=lambda: work.wait(_CANCEL_WAIT))
         tick = min(1.0, max(0.05, (self.liveness_s or 1.0) / 4))
         try:
             while not done.wait(tick):
