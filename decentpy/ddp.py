@@ -774,6 +774,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if state.get("world_size", self._world_size) != self._world_size:
             raise ValueError(f"checkpoint was saved with world size {state['world_size']}, "
                              f"this run has {self._world_size}")
+        r = self._strategy
+        r.check_resume(dict(state), self._local_world_size)  # (the node mode's, which says more: a shard's rank)
         if not state.get("rebuild_exchange"):
             saved_rank = state.get("rank", self._rank)
             if saved_rank != self._rank:
@@ -785,8 +787,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                                  f"{self._topology.name!r}: resume with the same topology")
         if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 0:
             raise ValueError(f"the training state's step must be an int >= 0, got {state['step']!r}")
-        r = self._strategy
-        r.check_resume(dict(state), self._local_world_size)
         self._check_bucket_entries(state)
         _check_model_state(self._model, state["model"], strict)
         if self._scaler is not None and state.get("scaler") is not None and not isinstance(state["scaler"], Mapping):
