@@ -277,7 +277,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
     path = Path(args.log_dir) / CHECKPOINT
     step = 0
     if path.exists():
-        state = torch.load(path, weights_only=False)  # this run's own file
+        state = torch.load(path, weights_only=True)  # this run's own file, read as data all the same
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optim"])
         step = int(state["step"])

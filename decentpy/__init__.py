@@ -30,6 +30,9 @@ else:
     log_cpu_kernel_choice(_C)
     from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
     from .comm import NonFiniteGradientError, PeerReportedError, PeerTimeoutError, PeerUnreachableError  # noqa: E402
+    from .comm import MalformedMessageError, SettingsMismatchError  # noqa: E402
+    from .comm.arrival import ArrivalError  # noqa: E402
+    from .optim.hyperparams import HyperparameterError  # noqa: E402
     from .optim.compression import Compression  # noqa: E402
     from .config import show_config  # noqa: E402
     from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
@@ -37,7 +40,7 @@ else:
     from .local_sgd import DiLoCo, LocalSGD  # noqa: E402
     from .pipeline import AsyncPipe, PipelineError  # noqa: E402
     from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
-    from .preemption import PreemptionCheckpointer  # noqa: E402
+    from .preemption import CheckpointError, PreemptionCheckpointer  # noqa: E402
     from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
     from .sharding import OSS, ShardedDataParallel, ShardedGradScaler  # noqa: E402
     from .topology import (  # noqa: E402
@@ -59,6 +62,11 @@ else:
         "PeerUnreachableError",
         "PeerReportedError",
         "NonFiniteGradientError",
+        "SettingsMismatchError",
+        "MalformedMessageError",
+        "ArrivalError",
+        "HyperparameterError",
+        "CheckpointError",
         "PreemptionCheckpointer",
         "Join",
         "DiLoCo",

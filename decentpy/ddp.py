@@ -20,7 +20,9 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
-from .comm import CommGroup, agree_across_ranks, default_timeout
+from .arguments import check_bool, check_int, check_real, check_timedelta
+from .comm import CommGroup, agree_across_ranks, default_timeout, raise_if_any_rank_failed
+from .comm.arrival import Arrivals
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
 from .engine import (NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy, OuterOptimFn, check_intra_node,
                      exchange_for, ownership)
@@ -28,6 +30,7 @@ from .optim.compression import Compression, resolve_compression
 from .engine.bucket import Bucket
 from .engine.layout import OptimFn, SchedulerFn
 from .optim.grad_scaling import BucketGradScaling
+from .optim.hyperparams import check_hyperparameters, hyperparameters_of
 from .topology import Topology
 from .topology import hook_edges
 
@@ -171,51 +174,71 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             raise RuntimeError(
                 "DecentralizedDataParallel needs torch.distributed: call "
                 "torch.distributed.init_process_group(...) before wrapping the model")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(optim_fn):
-            raise TypeError(f"optim_fn must be callable (named params -> Optimizer), got {type(optim_fn).__name__}")
-        if lr_scheduler_fn is not None and not callable(lr_scheduler_fn):
-            raise TypeError(f"lr_scheduler_fn must be callable or None, got {type(lr_scheduler_fn).__name__}")
-        if not (grad_clip_norm >= 0.0 and math.isfinite(grad_clip_norm)):
-            raise ValueError(f"grad_clip_norm must be a finite number >= 0 (0 disables clipping), got {grad_clip_norm}")
-        if not (bucket_size_in_mb > 0):
-            raise ValueError(f"bucket_size_in_mb must be > 0, got {bucket_size_in_mb}")
-        check_comm(comm)
-        check_intra_node(intra_node)
-        self._compression = resolve_compression(compression)
-        if self._compression is not None:
-            if comm == "nccl":
-                raise ValueError("compression is not supported by the NCCL communicator yet (comm='nccl'); use "
-                                 "comm='auto' or 'torch', which send the compressed bytes over torch.distributed")
-            comm = "torch"
-
+        if process_group is not None and process_group is not dist.GroupMember.NON_GROUP_MEMBER and \
+                not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None (the world), got "
+                            f"{type(process_group).__name__}")
+        # The group first: the first collective below runs over it (a rank outside it raises here).
         self._group = CommGroup(process_group)
         self._process_group = self._group.process_group  # None: the world
         self._rank = self._group.rank
         self._world_size = self._group.size
-        lws = local_world_size if local_world_size is not None else _local_world_size
-        if lws is None:
-            lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        self._local_world_size = int(lws)
-        self._intra_node = intra_node
-        node_mode = NODE_MODES[intra_node]
-        self._timeout = timeout if timeout is not None else default_timeout()
-
-        self._model = model
-        self._scaler = scaler
-        self._grad_clip_norm = float(grad_clip_norm)
-        self._param_as_bucket_view = bool(param_as_bucket_view)
-        self._sync_buffer_in_global_avg = bool(sync_buffer_in_global_avg)
-        self._bucket_size = int(bucket_size_in_mb * 1024 * 1024)
         self._closed = False
         self._backups: List[Tensor] = []
         self._skip_mix_before_avg: List[bool] = []
 
-        # Local work first (checks, buckets, the per-bucket optimizers); whether it failed anywhere is
-        # the subject of the first collective, so a bad input raises on every rank and none hangs.
+        # Local work first (the arguments, then the buckets and the per-bucket optimizers); whether it
+        # failed anywhere is the subject of the first collective, so a bad input on one rank raises on
+        # every rank (a rank raising alone would leave the others in that collective) and none hangs.
         failure: Optional[BaseException] = None
         try:
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            if not callable(optim_fn):
+                raise TypeError(f"optim_fn must be callable (named params -> Optimizer), got {type(optim_fn).__name__}")
+            if lr_scheduler_fn is not None and not callable(lr_scheduler_fn):
+                raise TypeError(f"lr_scheduler_fn must be callable or None, got {type(lr_scheduler_fn).__name__}")
+            if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+                raise TypeError(f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}")
+            check_real("grad_clip_norm", grad_clip_norm, 0.0, what="0 disables clipping")
+            check_real("bucket_size_in_mb", bucket_size_in_mb, 0.0, strict=True, what="MiB per bucket")
+            if int(bucket_size_in_mb * 1024 * 1024) < 1:
+                raise ValueError(f"bucket_size_in_mb={bucket_size_in_mb!r} is less than one byte per bucket")
+            for flag, value in (("param_as_bucket_view", param_as_bucket_view),
+                                ("sync_buffer_in_global_avg", sync_buffer_in_global_avg),
+                                ("broadcast_parameters", broadcast_parameters)):
+                check_bool(flag, value)
+            check_int("local_world_size", local_world_size, 1, allow_none=True)
+            check_int("_local_world_size", _local_world_size, 1, allow_none=True)
+            if local_world_size is not None and _local_world_size is not None and local_world_size != _local_world_size:
+                raise ValueError(f"local_world_size={local_world_size} and _local_world_size={_local_world_size} "
+                                 "differ; give one of them")
+            check_timedelta("timeout", timeout, none_means="the process group's timeout")
+            check_timedelta("peer_liveness_timeout", peer_liveness_timeout, none_means="no heartbeats: only timeout")
+            check_int("local_steps", local_steps, 1)
+            check_comm(comm if isinstance(comm, str) else repr(comm))
+            check_intra_node(intra_node if isinstance(intra_node, str) else repr(intra_node))
+            self._compression = resolve_compression(compression)
+            if self._compression is not None:
+                if comm == "nccl":
+                    raise ValueError("compression is not supported by the NCCL communicator yet (comm='nccl'); use "
+                                     "comm='auto' or 'torch', which send the compressed bytes over torch.distributed")
+                comm = "torch"
+            lws = local_world_size if local_world_size is not None else _local_world_size
+            if lws is None:
+                lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            self._local_world_size = int(lws)
+            self._intra_node = intra_node
+            node_mode = NODE_MODES[intra_node]
+            self._timeout = timeout if timeout is not None else default_timeout()
+
+            self._model = model
+            self._scaler = scaler
+            self._grad_clip_norm = float(grad_clip_norm)
+            self._param_as_bucket_view = bool(param_as_bucket_view)
+            self._sync_buffer_in_global_avg = bool(sync_buffer_in_global_avg)
+            self._bucket_size = int(bucket_size_in_mb * 1024 * 1024)
+
             # Pure functions of the sizes and the topology argument; a rank given another topology
             # fails here alone, which the agreement below reports on every rank.
             setup = node_mode.configure(topology, self._rank, self._world_size, self._local_world_size,
@@ -244,11 +267,16 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                 node=node_mode, exchange=exchange, failure=self._failure_policy)
             if self._compression is not None and local_steps == 1 and outer_optim is None and sync_every_s is None:
                 self._check_compressible()  # (local steps compress the outer exchange: any parameter dtype)
+            for b in self._strategy.buckets:  # (fused optimizers checked theirs; torch's others accept NaN)
+                check_hyperparameters(b.optimizer, f"the optimizer optim_fn returned for bucket {b.index} "
+                                                   f"({type(b.optimizer).__name__})")
+            if outer_optim is not None:
+                check_hyperparameters(outer_optim([torch.zeros(1)]), "the optimizer outer_optim returned")
             self._driver = BackwardDriver()
             self._driver.attach(self._params, self._strategy)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
             failure = exc
-        settings: Dict[str, Any] = {
+        settings: Dict[str, Any] = {} if failure is not None else {
             "topology": topology if isinstance(topology, str) else f"{type(topology).__name__} {topology.name!r}",
             "intra_node": intra_node, "local_world_size": self._local_world_size,
             "bucket_size_in_mb": bucket_size_in_mb, "comm": comm, "grad_clip_norm": self._grad_clip_norm,
@@ -264,7 +292,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             settings = {"model": [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._param_names, self._params)],
                         "optimizer defines pre_average_hook": wants_edges, **settings,
                         "optimizer (class and hyper-parameters per bucket)": [
-                            (type(b.optimizer), _hyperparameters(b.optimizer)) for b in self._strategy.buckets],
+                            (type(b.optimizer), hyperparameters_of(b.optimizer)) for b in self._strategy.buckets],
                         "lr_scheduler": [type(b.scheduler) for b in self._strategy.buckets]}
         # One collective, before any other: a failure anywhere, or any setting that differs, raises
         # on every rank (a rank with another bucket size or topology would abort or hang in gloo).
@@ -292,6 +320,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._strategy.attach(comm_, hook_edges(self._topology) if wants_edges else None)
         self._comm = comm_
         self._watch = PeerWatch(self._group.global_ranks, self._timeout, peer_liveness_timeout)
+        # whole-model collectives of public calls announce themselves first (decentpy.comm.arrival)
+        self._arrivals = Arrivals(self._group.global_ranks, self._rank, self._timeout)
         self._module_hooks: List[Any] = self._strategy.module_hooks(model)
         if self._rank == 0:
             logger.info("decentpy: %s, %s %d, local world size %d, bucket cap %.1f MiB",
@@ -480,10 +510,14 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _check_open(self, what: str) -> None:
+        """RuntimeError naming ``what`` after :meth:`close` (its communicator and groups are gone)."""
         if self._closed:
-            raise RuntimeError("this DecentralizedDataParallel was closed; wrap the model again to keep training "
-                               "(ddp.module still holds it)")
+            raise RuntimeError(f"{what}: this DecentralizedDataParallel was closed; wrap the model again to keep "
+                               "training (ddp.module still holds it)")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_open("forward")
         # The wrapped model's mode decides (as in decent-dp), so `ddp.module.eval()` works too.
         if self._model.training and torch.is_grad_enabled():
             in_join = Join.notify_join_context(self) is not None  # tells joined ranks to shadow this iteration
@@ -505,9 +539,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     def set_adaptive_factor(self, factor: float) -> None:
         """Scale the mixing: ``p <- (1 - f) p + f * mix(p)`` (1.0, the default, is plain gossip)."""
-        if not (0.0 <= factor <= 1.0):
-            raise ValueError(f"adaptive factor must be in [0, 1], got {factor}")
-        self._strategy.adaptive_factor = float(factor)
+        self._strategy.adaptive_factor = check_real("the adaptive factor", factor, 0.0, maximum=1.0)
 
     def get_lr(self) -> float:
         """Learning rate of the first bucket's first parameter group."""
@@ -568,8 +600,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         average. ``sync_buffers`` (default: ``sync_buffer_in_global_avg``) also averages float
         buffers. A collective: call it on every rank.
         """
+        self._check_open("global_avg")
+        sync = self._sync_buffer_in_global_avg if sync_buffers is None else check_bool("sync_buffers", sync_buffers)
+        # (the buffers' all-reduce is part of the collective: a rank with another sync_buffers must not reach it)
+        self._arrivals.arrive(f"global_avg(sync_buffers={sync})")
         with self._watch.guarding("global_avg"):
-            return self._global_avg(will_revert, return_d2c, sync_buffers)
+            return self._global_avg(will_revert, return_d2c, sync)
 
     def _global_avg(self, will_revert: bool, return_d2c: bool, sync_buffers: Optional[bool]) -> Optional[float]:
         r = self._strategy
@@ -594,6 +630,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
     @torch.no_grad()
     def revert_global_avg(self) -> None:
         """Restore the parameters saved by ``global_avg(will_revert=True)``."""
+        self._check_open("revert_global_avg")
         tensors = self._param_tensors()
         if len(self._backups) != len(tensors):
             raise RuntimeError("no backup to revert to: call global_avg(will_revert=True) first")
@@ -607,6 +644,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
         sqrt(1/n * sum_i ||x_i - mean||^2), the same value on every rank. A collective.
         """
+        self._check_open("consensus_distance")
+        self._arrivals.arrive("consensus_distance()")
         with self._watch.guarding("consensus_distance"):
             return self._consensus_distance()
 
@@ -659,7 +698,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the parameters that live in decentpy's "
                              "buckets; load with assign=False (the default), which copies the values in place")
+        self._check_open("load_state_dict")
         prefixed = _with_model_prefix(state_dict, list(nn.Module.state_dict(self, keep_vars=True)))
+        _check_model_state(self, prefixed, strict, "the state dict", "load_state_dict")  # all of it loads, or none
         r = self._strategy
         r.wait_all()  # a pair exchange may still be reading the parameter blocks
         with torch.no_grad():
@@ -688,16 +729,130 @@ class DecentralizedDataParallel(nn.Module, Joinable):
 
     @torch.no_grad()
     def load_training_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:
-        """Resume from :meth:`training_state_dict` (this rank's own checkpoint). A collective."""
-        self._strategy.settle()  # the outgoing trajectory's last iteration, before it is replaced
-        if not _is_training_state(state_dict):
+        """Resume from :meth:`training_state_dict` (this rank's own checkpoint). A collective: every
+        rank first checks its state (saved by this rank, at this world size and topology, with
+        these settings; its bucket layout, per-bucket entries, model keys and shapes), and a state
+        that any rank cannot take raises on every rank -- that rank its own error, the others a
+        RuntimeError naming it -- before anything is loaded anywhere.
+
+        A state with ``rebuild_exchange`` set (an elastic re-formation's: another membership, where
+        the rank may differ and the world size is the new one) is loaded by this rank alone, without
+        the rank and topology checks."""
+        if isinstance(state_dict, Mapping) and state_dict.get("rebuild_exchange"):
+            self._check_open("load_training_state_dict")
+            self._strategy.settle()  # the outgoing trajectory's last iteration, before it is replaced
+            self.check_training_state(state_dict, strict)
+            return self._load_checked(state_dict, strict)
+        return self._resume(lambda: state_dict, strict, "load_training_state_dict")[0]
+
+    def _resume(self, read: Any, strict: bool, what: str) -> Tuple[Any, Dict[str, Any]]:
+        """The one collective of a resume: ``read()`` (this rank's state, e.g. a checkpoint file's
+        checks) and :meth:`check_training_state` locally, then one agreement carrying whether they
+        failed, then the load. Returns the load's result and the state."""
+        self._check_open(what)
+        self._arrivals.arrive(what)  # a rank resuming alone gets a named error, not a hang
+        failure: Optional[BaseException] = None
+        state: Dict[str, Any] = {}
+        try:
+            state = read()
+            self._strategy.settle()  # the outgoing trajectory's last iteration, before it is replaced
+            self.check_training_state(state, strict)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            failure = exc
+        raise_if_any_rank_failed(failure, what, self._process_group)
+        return self._load_checked(state, strict), state
+
+    def check_training_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Raise (ValueError / KeyError / TypeError naming the mismatch) if this wrapper cannot take
+        ``state`` as this rank's training state; loads nothing and communicates nothing. The checks
+        of :meth:`load_training_state_dict`, before it changes anything."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"a training state is a dict (from training_state_dict()), got {type(state).__name__}")
+        if not _is_training_state(state):
             raise KeyError("not a decentpy training state (needs 'model', 'step' and 'buckets'; got keys "
-                           f"{sorted(state_dict)[:8]}); model weights alone load with load_state_dict()")
-        if state_dict.get("world_size", self._world_size) != self._world_size:
-            raise ValueError(f"checkpoint was saved with world size {state_dict['world_size']}, "
+                           f"{sorted(map(str, state))[:8]}); model weights alone load with load_state_dict()")
+        if state.get("world_size", self._world_size) != self._world_size:
+            raise ValueError(f"checkpoint was saved with world size {state['world_size']}, "
                              f"this run has {self._world_size}")
         r = self._strategy
-        r.check_resume(state_dict, self._local_world_size)
+        r.check_resume(dict(state), self._local_world_size)  # (the node mode's, which says more: a shard's rank)
+        if not state.get("rebuild_exchange"):
+            saved_rank = state.get("rank", self._rank)
+            if saved_rank != self._rank:
+                raise ValueError(f"this training state was saved by group rank {saved_rank}, this is group rank "
+                                 f"{self._rank}: every rank resumes from its own state (the workers differ)")
+            saved_topology = state.get("topology", self._topology.name)
+            if saved_topology != self._topology.name:
+                raise ValueError(f"this training state was saved with topology {saved_topology!r}, this run has "
+                                 f"{self._topology.name!r}: resume with the same topology")
+        if isinstance(state["step"], bool) or not isinstance(state["step"], int) or state["step"] < 0:
+            raise ValueError(f"the training state's step must be an int >= 0, got {state['step']!r}")
+        self._check_bucket_entries(state)
+        _check_model_state(self._model, state["model"], strict)
+        if self._scaler is not None and state.get("scaler") is not None and not isinstance(state["scaler"], Mapping):
+            raise TypeError(f"the training state's scaler entry must be a GradScaler state dict, got "
+                            f"{type(state['scaler']).__name__}")
+
+    def _check_bucket_entries(self, state: Mapping[str, Any]) -> None:
+        """The saved layout and its per-bucket entries: one each per bucket, in the shapes the load
+        takes (a state with ``optimizers=[]`` or a count that does not match would load nothing, or
+        part of it, without a word)."""
+        saved = state["buckets"]
+        n_params = len(self._params)
+        keys = ("optimizers", "schedulers", "exchange", "skip_mix")
+        for k in keys:
+            if not isinstance(state.get(k), (list, tuple)):
+                raise ValueError(f"the training state's {k!r} must be a list (one entry per bucket), got "
+                                 f"{type(state.get(k)).__name__}")
+        if saved is None:  # saved before the first iteration: nothing has stepped, nothing per bucket
+            extra = [k for k in keys if len(state[k])]
+            if extra:
+                raise ValueError(f"the training state has no bucket layout (saved before the first iteration) but "
+                                 f"{', '.join(f'{len(state[k])} {k}' for k in extra)}; it is damaged or not decentpy's")
+            return
+        if not isinstance(saved, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in saved):
+            raise ValueError(f"the training state's bucket layout must be a list of lists of parameter indices, got "
+                             f"{type(saved).__name__}")
+        flat = [i for b in saved for i in b]
+        if sorted(flat) != list(range(n_params)) or any(isinstance(i, bool) or not isinstance(i, int) for i in flat):
+            raise ValueError(f"the training state's bucket layout covers parameters {sorted(flat)[:12]}..., this model "
+                             f"has {n_params} trainable parameters (each must be in one bucket): it is another model's")
+        counts = {k: len(state[k]) for k in keys}
+        bad = {k: c for k, c in counts.items() if c != len(saved)}
+        if bad:
+            raise ValueError(f"the training state has {len(saved)} buckets but "
+                             f"{', '.join(f'{c} {k}' for k, c in bad.items())}: one entry per bucket is needed "
+                             "(it is damaged, or was edited)")
+        same_layout = self._strategy.layout.plan is not None and \
+            [list(b) for b in self._strategy.layout.plan.buckets] == [list(b) for b in saved]
+        whole = self._intra_node != "shard"
+        for i, (indices, opt_sd) in enumerate(zip(saved, state["optimizers"])):
+            groups = opt_sd.get("param_groups") if isinstance(opt_sd, Mapping) else None
+            if not isinstance(groups, (list, tuple)) or not isinstance(opt_sd.get("state"), Mapping) or \
+                    not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in groups):
+                raise ValueError(f"the training state's optimizer entry for bucket {i} is not an optimizer state dict "
+                                 "(needs 'state' and 'param_groups' with 'params')")
+            sizes = [len(g["params"]) for g in groups]
+            if same_layout:
+                mine = [len(g["params"]) for g in self._strategy.buckets[i].state_optimizer.param_groups]
+                if sizes != mine:
+                    raise ValueError(f"the training state's optimizer for bucket {i} has parameter groups of sizes "
+                                     f"{sizes}, this run's has {mine}: another optim_fn or model")
+            elif whole and sum(sizes) != len(indices):
+                raise ValueError(f"the training state's optimizer for bucket {i} holds {sum(sizes)} parameters, the "
+                                 f"bucket has {len(indices)}")
+        for i, sch in enumerate(state["schedulers"]):
+            if sch is not None and not isinstance(sch, Mapping):
+                raise ValueError(f"the training state's scheduler entry for bucket {i} must be a state dict or None, "
+                                 f"got {type(sch).__name__}")
+        for i, ex in enumerate(state["exchange"]):
+            if ex is not None and not isinstance(ex, Tensor):
+                raise ValueError(f"the training state's exchange entry for bucket {i} must be a tensor or None, got "
+                                 f"{type(ex).__name__}")
+
+    def _load_checked(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
+        """Load a state :meth:`check_training_state` accepted (no communication)."""
+        r = self._strategy
         r.adopt_layout(state_dict)
         result = self._model.load_state_dict(state_dict["model"], strict=strict)
         r.load_checkpoint_state(state_dict)
@@ -706,8 +861,27 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         return result
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer) -> List[Dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+def _check_model_state(model: nn.Module, saved: Any, strict: bool, what: str = "the training state's model",
+                       loader: str = "load_training_state_dict") -> None:
+    """``saved`` (model weights) against ``model``: a dict of tensors with this model's keys (all of
+    them when ``strict``) and shapes, checked before anything is copied (torch's load_state_dict
+    copies the entries that fit before it reports those that do not). ``what`` names ``saved`` and
+    ``loader`` the call, in the error."""
+    if not isinstance(saved, Mapping):
+        raise TypeError(f"{what} must be a state dict, got {type(saved).__name__}")
+    mine = model.state_dict()
+    missing = [k for k in mine if k not in saved]
+    unexpected = [k for k in saved if k not in mine]
+    if strict and (missing or unexpected):
+        raise KeyError(f"{what} does not match this model: missing keys {missing[:6]}, unexpected keys "
+                       f"{unexpected[:6]} ({loader}(..., strict=False) skips them); nothing was loaded")
+    for k, v in saved.items():
+        if k in mine and isinstance(mine[k], Tensor):
+            if not isinstance(v, Tensor):
+                raise TypeError(f"{what}: entry {k!r} must be a tensor, got {type(v).__name__}; nothing was loaded")
+            if v.shape != mine[k].shape:
+                raise ValueError(f"{what}: entry {k!r} has shape {tuple(v.shape)}, this model's "
+                                 f"{tuple(mine[k].shape)}: it is another model's; nothing was loaded")
 
 
 def _model_differs(r: int, a: List[Any], b: List[Any]) -> str:

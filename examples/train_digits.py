@@ -34,6 +34,7 @@ from torch import Tensor, nn
 import decentpy.optim as dopt
 from decentpy import DecentralizedDataParallel as DDP
 from decentpy import PreemptionCheckpointer
+from decentpy.comm import everyone
 from decentpy.config import runtime_summary
 from decentpy.utils import choose_backend, initialize_dist
 
@@ -323,8 +324,7 @@ def train_once(args: argparse.Namespace, data: Data, topology: str) -> RunResult
     wall = time.perf_counter() - t0 - setup_s
 
     # Sanity check: after global_avg every rank must hold the same model, hence the same accuracy.
-    accs = [0.0] * world
-    dist.all_gather_object(accs, acc)
+    accs = everyone(acc)  # (plain data as JSON: torch's object collectives would unpickle what a peer sends)
     if rank == 0:
         if max(accs) - min(accs) > 1e-12:
             log.warning("[%s] ranks disagree after global_avg: test accuracies %s", topology, accs)

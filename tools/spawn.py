@@ -83,7 +83,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
 def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
                 env: Optional[Dict[str, str]] = None, pg_timeout_s: float = 60.0, allow_failures: bool = False,
                 stop_on_failure: bool = False, local_ranks: bool = False, netns: Optional[Sequence[str]] = None,
-                rank_env: Optional[Sequence[Dict[str, str]]] = None) -> List[Any]:
+                rank_env: Optional[Sequence[Dict[str, str]]] = None, require_clean_exit: bool = False) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank.
 
     ``fn`` must be a module-level function (it is pickled into the spawned processes); ``env`` is
@@ -94,6 +94,8 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
     failure (the other ranks would only wait in a collective until ``pg_timeout_s``). ``netns``:
     rank r runs inside network namespace ``netns[r]`` (entered before anything else), ``rank_env[r]``
     is added to its environment last (e.g. MASTER_ADDR and GLOO_SOCKET_IFNAME of that namespace).
+    ``require_clean_exit``: a rank that reported its result but then exited with a non-zero code (a
+    signal while the interpreter finalized: SIGABRT is ``-6``) fails too, by its exit code.
     """
     import torch.multiprocessing as mp
 
@@ -134,6 +136,11 @@ def run_workers(fn: Callable[..., Any], world_size: int, *args: Any, timeout: fl
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+    if require_clean_exit:
+        for r, p in enumerate(procs):
+            if r in results and p.exitcode != 0:
+                del results[r]
+                failures[r] = f"process exited with code {p.exitcode} after reporting its result"
     if failures and not allow_failures:
         raise WorkerError(failures)
     merged = dict(results)

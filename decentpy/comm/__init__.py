@@ -8,7 +8,7 @@
   that builds (or rebuilds, for a new set of members) a wrapper's communicator;
 * :mod:`.groups` -- process-group defaults (:func:`or_world`), group ranks, :class:`CommGroup` and
   its private sub-groups;
-* :mod:`.wire` -- what crosses a process boundary as data (JSON, plain-data states), never pickle;
+* :mod:`.wire` -- what crosses a process boundary as data (JSON, plain-data states), never as Python objects;
 * :mod:`.agreement` -- cross-rank agreement: every rank learns of a difference or a failure before
   a collective that would hang on it;
 * :mod:`.failures` -- a peer's failure classified once (:class:`PeerTimeoutError` and its subclasses

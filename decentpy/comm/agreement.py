@@ -1,8 +1,8 @@
 """Cross-rank agreement: every rank learns of a difference or a failure before any collective
 that would hang on it (each helper is one collective over the group, the same answer everywhere).
 
-What the ranks say to each other here is plain data (JSON, :mod:`.wire`), never pickle: a message
-from a faulty or foreign process can only raise a named error."""
+What the ranks say to each other here is plain data (JSON, :mod:`.wire`), never serialised Python
+objects: a message from a faulty or foreign process can only raise a named error."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class SettingsMismatchError(ValueError):
 
 def everyone(mine: Any, group: Optional[dist.ProcessGroup] = None, what: str = "an agreement") -> List[Any]:
     """Every rank's ``mine`` (plain data: numbers, strings, lists, dicts, None; tuples arrive as
-    lists), by rank in ``group`` (a collective). Sent as JSON, never pickled."""
+    lists), by rank in ``group`` (a collective). Sent as JSON, never as Python objects."""
     return all_gather_json(mine, group, what)
 
 

@@ -36,7 +36,8 @@ import torch.distributed as dist
 from .exit import stop_at_exit
 
 __all__ = ["PeerTimeoutError", "PeerUnreachableError", "PeerReportedError", "NonFiniteGradientError",
-           "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "running_monitor", "start_heartbeat", "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
+           "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "running_monitor", "report_to_peers", "start_heartbeat",
+           "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
 
 logger = logging.getLogger(__name__)
 
@@ -276,11 +277,26 @@ def running_monitor() -> Optional[PeerMonitor]:
         return _MONITOR if _MONITOR.store is store else None
 
 
+def report_to_peers(err: BaseException) -> None:
+    """Post ``err`` (this rank is about to raise it outside any wait: a bad hyper-parameter before a
+    step) on the job's error board, so that the ranks waiting on this one raise a
+    :class:`PeerReportedError` naming it within a heartbeat instead of at their timeout. Nothing
+    without a running monitor (one rank, or no heartbeats)."""
+    monitor = running_monitor()
+    if monitor is not None:
+        monitor.report(f"{type(err).__name__}: {err}")
+
+
 def start_heartbeat() -> None:
     """Beat this process's heartbeat from now on (wrappers call it at construction, so that every
     process of a job beats before any wait could need to tell a dead peer from a slow one)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         peer_monitor()
+
+
+#: the timeout of the wait that ends a blocked one at exit
+_CANCEL_WAIT = datetime.timedelta(milliseconds=1)
+_Cancel = Optional[Callable[[], Any]]
 
 
 class _WakeOnStop(threading.Event):
@@ -303,31 +319,46 @@ class _Waiter:
     A wait given up on (a peer failed: the caller raised) keeps its thread inside the backend, GIL
     released, until the connection closes; if that happens while Python finalizes, the thread's
     return for the GIL ends in ``std::terminate`` (decentpy/comm/exit.py), so the thread is stopped
-    at exit like the heartbeat's: woken if idle, joined briefly if blocked -- peers exiting at the
-    same time close the connection within that window."""
+    at exit like the heartbeat's: woken if idle, and if blocked its wait is ended (the job's
+    ``cancel``: a 1 ms wait on the same work, after which gloo wakes the blocked one with an error)
+    and the thread joined, before finalization."""
 
     def __init__(self) -> None:
-        self._jobs: "queue.Queue[Optional[Tuple[Callable[[], Any], threading.Event, List[Any]]]]" = queue.Queue()
+        self._jobs: "queue.Queue[Optional[Tuple[Callable[[], Any], threading.Event, List[Any], _Cancel]]]" = \
+            queue.Queue()
         self._stop = _WakeOnStop(self._jobs)
+        self._cancel: _Cancel = None  # ends the job running now (see _unblock)
         thread = threading.Thread(target=self._run, name="decentpy-waiter", daemon=True)
         thread.start()
-        stop_at_exit(self._stop, [thread])
+        stop_at_exit(self._stop, [thread], self._unblock)
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None or self._stop.is_set():
                 return
-            fn, done, box = job
+            fn, done, box, cancel = job
+            self._cancel = cancel
             try:
                 box.append(("ok", fn()))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box.append(("error", exc))
+            finally:
+                self._cancel = None
             done.set()
 
-    def submit(self, fn: Callable[[], Any]) -> Tuple[threading.Event, List[Any]]:
+    def _unblock(self) -> None:
+        """At exit (decentpy/comm/exit.py): end the wait this thread is blocked in, if any -- a wait
+        given up on, whose peer is alive and would close the connection only later, while the
+        interpreter finalizes (SIGABRT)."""
+        cancel = self._cancel
+        if cancel is not None:
+            cancel()
+
+    def submit(self, fn: Callable[[], Any], cancel: _Cancel = None) -> Tuple[threading.Event, List[Any]]:
+        """Run ``fn`` on the thread; ``cancel`` makes it return at once (called at exit only)."""
         done, box = threading.Event(), []  # type: ignore[var-annotated]
-        self._jobs.put((fn, done, box))
+        self._jobs.put((fn, done, box, cancel))
         return done, box
 
 
@@ -378,7 +409,9 @@ class PeerWatch:
                 raise self.classify(None, what, peers, bucket, step, start)
             return
         waiter = _waiter()
-        done, box = waiter.submit(lambda: work.wait(self.timeout))
+        # cancel: a wait with a 1 ms timeout on the same work ends the blocked one (gloo closes the
+        # work's connections and wakes it with an error); used at exit only, see decentpy/comm/exit.py
+        done, box = waiter.submit(lambda: work.wait(self.timeout), cancel=lambda: work.wait(_CANCEL_WAIT))
         tick = min(1.0, max(0.05, (self.liveness_s or 1.0) / 4))
         try:
             while not done.wait(tick):

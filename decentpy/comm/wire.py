@@ -4,11 +4,12 @@ Everything decentpy exchanges between ranks outside the tensors of an exchange -
 construction, verdicts, a training state handed to a joiner, a consolidated optimizer state -- is
 input from another process, which may be faulty or not ours: it is encoded here as plain data and
 decoded with bounds checks, so that a crafted message can at worst raise a named error. Never
-pickle (``all_gather_object``, ``send_object_list``, ``torch.load(weights_only=False)`` run code
-chosen by the sender).
+Python's object serialisation (torch.distributed's object collectives and a ``torch.load`` that
+is not ``weights_only`` run code chosen by the sender).
 
 * :func:`all_gather_json` -- every rank's JSON value (numbers, strings, lists, dicts, None), one
-  length round and one payload round over the group;
+  length round and one payload round over the group; :func:`broadcast_json` -- one rank's;
+* :func:`all_gather_bytes` / :func:`gather_bytes` -- every rank's byte message, on every rank or on one;
 * :func:`encode_state` / :func:`decode_state` -- a state made of tensors and plain containers
   (``torch.save`` bytes, loaded with ``weights_only=True``: tensors, numbers, strings, lists, tuples,
   dicts, no other class);
@@ -26,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["MalformedMessageError", "MAX_JSON_BYTES", "MAX_STATE_BYTES", "to_json_bytes", "from_json_bytes",
-           "all_gather_json", "encode_state", "decode_state", "send_bytes", "recv_bytes", "send_state",
+           "all_gather_json", "broadcast_json", "all_gather_bytes", "gather_bytes", "encode_state", "decode_state",
+           "send_bytes", "recv_bytes", "send_state",
            "recv_state", "wire_device"]
 
 #: largest JSON message one rank may send (settings of a model with many parameters fit easily)
@@ -74,24 +76,79 @@ def all_gather_json(value: Any, group: Optional[dist.ProcessGroup] = None, what:
     """Every rank's ``value`` (plain data), by rank in ``group`` (two collectives: the lengths, then
     the payloads padded to the longest). A message that is too large or not JSON raises
     :class:`MalformedMessageError` naming the sender, on every rank (all of them received it)."""
-    payload = to_json_bytes(value)
+    payloads = all_gather_bytes(to_json_bytes(value), group, what, max_bytes)
+    return [from_json_bytes(data, f"{what} from rank {r}", max_bytes) for r, data in enumerate(payloads)]
+
+
+def broadcast_json(value: Any, src: int, group: Optional[dist.ProcessGroup] = None, what: str = "a message",
+                   max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Group rank ``src``'s ``value`` (plain data) on every rank of ``group`` (the others pass
+    anything: it is not sent). Two collectives: the length, then the payload; a message that is too
+    large or not JSON raises :class:`MalformedMessageError` naming ``src`` on every receiver."""
     device = wire_device(group)
-    n = dist.get_world_size(group)
+    payload = to_json_bytes(value) if dist.get_rank(group) == src else b""
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=_global(src, group), group=group)
+    n = int(length.item())
+    if not 0 <= n <= max_bytes:
+        raise MalformedMessageError(f"{what} from rank {src}: announced {n} bytes (at most {max_bytes} allowed)")
+    buf = torch.zeros(n, dtype=torch.uint8, device=device)
+    if payload:
+        buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    if n:
+        dist.broadcast(buf, src=_global(src, group), group=group)
+    return from_json_bytes(_bytes_of(buf), f"{what} from rank {src}", max_bytes)
+
+
+def _lengths(data: bytes, group: Optional[dist.ProcessGroup], what: str, max_bytes: int,
+             device: torch.device) -> List[int]:
+    """Every rank's message length (an all-gather), each checked against ``max_bytes`` before
+    anything is allocated for it."""
+    n = dist.get_world_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(n)]
     dist.all_gather(lengths, length, group=group)
     sizes = [int(t.item()) for t in lengths]
     bad = next((r for r, s in enumerate(sizes) if not 0 <= s <= max_bytes), None)
     if bad is not None:
         raise MalformedMessageError(f"{what}: rank {bad} announced {sizes[bad]} bytes (at most {max_bytes} allowed)")
-    longest = max(sizes)
+    return sizes
+
+
+def _padded(data: bytes, longest: int, device: torch.device) -> torch.Tensor:
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if payload:
-        mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
-    dist.all_gather(out, mine, group=group)
-    return [from_json_bytes(_bytes_of(t[:s]), f"{what} from rank {r}", max_bytes)
-            for r, (t, s) in enumerate(zip(out, sizes))]
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    return mine
+
+
+def all_gather_bytes(data: bytes, group: Optional[dist.ProcessGroup] = None, what: str = "a message",
+                     max_bytes: int = MAX_STATE_BYTES) -> List[bytes]:
+    """Every rank's byte message, by rank in ``group``, on every rank (the lengths, then the
+    payloads padded to the longest; a length above ``max_bytes`` is refused on every rank, naming
+    its sender, before anything that long is allocated)."""
+    device = wire_device(group)
+    sizes = _lengths(data, group, what, max_bytes, device)
+    longest = max(sizes)
+    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(out, _padded(data, longest, device), group=group)
+    return [_bytes_of(t[:s]) for t, s in zip(out, sizes)]
+
+
+def gather_bytes(data: bytes, dst: int, group: Optional[dist.ProcessGroup] = None, what: str = "a message",
+                 max_bytes: int = MAX_STATE_BYTES) -> Optional[List[bytes]]:
+    """Every rank's byte message on group rank ``dst`` (by rank; None elsewhere). The lengths travel
+    to every rank (an all-gather), so all of them pad alike and refuse an oversized one alike."""
+    device = wire_device(group)
+    sizes = _lengths(data, group, what, max_bytes, device)
+    longest = max(sizes)
+    mine = _padded(data, longest, device)
+    if dist.get_rank(group) != dst:
+        dist.gather(mine, None, dst=_global(dst, group), group=group)
+        return None
+    out = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.gather(mine, out, dst=_global(dst, group), group=group)
+    return [_bytes_of(t[:s]) for t, s in zip(out, sizes)]
 
 
 def encode_state(state: Any) -> bytes:

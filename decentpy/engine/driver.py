@@ -169,7 +169,12 @@ class BackwardDriver:
             return
         if not self._callback_queued:
             self._callback_queued = True
-            s.begin_backward()
+            try:
+                s.begin_backward()
+            except BaseException:  # (a bad hyper-parameter): no iteration runs; the next forward starts afresh
+                self._callback_queued = False
+                self._armed = False
+                raise
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         if not first:
             return

@@ -28,6 +28,7 @@ from ..topology import Group
 from .bucket import Bucket, BucketPlan
 from .exchanges import Exchange
 from .failure import FailurePolicy, make_failure_policy
+from .step_checks import check_step_hyperparameters
 from .node import GossipSetup, NodeMode
 from .layout import BucketLayout, OptimFn, SchedulerFn
 from .strategy import BucketStrategy, Readiness
@@ -150,6 +151,7 @@ class GossipStrategy(BucketStrategy):
         self.settle()  # nothing pending may point at buckets a rebuild replaces
         self.exchange.wait_params()
         self.layout.settle(order)
+        check_step_hyperparameters(self)  # the rebuilt buckets' optimizers, before any of them steps
 
     def begin_iteration(self, in_join: bool, active: bool) -> None:
         if not active and not self.layout.final:
@@ -179,6 +181,7 @@ class GossipStrategy(BucketStrategy):
 
     def begin_backward(self) -> None:
         self._settle_or_defer()  # the last iteration's verdicts, before this one steps anything
+        check_step_hyperparameters(self)  # what the kernel passes read (a scheduler's NaN): before any steps
         self.grad_scaling.begin_iteration()
 
     def _settle_or_defer(self) -> None:

@@ -23,7 +23,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from ..comm import CommGroup, check_on_every_rank, default_timeout, or_world
+from ..arguments import check_bool
+from ..comm import CommGroup, agree_across_ranks, check_comm, default_timeout, or_world
+from ..engine.step_checks import check_before_step
+from ..optim.hyperparams import check_hyperparameters, hyperparameters_of
 from ..optim.compression import Compression, resolve_compression
 from ..optim.outer import check_fragments, check_outer_options
 from ..topology import Topology, make_topology
@@ -58,23 +61,45 @@ class _LocalSteps:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
                                "torch.distributed.init_process_group(...) first")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None (the world), got "
+                            f"{type(group).__name__}")
         pg = or_world(group)
         self._group = CommGroup(pg)
         found: List[Topology] = []
         compression: List[Optional[Compression]] = []  # what ``check`` resolves (DiLoCo's compressed exchange)
+        settings: Dict[str, Any] = {}
 
         def local_checks() -> None:
             if not isinstance(inner_optimizer, Optimizer):
                 raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
+            check_hyperparameters(inner_optimizer, f"the inner optimizer ({type(inner_optimizer).__name__})")
             if sync_every_s is not None:
                 check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s)
             elif isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
                 raise ValueError(f"sync_every must be an int >= 1 (inner steps between outer steps), got {sync_every!r}")
+            check_comm(comm if isinstance(comm, str) else repr(comm))
+            check_bool("broadcast_parameters", broadcast_parameters)
             found.append(_topology(topology, self._group.size))
-            compression.append(check(found[0]))
+            comp, extra = check(found[0])
+            compression.append(comp)
+            settings.update({
+                "model (parameter shapes and dtypes per module)": [
+                    [(tuple(p.shape), str(p.dtype)) for p in m.parameters()] for m in modules],
+                "sync_every": sync_every, "sync_every_s": sync_every_s, "topology": found[0].name, "comm": comm,
+                "broadcast_parameters": broadcast_parameters, "compression": repr(comp),
+                "inner_optimizer (class and hyper-parameters)": (type(inner_optimizer),
+                                                                 hyperparameters_of(inner_optimizer)),
+                **extra})
 
-        # Bad input raises on every rank before the first collective (the communicator's groups).
-        check_on_every_rank(local_checks, f"{type(self).__name__}(...)", pg)
+        # Bad input, and any setting that differs between ranks (sync_every 2 here, 3 there: their outer
+        # steps would pair mismatched exchanges), raise on every rank before the first collective.
+        failure: Optional[BaseException] = None
+        try:
+            local_checks()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by the agreement
+            failure = exc
+        agree_across_ranks(failure, settings if failure is None else {}, f"{type(self).__name__}(...)", pg)
         self.topology = found[0]
         self._inner = inner_optimizer
         self._sync_every = sync_every
@@ -99,6 +124,7 @@ class _LocalSteps:
     def __enter__(self) -> "_LocalSteps":
         if self._closed:
             raise RuntimeError(f"this {type(self).__name__} was closed (its context ended); build a new one")
+        self._hooks.append(self._inner.register_step_pre_hook(self._step_pre_hook))
         self._hooks.append(self._inner.register_step_post_hook(self._step_post_hook))
         self._window_start = self._clock()  # a time budget counts from the start of training
         return self
@@ -121,6 +147,14 @@ class _LocalSteps:
     def local_step(self) -> int:
         """Inner steps since the last outer step."""
         return self._local_step
+
+    def _step_pre_hook(self, _optim: Optimizer, _args: Tuple[Any, ...], _kwargs: Dict[str, Any]) -> None:
+        """Before each inner step: its hyper-parameters (a scheduler's NaN would turn the model NaN, and
+        the next outer exchange every replica's); a bad one raises here, reported to the peers."""
+        self._check_before_step([(self._inner, f"the inner optimizer ({type(self._inner).__name__})")])
+
+    def _check_before_step(self, optimizers: List[Tuple[Optimizer, str]]) -> None:
+        check_before_step(optimizers, self._group.to_global(self._group.rank), self.outer_steps)
 
     def _step_post_hook(self, _optim: Optimizer, _args: Tuple[Any, ...], _kwargs: Dict[str, Any]) -> None:
         self._local_step += 1
@@ -198,6 +232,11 @@ class DiLoCo(_LocalSteps):
             if len(outers) not in (1, len(fragments)):
                 raise ValueError(f"{len(outers)} outer optimizers for {len(fragments)} fragments: give one, or one "
                                  "per fragment")
+            for i, o in enumerate(outers):
+                check_hyperparameters(o, f"outer optimizer {i} ({type(o).__name__})")
+            extra = {"fragments": len(fragments), "fragment_sync_delay": fragment_sync_delay,
+                     "fragment_update_alpha": fragment_update_alpha, "should_quantize": should_quantize,
+                     "outer_optimizer (class and hyper-parameters)": [(type(o), hyperparameters_of(o)) for o in outers]}
             comp = resolve_compression(compression)
             if should_quantize and comp is None:
                 comp = resolve_compression("int8")  # torchft's low-bit outer exchange, on every device
@@ -211,7 +250,7 @@ class DiLoCo(_LocalSteps):
                                      f"comm={comm!r}")
             if sync_every_s is None and (isinstance(sync_every, bool) or not isinstance(sync_every, int)
                                          or sync_every < 1):
-                return comp  # (the common check names it)
+                return comp, extra  # (the common check names it)
             check_fragments("sync_every", sync_every or 0, len(fragments), fragment_sync_delay,
                             fragment_update_alpha, sync_every_s is not None)
             seen: Dict[int, int] = {}
@@ -228,7 +267,7 @@ class DiLoCo(_LocalSteps):
                     raise ValueError(f"outer optimizer {i} does not hold every parameter of "
                                      f"{'fragment ' + str(i) if len(outers) > 1 else 'the model'}: build it over "
                                      "those parameters (the outer step sets their .grad and steps them)")
-            return comp
+            return comp, extra
 
         super().__init__(fragments, inner_optimizer, sync_every, topology, group, comm, broadcast_parameters, check,
                          sync_every_s, clock)
@@ -248,6 +287,10 @@ class DiLoCo(_LocalSteps):
     def fragments(self) -> int:
         return len(self._fragments)
 
+    def _check_outer(self, f: Fragment) -> None:
+        """The fragment's outer optimizer's hyper-parameters, before its exchange starts."""
+        self._check_before_step([(f.outer, f"the outer optimizer of fragment {f.index} ({type(f.outer).__name__})")])
+
     def _current(self) -> Fragment:
         return self._fragments[self.outer_steps % len(self._fragments)]
 
@@ -258,6 +301,7 @@ class DiLoCo(_LocalSteps):
             # of its inner steps after the budget: the others wait for no more than that.
             if self._clock() - self._window_start >= self._sync_every_s:
                 f = self._fragments[0]
+                self._check_outer(f)
                 f.prepare(self._mixer, self.outer_steps, 0, self._send_globals, weight=float(self._local_step))
                 f.perform(self._send_globals)
                 self.outer_steps += 1
@@ -267,6 +311,7 @@ class DiLoCo(_LocalSteps):
         if self._local_step == self._period - self._delay:
             # Same fragment and tag on every rank, in the same order: every pair of peers matches.
             f = self._current()
+            self._check_outer(f)
             f.prepare(self._mixer, self.outer_steps, 16 * f.index, self._send_globals)
         if self._local_step == self._period:
             self._current().perform(self._send_globals)
@@ -277,6 +322,7 @@ class DiLoCo(_LocalSteps):
         """Run the due fragment's outer step now (its exchange started if it was not yet)."""
         f = self._current()
         if not f.in_flight:
+            self._check_outer(f)
             f.prepare(self._mixer, self.outer_steps, 16 * f.index, self._send_globals)
         f.perform(self._send_globals)
         self.outer_steps += 1
@@ -307,9 +353,10 @@ class LocalSGD(_LocalSteps):
     def __init__(self, model: nn.Module, optimizer: Optimizer, sync_every: int, *,
                  topology: TopologyLike = "complete", group: Optional[dist.ProcessGroup] = None, comm: str = "torch",
                  broadcast_parameters: bool = True) -> None:
-        def check(_topo: Topology) -> None:
+        def check(_topo: Topology) -> Tuple[None, Dict[str, Any]]:
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            return None, {}
 
         super().__init__([model], optimizer, sync_every, topology, group, comm, broadcast_parameters, check)
         self._fragment = Fragment(0, [p for p in model.parameters() if p.requires_grad], None, None, False, 0.0)

@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from . import kernels
 from .grad_scaling import GradArgs
+from .hyperparams import check_hyperparameters
 from .kernels import KERNEL_DTYPES, OptKind, flat_alias
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class FusedOptimizer(Optimizer):
 
     def __init__(self, params: Any, defaults: Dict[str, Any]) -> None:
         super().__init__(params, defaults)
+        # every group's values (a group may override the defaults: fuse_torch_optimizer passes groups)
+        check_hyperparameters(self, type(self).__name__)
         for g in self.param_groups:
             for p in g["params"]:
                 if p.dtype not in KERNEL_DTYPES:
@@ -322,16 +325,12 @@ class SGD(FusedOptimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False) -> None:
-        if lr < 0.0:
-            raise ValueError(f"invalid learning rate {lr}: must be >= 0")
-        if momentum < 0.0:
-            raise ValueError(f"invalid momentum {momentum}: must be >= 0")
-        if weight_decay < 0.0:
-            raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum > 0 and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
                                       weight_decay=weight_decay, nesterov=nesterov))
+        for i, g in enumerate(self.param_groups):  # (after the rules every group passed in __init__)
+            if g["nesterov"] and (g["momentum"] <= 0 or g["dampening"] != 0):
+                raise ValueError(f"SGD, param group {i}: Nesterov momentum requires a momentum > 0 and zero "
+                                 f"dampening, got momentum={g['momentum']!r}, dampening={g['dampening']!r}")
 
     def _uses_state(self) -> Tuple[str, ...]:
         return self.state_names if any(g["momentum"] != 0 for g in self.param_groups) else ()
@@ -356,8 +355,7 @@ class Adam(FusedOptimizer):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0) -> None:
-        _check_adam_args(lr, betas, eps, weight_decay)
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=_pair(betas), eps=eps, weight_decay=weight_decay))
 
     def _bias_step(self, group: Dict[str, Any], step: int) -> int:
         return step
@@ -389,11 +387,10 @@ class AccumAdam(Adam):
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, accum_iter: int = 4) -> None:
-        _check_adam_args(lr, betas, eps, weight_decay)
-        if int(accum_iter) != accum_iter or accum_iter < 1:
-            raise ValueError(f"invalid accum_iter {accum_iter}: must be an integer >= 1")
-        FusedOptimizer.__init__(self, params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                                   weight_decay=weight_decay, accum_iter=int(accum_iter)))
+        FusedOptimizer.__init__(self, params, dict(lr=lr, betas=_pair(betas), eps=eps,
+                                                   weight_decay=weight_decay,
+                                                   accum_iter=int(accum_iter) if isinstance(accum_iter, float)
+                                                   and accum_iter.is_integer() else accum_iter))
         if len({int(g["accum_iter"]) for g in self.param_groups}) != 1:
             raise ValueError("all parameter groups of one AccumAdam must share accum_iter")
 
@@ -421,15 +418,9 @@ class AccumAdamW(AccumAdam):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, accum_iter=accum_iter)
 
 
-def _check_adam_args(lr: float, betas: Tuple[float, float], eps: float, weight_decay: float) -> None:
-    if lr < 0.0:
-        raise ValueError(f"invalid learning rate {lr}: must be >= 0")
-    if eps < 0.0:
-        raise ValueError(f"invalid eps {eps}: must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"invalid betas {betas}: need two values in [0, 1)")
-    if weight_decay < 0.0:
-        raise ValueError(f"invalid weight_decay {weight_decay}: must be >= 0")
+def _pair(betas: Any) -> Any:
+    """``betas`` as a tuple when it is a sequence (the hyper-parameter check names anything else)."""
+    return tuple(betas) if isinstance(betas, (tuple, list)) else betas
 
 
 # -- converting torch's own optimizers ---------------------------------------------------------

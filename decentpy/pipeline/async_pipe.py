@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from ..comm import CommGroup, PeerTimeoutError, SubGroup, agree_across_ranks, default_timeout, group_ranks, or_world
 from ..comm.failures import start_heartbeat
+from ..comm.wire import MalformedMessageError, broadcast_json
 from .agreement import NO_FAILURE, Agreement
 from .batchnorm import DeferredBatchNorm
 from .checkpoint import checkpointing, recomputing
@@ -869,16 +870,22 @@ class AsyncPipe(nn.Module):
             raise
         if origin == NO_FAILURE:
             return
-        text = [failure[1] if failure is not None and failure[0] == origin and failure[2] is not None else None]
+        mine = failure[1] if failure is not None and failure[0] == origin and failure[2] is not None else None
         src = self._ranks[origin] if origin >= 0 else None
-        if src is not None:
-            dist.broadcast_object_list(text, src=src, group=self.group)
+        text: Any = None
+        if src is not None:  # the failing stage's message, as JSON text (nothing of it runs here)
+            try:
+                text = broadcast_json(mine, origin, self.group, f"AsyncPipe stage {origin}'s error message")
+            except MalformedMessageError as exc:
+                text = f"(its error message could not be read: {exc})"
+            if text is not None and not isinstance(text, str):
+                text = f"(its error message was not a text: {type(text).__name__})"
         own = failure[2] if failure is not None and failure[0] == origin else None
         if own is not None and self.stage == origin:
             if hasattr(own, "add_note"):
                 own.add_note(f"(raised on AsyncPipe stage {origin}; every stage of the pipe raised)")
             raise own
-        raise PipelineError(f"AsyncPipe stage {origin} (rank {src}) failed: {text[0]}", origin)
+        raise PipelineError(f"AsyncPipe stage {origin} (rank {src}) failed: {text}", origin)
 
     def _settle(self, table: List[List[int]]) -> None:
         """After a failed step (the failure path only): fill what each neighbour posted ahead

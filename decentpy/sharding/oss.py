@@ -29,10 +29,12 @@ from torch.optim import Optimizer
 
 from ..comm import agree_across_ranks, default_timeout, group_ranks, or_world, raise_if_any_rank_failed
 from ..comm.failures import start_heartbeat
+from ..comm.wire import MalformedMessageError, all_gather_bytes, decode_state, encode_state, gather_bytes
 from ..engine.bucket import flatten_params
 from ..engine.driver import BoundedWait
 from ..optim.kernels import flat_alias
 from ..optim import fuse_torch_optimizer
+from ..optim.hyperparams import check_hyperparameters
 from .partition import MIN_SPLIT_NUMEL, Shard, owner_runs, partition_by_size
 
 __all__ = ["OSS"]
@@ -127,6 +129,7 @@ class OSS(Optimizer, Joinable):
         return [p for g in self.param_groups for p in g["params"]]
 
     def _check_params_local(self) -> None:
+        check_hyperparameters(self, f"OSS({self._optim_class.__name__})")
         for gi, g in enumerate(self.param_groups):
             for i, p in enumerate(g["params"]):
                 if p.is_complex():
@@ -415,18 +418,18 @@ class OSS(Optimizer, Joinable):
         self._sync_param_groups(self.param_groups, self.optim.param_groups)
         items = self._items()
         mine = {items[id(t)]: _to_cpu(st) for t, st in self.optim.state.items() if id(t) in items}
+        # plain data (tensors, numbers), decoded with weights_only=True: a peer's bytes never run here
+        what = "OSS.consolidate_state_dict: the optimizer state"
         if recipient_rank == -1:
-            everyone: Optional[List[Any]] = [None] * self.world_size
-            dist.all_gather_object(everyone, mine, group=self.group)
+            payloads: Optional[List[bytes]] = all_gather_bytes(encode_state(mine), self.group, what)
         else:
-            everyone = [None] * self.world_size if self.rank == recipient_rank else None
-            dist.gather_object(mine, everyone, dst=self._global_ranks[recipient_rank], group=self.group)
-        if everyone is None:
+            payloads = gather_bytes(encode_state(mine), recipient_rank, self.group, what)
+        if payloads is None:
             self._all_states = None
             return
         merged: Dict[Tuple[int, int], Dict[str, Any]] = {}
-        for shard in everyone:
-            merged.update(shard)
+        for r, data in enumerate(payloads):
+            merged.update(_shard_states(decode_state(data, f"{what} from rank {r}", "cpu"), r, what))
         self._all_states = merged
 
     def state_dict(self, all_ranks: bool = False) -> Dict[str, Any]:  # type: ignore[override]
@@ -553,6 +556,18 @@ def _piece_of(st: Dict[str, Any], p: Tensor, s: Shard) -> Dict[str, Any]:
         else:
             out[name] = v
     return out
+
+
+def _shard_states(shard: Any, rank: int, what: str) -> Dict[Tuple[int, int], Dict[str, Any]]:
+    """One rank's consolidated states as sent, checked for shape: ``{(parameter index, start): state
+    dict}`` (a malformed one is named with its sender, never merged)."""
+    ok = isinstance(shard, dict) and all(
+        isinstance(k, tuple) and len(k) == 2 and all(isinstance(x, int) for x in k) and isinstance(v, dict)
+        for k, v in shard.items())
+    if not ok:
+        raise MalformedMessageError(f"{what} from rank {rank}: not a map of (parameter index, start) to a state "
+                                    f"dict ({type(shard).__name__})")
+    return shard
 
 
 def _to_cpu(obj: Any) -> Any:
