@@ -269,6 +269,15 @@ class TrainRunner(Runner):
             self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
 
+    def extra_figures(self) -> Dict[str, float]:
+        """decentpy's peer check: its host CPU time per step over this configuration's steps (timed and
+        untimed alike), in ms."""
+        if self.cfg.framework != "decentpy":
+            return {}
+        stats = self.net.stats()
+        return {"peer_check_ms": 1e3 * stats.get("peer_check_cpu_s", 0.0) / max(1, stats["steps"])}
+
+
 def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
     import torch.distributed as dist
 
@@ -346,7 +355,8 @@ def summarize(raw: List[Dict[str, Any]], chunk: int = 0) -> List[Dict[str, Any]]
     for res in raw:
         row = timing_row(per_period(res, chunk) if chunk else res)
         rows.append(dict(row, steady_delta=res["steady_delta"], peak_delta=res["peak_delta"],
-                         wrap_delta=res["wrap_delta"], bytes=bytes_per_step(row["cfg"], res["param_bytes"])))
+                         wrap_delta=res["wrap_delta"], bytes=bytes_per_step(row["cfg"], res["param_bytes"]),
+                         figures=res.get("extra", {})))
     by = {(r["cfg"].model, r["cfg"].workers, r["cfg"].framework, r["cfg"].topology): r for r in rows}
     for r in rows:
         c = r["cfg"]
@@ -478,14 +488,31 @@ def peer_check_cost(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
         return []
     print("\npeer check (decentpy default: PeerCheck('skip', bound=10, window=16)) against peer_check='off', "
           "interleaved in the same workers:")
-    hdr = ["model", "n", "topology", "check ms", "off ms", "step ratio", "check CPU ms", "off CPU ms", "CPU ratio"]
-    table = [[r["cfg"].model, str(r["cfg"].workers), short_topo(r["cfg"]), f"{r['step'] * 1e3:.2f}",
-              f"{off['step'] * 1e3:.2f}", f"{r['step'] / off['step']:.4f}", f"{r['cpu'] * 1e3:.1f}",
-              f"{off['cpu'] * 1e3:.1f}", f"{r['cpu'] / off['cpu']:.4f}"] for r, off in pairs]
+    hdr = ["model", "n", "topology", "check ms", "off ms", "step ratio", "check CPU ms", "off CPU ms", "CPU ratio",
+           "check's own ms", "of a worker's CPU"]
+    table = []
+    for r, off in pairs:
+        own = r["figures"].get("peer_check_ms")
+        per_worker = r["cpu"] / r["cfg"].workers
+        r["check_share"] = own / (per_worker * 1e3) if own is not None else None
+        table.append([r["cfg"].model, str(r["cfg"].workers), short_topo(r["cfg"]), f"{r['step'] * 1e3:.2f}",
+                      f"{off['step'] * 1e3:.2f}", f"{r['step'] / off['step']:.4f}", f"{r['cpu'] * 1e3:.1f}",
+                      f"{off['cpu'] * 1e3:.1f}", f"{r['cpu'] / off['cpu']:.4f}", fmt(own, ".3f"),
+                      fmt(r["check_share"], ".2%")])
     print_table_rows(hdr, table, group=lambda t: (t[0], t[1]))
-    return [_target(f"the peer check costs <= {PEER_CHECK_BUDGET:.0%} of a step (median step, check / off - 1)",
-                    [r for r, _ in pairs], lambda r: r["check_cost"] <= PEER_CHECK_BUDGET, lambda r: r["check_cost"],
-                    lambda r: f"{r['check_cost']:+.2%} (CPU {r['check_cpu_cost']:+.2%})", higher_is_better=False)]
+    print("step / CPU ratio: decentpy's median step (wall; CPU summed over the workers) over peer_check='off''s; "
+          "check's own ms: the host CPU the check took per step on a worker (its passes and verdicts, max over the "
+          "workers: stats()['peer_check_cpu_s']), and its share of a worker's CPU per step (the ratio of two noisy "
+          "medians cannot resolve a few percent on a loaded machine; this share can)")
+    out = [_target(f"the peer check costs <= {PEER_CHECK_BUDGET:.0%} of a step (median step, check / off - 1)",
+                   [r for r, _ in pairs], lambda r: r["check_cost"] <= PEER_CHECK_BUDGET, lambda r: r["check_cost"],
+                   lambda r: f"{r['check_cost']:+.2%} (CPU {r['check_cpu_cost']:+.2%})", higher_is_better=False)]
+    shares = [r for r, _ in pairs if r.get("check_share") is not None]
+    if shares:
+        out.append(_target(f"the peer check's own CPU <= {PEER_CHECK_BUDGET:.0%} of a worker's CPU per step", shares,
+                           lambda r: r["check_share"] <= PEER_CHECK_BUDGET, lambda r: r["check_share"],
+                           lambda r: f"{r['check_share']:.2%}", higher_is_better=False))
+    return out
 
 
 def check_targets(rows: List[Dict[str, Any]], link: Optional[str] = None) -> List[Tuple[str, bool, str]]:

@@ -653,6 +653,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         ``peer_checks``: contributions of peers this rank checked (``peer_check``); ``peer_checks_failed``:
         those that failed, and per faulty peer ``peer_checks_failed_rank<r>`` (global rank ``r``;
         ``peer_checks_failed_unnamed``: a group's sum that did not match its members' fingerprints);
+        ``peer_check_cpu_s``: host CPU seconds the check took (its passes and verdicts);
         ``nonfinite_param_checks`` / ``params_taken_from_peer`` when this rank's own parameters were found
         not finite. Reading it applies the last iteration's skip and peer-check verdicts (a device sync
         on a GPU, as :attr:`buckets`). Not here: :meth:`consensus_distance`, a collective every rank

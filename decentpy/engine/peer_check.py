@@ -58,9 +58,11 @@ check only (see :meth:`PeerChecker.admit_wire` and :meth:`PeerChecker.admit_oute
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import statistics
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional, Sequence, Tuple, Type, Union
 
@@ -243,6 +245,20 @@ def group_verdict(fingerprints: Tensor, recv_sketch: Tensor, scale: float, unit_
 # -- the part -------------------------------------------------------------------------------------
 
 
+def _timed(method: Any) -> Any:
+    """Count the host CPU time of a check's entry point into ``self.cpu_s`` (what ``stats()`` reports as
+    ``peer_check_cpu_s``: the check's own cost, the kernel's element guard aside)."""
+    @functools.wraps(method)
+    def run(self: "CheckedPeers", *args: Any, **kwargs: Any) -> Any:
+        t0 = time.thread_time()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.cpu_s += time.thread_time() - t0
+    return run
+
+
+
 class PeerChecker:
     """``peer_check='off'``: nothing is checked; the base of the checking part (every method is the
     unchecked behaviour)."""
@@ -363,6 +379,7 @@ class CheckedPeers(PeerChecker):
         self._counters: Dict[int, Tensor] = {}             # bucket -> the guard's int64 counter
         self._adopt: set = set()                           # buckets whose parameters take a peer's at the next mix
         self.checks = 0
+        self.cpu_s = 0.0                                   # host CPU time in the check (see _timed)
         self.failed: Dict[int, int] = {}                   # peer (global rank; -1 unnamed) -> failures
         self._seen: set = set()                            # (peer, bucket) already warned about
         self._since: Dict[int, Tuple[int, int, str]] = {}  # peer -> (failures since its last warning, first step, last)
@@ -378,7 +395,8 @@ class CheckedPeers(PeerChecker):
     # -- what the strategy sees ------------------------------------------------------------------
     def counters(self) -> Dict[str, float]:
         self.settle(force=True)
-        out: Dict[str, float] = {"peer_checks": self.checks, "peer_checks_failed": sum(self.failed.values())}
+        out: Dict[str, float] = {"peer_checks": self.checks, "peer_checks_failed": sum(self.failed.values()),
+                                 "peer_check_cpu_s": self.cpu_s}
         for peer, n in sorted(self.failed.items()):
             out[f"peer_checks_failed_rank{peer}" if peer >= 0 else "peer_checks_failed_unnamed"] = n
         if self.own_nonfinite:
@@ -399,6 +417,7 @@ class CheckedPeers(PeerChecker):
         self._own_finite.clear()
         self._adopt.clear()
 
+    @_timed
     def settle(self, force: bool = False) -> None:
         while self._pending and (force or self._pending[0].ready()):
             self._record(self._pending.popleft())
@@ -433,6 +452,7 @@ class CheckedPeers(PeerChecker):
         return s.group.to_global(s.rank)
 
     # -- pairs -------------------------------------------------------------------------------------
+    @_timed
     def admit(self, b: Bucket, received: ExchangePlan, mixing: Dict[str, Any]) -> Dict[str, Any]:
         fp = self._fingerprints.pop(b.index, None)
         recv = mixing.get("recv")
@@ -489,6 +509,7 @@ class CheckedPeers(PeerChecker):
         self._guards[b.index] = (count, mixing["mix_guard"], check)
         return mixing
 
+    @_timed
     def stepped(self, b: Bucket) -> None:
         entry = self._guards.pop(b.index, None)
         if entry is None:
@@ -513,6 +534,7 @@ class CheckedPeers(PeerChecker):
                 b.scatter_params()
 
     # -- groups ------------------------------------------------------------------------------------
+    @_timed
     def fingerprint(self, b: Bucket, nxt: ExchangePlan) -> Optional[Tensor]:
         ranks = nxt.collective_ranks
         if ranks is None or nxt.send_scale() is None:
@@ -527,6 +549,7 @@ class CheckedPeers(PeerChecker):
         rows[me, 2:] = sk[:SKETCH_SLOTS]
         return rows
 
+    @_timed
     def launched(self, b: Bucket, nxt: ExchangePlan, work: Optional[Any], fingerprint: Optional[Tensor]) -> Optional[Any]:
         if fingerprint is None or work is None:
             return work
