@@ -275,7 +275,8 @@ class TrainRunner(Runner):
         if self.cfg.framework != "decentpy":
             return {}
         stats = self.net.stats()
-        return {"peer_check_ms": 1e3 * stats.get("peer_check_cpu_s", 0.0) / max(1, stats["steps"])}
+        return {"peer_check_ms": 1e3 * stats.get("peer_check_cpu_s", 0.0) / max(1, stats["steps"]),
+                "peer_checks_failed": float(stats.get("peer_checks_failed", 0))}
 
 
 def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
@@ -489,7 +490,7 @@ def peer_check_cost(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
     print("\npeer check (decentpy default: PeerCheck('skip', bound=10, window=16)) against peer_check='off', "
           "interleaved in the same workers:")
     hdr = ["model", "n", "topology", "check ms", "off ms", "step ratio", "check CPU ms", "off CPU ms", "CPU ratio",
-           "check's own ms", "of a worker's CPU"]
+           "check's own ms", "of a worker's CPU", "flagged"]
     table = []
     for r, off in pairs:
         own = r["figures"].get("peer_check_ms")
@@ -498,12 +499,13 @@ def peer_check_cost(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
         table.append([r["cfg"].model, str(r["cfg"].workers), short_topo(r["cfg"]), f"{r['step'] * 1e3:.2f}",
                       f"{off['step'] * 1e3:.2f}", f"{r['step'] / off['step']:.4f}", f"{r['cpu'] * 1e3:.1f}",
                       f"{off['cpu'] * 1e3:.1f}", f"{r['cpu'] / off['cpu']:.4f}", fmt(own, ".3f"),
-                      fmt(r["check_share"], ".2%")])
+                      fmt(r["check_share"], ".2%"), fmt(r["figures"].get("peer_checks_failed"), ".0f")])
     print_table_rows(hdr, table, group=lambda t: (t[0], t[1]))
     print("step / CPU ratio: decentpy's median step (wall; CPU summed over the workers) over peer_check='off''s; "
           "check's own ms: the host CPU the check took per step on a worker (its passes and verdicts, max over the "
           "workers: stats()['peer_check_cpu_s']), and its share of a worker's CPU per step (the ratio of two noisy "
-          "medians cannot resolve a few percent on a loaded machine; this share can)")
+          "medians cannot resolve a few percent on a loaded machine; this share can); flagged: contributions the "
+          "check failed (max over the workers; honest training: 0)")
     out = [_target(f"the peer check costs <= {PEER_CHECK_BUDGET:.0%} of a step (median step, check / off - 1)",
                    [r for r, _ in pairs], lambda r: r["check_cost"] <= PEER_CHECK_BUDGET, lambda r: r["check_cost"],
                    lambda r: f"{r['check_cost']:+.2%} (CPU {r['check_cpu_cost']:+.2%})", higher_is_better=False)]

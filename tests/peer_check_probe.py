@@ -161,10 +161,12 @@ def train(rank: int, topology: str, peer_check: Any, fault: Optional[str], where
             loss = float(torch.nn.functional.mse_loss(ddp.module(hx), hy))
         params = [p.detach().clone() for p in ddp.module.parameters()]
         stats = ddp.stats()
+        check = ddp._strategy.peer_check
+        peaks = (getattr(check, "peak_ratio", 0.0), getattr(check, "peak_first_ratio", 0.0))
         ddp.close()
     finally:
         log.removeHandler(records)
-    return {"loss": loss, "params": params, "stats": stats, "warnings": records.lines,
+    return {"loss": loss, "params": params, "stats": stats, "warnings": records.lines, "peaks": peaks,
             "s": time.monotonic() - start}
 
 
@@ -234,7 +236,8 @@ def table(topologies: Sequence[str] = ("ring", "alternating-exp-ring"),
         res = run_workers(probe_worker, 4, topo, runs, None, timeout=1800)
         print(f"\n{topo} (4 workers{', 2 nodes x 2' if topo != 'ring' else ''}), {STEPS} steps, faulty rank "
               f"{FAULTY}; the others' held-out MSE (max over ranks 0-2) and its ratio to the clean run of the "
-              f"same policy, and the ranks whose logs name rank {FAULTY}; clean: [contributions flagged] "
+              f"same policy, and the ranks whose logs name rank {FAULTY}; clean: [contributions flagged; the largest "
+              f"accepted distance over the median of its history, and under the first bound over the norm] "
               f"({time.monotonic() - t0:.0f} s)")
         print(f"{'fault':<40}" + "".join(f"{label(p):>26}" for p in policies))
         for fault in ["clean"] + list(FAULTS) + (["sign flip, data != fingerprint"] if topo != "ring" else []):
@@ -248,7 +251,9 @@ def table(topologies: Sequence[str] = ("ring", "alternating-exp-ring"),
                 named = "".join(str(r) for r in range(4) if r != FAULTY and any(
                     f"faulty peer rank {FAULTY}" in m for m in run[r]["warnings"]))
                 failed = sum(run[r]["stats"].get("peer_checks_failed", 0) for r in range(4) if r != FAULTY)
-                cell = f"{max(got):.3g}" + (f" [{failed}]" if fault == "clean" else
+                peak = max(run[r]["peaks"][0] for r in range(4))
+                first = max(run[r]["peaks"][1] for r in range(4))
+                cell = f"{max(got):.3g}" + (f" [{failed}; {peak:.2g}, {first:.2g}]" if fault == "clean" else
                                             f" ({ratio:.3g}x{', by ' + named if named else ''})")
                 cells.append(cell)
             print(f"{fault:<40}" + "".join(f"{c:>26}" for c in cells))
