@@ -203,7 +203,7 @@ def resolve_peer_check(value: Union[None, str, PeerCheck]) -> PeerCheck:
                     f"decentpy.PeerCheck, got {type(value).__name__}")
 
 
-# -- the rules, as tensor expressions (the same on the CPU and a GPU) ------------------------------
+# -- the rules (the verdicts are csrc/kernels/peer_check.h's: the same on the CPU and a GPU) ---------
 
 
 def history_bound(history: Sequence[Tuple[int, float]], step: int, bound: float, window: int) -> Optional[float]:
@@ -212,7 +212,6 @@ def history_bound(history: Sequence[Tuple[int, float]], step: int, bound: float,
     when there is none (the first bound applies)."""
     ds = [d for s, d in history if s <= step - HISTORY_LAG][-window:]
     return bound * statistics.median(ds) if ds else None
-
 
 
 def pair_verdict(stats: Tensor, tau: Optional[float], first: float, policy: PeerPolicy,
@@ -256,7 +255,6 @@ def _timed(method: Any) -> Any:
         finally:
             self.cpu_s += time.thread_time() - t0
     return run
-
 
 
 class PeerChecker:
@@ -369,7 +367,7 @@ class CheckedPeers(PeerChecker):
         self.name = config.policy
         #: the verdict is read by the host at once (CPU buffers) or later (a GPU's; see the module)
         self.lagged: Optional[bool] = None
-        #: replicas were equal when the history started (the first bound is relative to ||p||)
+        #: accepted distances (step, d) per pair bucket / group bucket and group, in step order
         self._history: Dict[Tuple[Any, ...], Deque[Tuple[int, float]]] = {}
         self._pending: Deque[_Pending] = deque()
         self._outs: Dict[Tuple[int, int], Tensor] = {}     # (bucket, width) -> the passes' output rows
