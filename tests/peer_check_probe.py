@@ -46,6 +46,8 @@ FAULTS: Dict[str, Tuple[Optional[int], Callable[[torch.Tensor], None]]] = {
 
 #: the faulty rank's own parameters become NaN (not a wire fault)
 OWN_NAN = "own parameters NaN (step 10)"
+#: no fault: every rank's learning rate x10 at step 30 (a change of scale every peer shows at once)
+LR_JUMP = "learning rate x10 at step 30 (every rank)"
 
 
 def teacher() -> torch.nn.Module:
@@ -143,13 +145,16 @@ def train(rank: int, topology: str, peer_check: Any, fault: Optional[str], where
                                     **({} if peer_check is None else {"peer_check": peer_check}))
     if where == "lagged":
         ddp._strategy.peer_check.lagged = True
-    own = fault == OWN_NAN
-    if fault is not None and rank == FAULTY and not own:
+    if fault is not None and rank == FAULTY and fault not in (OWN_NAN, LR_JUMP):
         inject(ddp, fault, "exchange" if where == "lagged" else where)
     start = time.monotonic()
     try:
         for k in range(steps):
-            if own and rank == FAULTY and k == 10:
+            if fault == LR_JUMP and k == 30:
+                for opt in ddp._optims:
+                    for group in opt.param_groups:
+                        group["lr"] *= 10
+            if fault == OWN_NAN and rank == FAULTY and k == 10:
                 ddp.wait()  # nothing in flight reads the parameters while they are written
                 with torch.no_grad():
                     for p in ddp.module.parameters():

@@ -23,7 +23,7 @@ from decentpy.engine import peer_check as pc
 from decentpy.optim import kernels
 from decentpy.optim.grad_scaling import UNSCALED
 from dist_harness import run_workers
-from peer_check_probe import FAULTY, OWN_NAN, probe_worker
+from peer_check_probe import FAULTY, LR_JUMP, OWN_NAN, probe_worker
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -307,10 +307,11 @@ def test_pair_verdict_follows_the_rule() -> None:
 def test_history_bound_rule() -> None:
     hist = [(0, 1.0), (1, 2.0), (2, 3.0), (3, 100.0), (4, 5.0)]
     assert pc.history_bound([], 5, 10.0, 16) is None
-    assert pc.history_bound(hist, 1, 10.0, 16) is None  # nothing from steps <= 1 - 2
-    assert pc.history_bound(hist, 2, 10.0, 16) == 10.0 * 1.0
-    assert pc.history_bound(hist, 4, 10.0, 16) == 10.0 * 2.0  # steps 0..2
-    assert pc.history_bound(hist, 6, 10.0, 16) == 10.0 * statistics.median([1, 2, 3, 100, 5])
+    assert pc.history_bound(hist, 1, 10.0, 1) is None  # nothing from steps <= 1 - 2
+    assert pc.history_bound(hist, 2, 10.0, 1) == 10.0 * 1.0
+    assert pc.history_bound(hist, 4, 10.0, 3) == 10.0 * 2.0  # steps 0..2
+    assert pc.history_bound(hist, 4, 10.0, 4) is None  # not yet a full window: the first bound
+    assert pc.history_bound(hist, 6, 10.0, 5) == 10.0 * statistics.median([1, 2, 3, 100, 5])
     assert pc.history_bound(hist, 6, 10.0, 2) == 10.0 * statistics.median([100, 5])  # the last window only
 
 
@@ -468,7 +469,8 @@ def _runs(topology: str) -> List[tuple]:
              ("NaN once (step 9)/off", "off", "NaN once (step 9)", "exchange"),
              ("sign flip every step/lagged", None, "sign flip every step", "lagged"),
              ("1e4 once (step 0)/clip", "clip", "1e4 once (step 0)", "exchange"),
-             (f"{OWN_NAN}/skip", None, OWN_NAN, "exchange")]
+             (f"{OWN_NAN}/skip", None, OWN_NAN, "exchange"),
+             (f"{LR_JUMP}/skip", None, LR_JUMP, "exchange"), (f"{LR_JUMP}/off", "off", LR_JUMP, "exchange")]
     if topology != "ring":
         runs.append(("sign flip every step/comm", None, "sign flip every step", "comm"))
     return runs
@@ -545,6 +547,23 @@ def test_own_nonfinite_parameters_are_named_and_replaced(probes: tuple) -> None:
         assert run["stats"]["params_taken_from_peer"] > 0
     clean = _others(res, CLEAN)
     assert all(g <= LIMIT * c for g, c in zip(_others(res, f"{OWN_NAN}/skip"), clean))
+
+
+def test_a_change_of_scale_on_every_rank_is_not_a_faulty_peer(probes: tuple) -> None:
+    """Every rank's learning rate x10 at once: the distances jump past the bound on every peer together;
+    the check does not split the replicas for good (its history restarts) and the run ends as the
+    unchecked one does."""
+    topology, res = probes
+    got, off = _others(res, f"{LR_JUMP}/skip"), _others(res, f"{LR_JUMP}/off")
+    assert all(g <= LIMIT * o for g, o in zip(got, off)), (topology, got, off)
+
+    def spread(name: str) -> float:  # the largest distance between two ranks' final parameters
+        flat = [torch.cat([p.reshape(-1) for p in res[r][name]["params"]]) for r in range(4)]
+        return max(float((a - b).norm()) for a in flat for b in flat)
+
+    assert spread(f"{LR_JUMP}/skip") <= 2 * spread(f"{LR_JUMP}/off"), topology  # not split for good
+    for r in range(4):  # a few contributions at the jump, not every one after it (30 steps x 2 buckets)
+        assert res[r][f"{LR_JUMP}/skip"]["stats"]["peer_checks_failed"] <= 2 * pc.RESET_STREAK, (topology, r)
 
 
 def test_group_data_that_does_not_match_its_fingerprint(probes: tuple) -> None:

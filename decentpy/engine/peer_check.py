@@ -80,7 +80,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PeerCheck", "PeerChecker", "CheckedPeers", "PeerPolicy", "SkipPolicy", "ClipPolicy", "RaisePolicy",
            "PEER_POLICIES", "PEER_CHECK_CHOICES", "DEFAULT_PEER_CHECK", "resolve_peer_check", "make_peer_check",
-           "pair_verdict", "group_verdict", "history_bound", "FIRST_BOUND", "HISTORY_LAG", "SKETCH_SLOTS", "SUMMARY_EVERY"]
+           "pair_verdict", "group_verdict", "history_bound", "FIRST_BOUND", "HISTORY_LAG", "RESET_STREAK", "SKETCH_SLOTS",
+           "SUMMARY_EVERY"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,11 @@ logger = logging.getLogger(__name__)
 FIRST_BOUND = 1.0
 #: the history a step's bound reads ends this many steps before it
 HISTORY_LAG = 2
+#: consecutive checks of a bucket (pairs: from at least two peers, or from its only one) that failed the
+#: bound of the history restart that history: a change of scale that every peer shows at once (a
+#: learning-rate restart) is not a faulty peer, which is one peer; the first bound decides until the
+#: history is full again, and still drops what is farther than this replica's norm
+RESET_STREAK = 4
 #: float64 values of a group member's sketch
 SKETCH_SLOTS = 32
 #: a flagged peer's later failures are summed up in one warning per this many steps
@@ -209,9 +215,11 @@ def resolve_peer_check(value: Union[None, str, PeerCheck]) -> PeerCheck:
 def history_bound(history: Sequence[Tuple[int, float]], step: int, bound: float, window: int) -> Optional[float]:
     """The bound at ``step`` from the accepted distances ``(step, d)`` kept so far (in step order):
     ``bound x`` the median of the last ``window`` of those from steps ``<= step - HISTORY_LAG``; None
-    when there is none (the first bound applies)."""
+    until there are ``window`` of them (the first bound applies: in the first steps the distances grow
+    fast -- momentum builds up, a learning-rate warm-up starts from zero, replicas that started equal
+    drift apart -- and a median of a few early ones would be no scale for the next)."""
     ds = [d for s, d in history if s <= step - HISTORY_LAG][-window:]
-    return bound * statistics.median(ds) if ds else None
+    return bound * statistics.median(ds) if len(ds) >= window else None
 
 
 def pair_verdict(stats: Tensor, tau: Optional[float], first: float, policy: PeerPolicy,
@@ -376,6 +384,8 @@ class CheckedPeers(PeerChecker):
         self._guards: Dict[int, Tuple[Tensor, float, _Pending]] = {}  # bucket -> (count, guard, its check) this step
         self._counters: Dict[int, Tensor] = {}             # bucket -> the guard's int64 counter
         self._adopt: set = set()                           # buckets whose parameters take a peer's at the next mix
+        self._streak: Dict[Tuple[Any, ...], Tuple[int, set]] = {}  # key -> (failed checks in a row, their peers)
+        self._pair_peers: Optional[set] = None             # this rank's pair partners over the topology's period
         self.checks = 0
         self.cpu_s = 0.0                                   # host CPU time in the check (see _timed)
         self.failed: Dict[int, int] = {}                   # peer (global rank; -1 unnamed) -> failures
@@ -410,6 +420,7 @@ class CheckedPeers(PeerChecker):
         self._guards.clear()
         self._counters.clear()
         self._history.clear()
+        self._streak.clear()
         self._fingerprints.clear()
         self._outs.clear()
         self._own_finite.clear()
@@ -623,12 +634,42 @@ class CheckedPeers(PeerChecker):
             self._own_params(p, peer, bool(c_ok))
             return
         if not c_ok:
+            self._streak_of(p, [peer])
             return self._failed(p, peer, "sent values that are not finite (inf or NaN)", None, None)
         if d <= tau:
+            self._streak.pop(p.key, None)
             self._accept(p, tau, [d])
             return
+        self._streak_of(p, [peer])
         self._failed(p, peer, f"sent values at distance {d:.4g} from this replica, beyond the bound {tau:.4g} "
                      f"({self._bound_text(p)})", d, tau)
+
+    def _streak_of(self, p: _Pending, peers: Sequence[int]) -> None:
+        """A check of ``p.key`` failed the bound of its history (``peers``: whom it judged): after
+        RESET_STREAK in a row from two peers or more (or from this rank's only pair partner), the history
+        restarts (see RESET_STREAK)."""
+        if p.first:
+            return
+        n, seen = self._streak.get(p.key, (0, set()))
+        n, seen = n + 1, seen | set(peers)
+        if n < RESET_STREAK or (len(seen) < 2 and p.kind == "pair" and len(self._partners()) > 1):
+            self._streak[p.key] = (n, seen)
+            return
+        self._streak.pop(p.key, None)
+        self._history.pop(p.key, None)
+        logger.warning("rank %d: bucket %d: %d checks in a row from peer(s) %s failed the bound of its history (%s): "
+                       "a change of scale, not one faulty peer; its history restarts (the first bound decides until "
+                       "%d distances are kept again)", self._me(), p.bucket, n, sorted(seen), self._bound_text(p),
+                       self.config.window)
+
+    def _partners(self) -> set:
+        """This rank's pair partners over one period of the topology (global ranks)."""
+        if self._pair_peers is None:
+            s = self.strategy
+            plans = [s.plans.at(k) for k in range(s.topology.period)]
+            self._pair_peers = {s.group.to_global(r) for plan in plans if plan.point_to_point
+                                for r in plan.group.ranks if r != s.rank}
+        return self._pair_peers
 
     def _record_group(self, p: _Pending, v: List[float]) -> None:
         m = len(p.peers)
@@ -637,9 +678,23 @@ class CheckedPeers(PeerChecker):
         me = self._me()
         self._own_finite[p.bucket] = not (bad[p.peers.index(me)] and not math.isfinite(ds[p.peers.index(me)]))
         if f >= 1.0:
+            self._streak.pop(p.key, None)
             self._accept(p, tau, ds)
             return
         named = [(r, d) for r, d, x in zip(p.peers, ds, bad) if x]
+        if consistent and len(named) >= 2 and all(math.isfinite(d) for _, d in named):
+            # several members beyond the bound at once (against the median of all), all finite: a change of
+            # scale (a learning-rate change), not one faulty member -- nobody is named; the mix waits, and the
+            # history restarts soon
+            n, _ = self._streak.get(p.key, (0, set()))
+            if n == 0 and not p.first:
+                logger.warning("rank %d: bucket %d, step %d: %d of the %d members of group %s are beyond the bound "
+                               "%.4g (%s) together: a change of scale rather than a faulty peer; the group's mix waits "
+                               "and its history restarts after %d such checks", self._me(), p.bucket, p.step,
+                               len(named), m, list(p.peers), tau, self._bound_text(p), RESET_STREAK)
+            self._streak_of(p, [r for r, _ in named])
+            return
+        self._streak.pop(p.key, None)
         where = f"of group {list(p.peers)}"
         for r, d in named:
             if r == me and not math.isfinite(d):
