@@ -133,7 +133,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             (0: the new global copy, as DiLoCo).
         peer_check: what arrives from a peer is checked before it is mixed: that it is finite, and
             that its distance from this replica is within ``bound`` times the median of the last
-            ``window`` accepted distances (before any, within this replica's norm). A policy name or a
+            ``window`` accepted distances (until a window is kept, within this replica's norm; a change
+            of scale on every peer at once restarts the history). A policy name or a
             :class:`~decentpy.PeerCheck` (``policy``, ``bound``, ``window``; default
             ``PeerCheck('skip', bound=10, window=16)``). ``'skip'`` drops a contribution that fails (its
             weight goes to this replica) and logs a warning naming the peer's rank; ``'clip'`` scales

@@ -118,8 +118,8 @@ def inject(ddp: Any, fault: str, where: str = "exchange") -> None:
         all_reduce = comm.all_reduce
 
         def bad_all_reduce(bucket: int, ranks: Tuple[int, ...], buffer: torch.Tensor) -> Any:
-            if buffer.dtype != torch.float64 and due():  # the body, not the fingerprints
-                corrupt(buffer)
+            if due():  # the body (the bucket's exchange buffer, the head of what is all-reduced), not the fingerprints
+                corrupt(strategy.buckets[bucket].comm)
             return all_reduce(bucket, ranks, buffer)
 
         comm.all_reduce = bad_all_reduce

@@ -72,8 +72,9 @@ class Exchange:
         s = self.strategy
         assert s.comm is not None, "internal error: the strategy has no communicator (attach() first)"
         s.peer_check.stepped(b)  # what the kernel pass's element guard kept
-        fingerprint = s.peer_check.fingerprint(b, nxt)
-        return s.peer_check.launched(b, nxt, nxt.launch(s.comm, b.index, b.param, b.comm), fingerprint)
+        carried = s.peer_check.fingerprint(b, nxt)  # a group's: the body and the members' fingerprints
+        work = nxt.launch(s.comm, b.index, b.param, carried if carried is not None else b.comm)
+        return s.peer_check.launched(b, nxt, work)
 
     def memory_bytes(self) -> int:
         """Bytes the exchange keeps beyond the buckets' own buffers."""

@@ -21,11 +21,13 @@ the wait for the bucket's exchange and before the kernel pass, and decides what 
 The bound, per bucket (pairs) or per bucket and group (groups): ``bound`` times the median of the last
 ``window`` accepted distances (zeros are not kept: equal replicas say nothing of the scale), from
 steps at least :data:`HISTORY_LAG` before the current one (the device reports its verdicts that late
-on a GPU; the same lag on the CPU keeps both alike, and every member of a group alike). Before any
-such distance -- the first mixes after construction or an elastic re-formation -- the bound is
-relative to this replica's own norm: ``FIRST_BOUND x ||p||`` when the replicas started equal (the
-broadcast at construction: honest replicas are then a few steps apart, far below ``||p||``, while a
-scaled, flipped or random copy is at least ``||p||`` away), ``bound x ||p||`` when they did not.
+on a GPU; the same lag on the CPU keeps both alike, and every member of a group alike). Until a full
+window of such distances is kept -- the first steps after construction or an elastic re-formation,
+when distances grow fast -- the bound is relative to this replica's own norm: ``FIRST_BOUND x ||p||``
+when the replicas started equal (the broadcast at construction: honest replicas are then a few steps
+apart, far below ``||p||``, while a scaled, flipped or random copy is at least ``||p||`` away),
+``bound x ||p||`` when they did not. A change of scale every peer shows at once (a learning-rate
+restart) restarts the history (:data:`RESET_STREAK`); a faulty peer is one peer.
 
 What a contribution that fails does is the policy (:data:`PEER_POLICIES`):
 
@@ -284,11 +286,12 @@ class PeerChecker:
         """After ``b``'s kernel pass: what its element guard kept (read at once on the CPU)."""
 
     def fingerprint(self, b: Bucket, nxt: ExchangePlan) -> Optional[Tensor]:
-        """Before the launch of ``b``'s next exchange (its send buffer written): what travels beside it."""
+        """Before the launch of ``b``'s next exchange (its send buffer written): the buffer the exchange
+        carries instead of ``b.comm``, or None (``b.comm``)."""
         return None
 
-    def launched(self, b: Bucket, nxt: ExchangePlan, work: Optional[Any], fingerprint: Optional[Tensor]) -> Optional[Any]:
-        """After the launch: the exchange's work (with the fingerprint's, if any)."""
+    def launched(self, b: Bucket, nxt: ExchangePlan, work: Optional[Any]) -> Optional[Any]:
+        """After the launch: the exchange's work (a group's, with its fingerprints' all-reduce)."""
         return work
 
     def admit_wire(self, b: Bucket, wire: Tensor, compressor: Any, numel: int, peers: Sequence[int]) -> bool:
@@ -379,7 +382,8 @@ class CheckedPeers(PeerChecker):
         self._history: Dict[Tuple[Any, ...], Deque[Tuple[int, float]]] = {}
         self._pending: Deque[_Pending] = deque()
         self._outs: Dict[Tuple[int, int], Tensor] = {}     # (bucket, width) -> the passes' output rows
-        self._fingerprints: Dict[int, Tuple[Tensor, Tuple[int, ...], float]] = {}  # bucket -> (rows, group, scale)
+        #: bucket -> (the fingerprints in flight: float64 rows of their own all-reduce; the group; the send scale)
+        self._fingerprints: Dict[int, Tuple[Tensor, Tuple[int, ...], float]] = {}
         self._own_finite: Dict[int, bool] = {}
         self._guards: Dict[int, Tuple[Tensor, float, _Pending]] = {}  # bucket -> (count, guard, its check) this step
         self._counters: Dict[int, Tensor] = {}             # bucket -> the guard's int64 counter
@@ -545,6 +549,11 @@ class CheckedPeers(PeerChecker):
     # -- groups ------------------------------------------------------------------------------------
     @_timed
     def fingerprint(self, b: Bucket, nxt: ExchangePlan) -> Optional[Tensor]:
+        """A group member's fingerprint of what it sends: its row (the non-finite flag, the sum of squares,
+        the sketch) of m float64 rows, zeros elsewhere, all-reduced beside the body (:meth:`launched`).
+        Not inside the body's own buffer: that would change how the backend splits the body for its
+        sum (gloo's ring), hence the order of its float additions, and an accepted mix would no longer
+        be bit for bit the unchecked one."""
         ranks = nxt.collective_ranks
         if ranks is None or nxt.send_scale() is None:
             return None
@@ -556,17 +565,18 @@ class CheckedPeers(PeerChecker):
         rows[me, 0] = (sk[-1] != 0).to(torch.float64)  # the non-finite indicator: 0, or NaN
         rows[me, 1] = sk[SKETCH_SLOTS]
         rows[me, 2:] = sk[:SKETCH_SLOTS]
-        return rows
+        self._fingerprints[b.index] = (rows, tuple(ranks), float(nxt.send_scale()))  # type: ignore[arg-type]
+        return None
 
     @_timed
-    def launched(self, b: Bucket, nxt: ExchangePlan, work: Optional[Any], fingerprint: Optional[Tensor]) -> Optional[Any]:
-        if fingerprint is None or work is None:
+    def launched(self, b: Bucket, nxt: ExchangePlan, work: Optional[Any]) -> Optional[Any]:
+        fp = self._fingerprints.get(b.index)
+        if fp is None or work is None:
             return work
         comm = self.strategy.comm
         assert comm is not None and nxt.collective_ranks is not None
-        fp_work = comm.all_reduce(b.index, nxt.collective_ranks, fingerprint)
-        self._fingerprints[b.index] = (fingerprint, tuple(nxt.collective_ranks), float(nxt.send_scale()))  # type: ignore[arg-type]
-        return _Joined([work, fp_work])
+        # launched right after the body on the same group, waited with it: its latency hides behind the body's
+        return _Joined([work, comm.all_reduce(b.index, nxt.collective_ranks, fp[0])])
 
     def _admit_group(self, b: Bucket, received: ExchangePlan, mixing: Dict[str, Any],
                      fp: Optional[Tuple[Tensor, Tuple[int, ...], float]]) -> Dict[str, Any]:
