@@ -275,7 +275,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg, "nonfinite": nonfinite,
             "compression": repr(self._compression), "local_steps": local_steps, "outer_optim": outer_optim,
             "sync_every_s": sync_every_s, "fragments": fragments, "fragment_sync_delay": fragment_sync_delay,
-            "fragment_update_alpha": fragment_update_alpha, "peer_check": repr(peer_check),
+            "fragment_update_alpha": fragment_update_alpha,
+            "peer_check": repr(getattr(self, "_peer_check", peer_check)),  # resolved: 'skip' == PeerCheck('skip')
         }
         wants_edges = False
         if failure is None:
