@@ -68,11 +68,12 @@ class Exchange:
 
     def launch(self, b: Bucket, nxt: ExchangePlan) -> Optional[Any]:
         """Start the bucket's exchange of the next step (its work, or None: nothing to exchange), with
-        the peer check's fingerprint of what is sent, where it has one (groups)."""
+        the peer check's fingerprint of what is sent, where it has one (groups: their own all-reduce,
+        launched and waited with the body's)."""
         s = self.strategy
         assert s.comm is not None, "internal error: the strategy has no communicator (attach() first)"
         s.peer_check.stepped(b)  # what the kernel pass's element guard kept
-        carried = s.peer_check.fingerprint(b, nxt)  # a group's: the body and the members' fingerprints
+        carried = s.peer_check.fingerprint(b, nxt)  # a buffer to carry instead of b.comm (None: b.comm)
         work = nxt.launch(s.comm, b.index, b.param, carried if carried is not None else b.comm)
         return s.peer_check.launched(b, nxt, work)
 
