@@ -37,6 +37,7 @@ plus more) and ``bench/out/bench_train.png``.
 
     python -m bench.bench_train                      # everything (~10 minutes on 2 cores)
     python -m bench.bench_train --quick --workers 2 --models mlp --frameworks decentpy,local
+    python -m bench.bench_train --workers 4 --models mlp --frameworks decentpy --peer-check   # the check's cost
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ from bench.common.tables import print_table as print_table_rows
 from bench.common.tables import write_csv as write_rows_csv
 
 
-FRAMEWORKS = ("decentpy", "decentpy-int8", "decentpy-int4", "decentpy-bf16", "decent-dp", "torch-ddp", "torch-ddp-fp16",
+FRAMEWORKS = ("decentpy", "decentpy-nocheck", "decentpy-int8", "decentpy-int4", "decentpy-bf16", "decent-dp", "torch-ddp", "torch-ddp-fp16",
               "torch-ddp-bf16", "torch-ddp-powersgd", "local", "local-fused")
 COMPRESSED = {"decentpy-int8": "int8", "decentpy-int4": "int4", "decentpy-bf16": "bf16"}  # decentpy with compressed gossip
-DECENTPY = ("decentpy",) + tuple(COMPRESSED)
+DECENTPY = ("decentpy", "decentpy-nocheck") + tuple(COMPRESSED)
+NOCHECK = "decentpy-nocheck"  # decentpy with peer_check='off' (--peer-check: paired with decentpy's default)
 LINK_FRAMEWORKS = tuple(f for f in FRAMEWORKS if f not in ("decentpy-bf16", "decentpy-int4"))  # the default on a throttled link
 DEFAULT_FRAMEWORKS = ("decentpy", "decent-dp", "torch-ddp", "local", "local-fused")  # on loopback
 DDP_HOOKS = ("torch-ddp-fp16", "torch-ddp-bf16", "torch-ddp-powersgd")  # DDP + a compression comm hook
@@ -205,7 +207,7 @@ def bytes_per_step(cfg: Config, param_bytes: int) -> float:
             if kind:
                 g = topo.group_of(r, k).ranks
                 tot += wire if m == 2 else group_wire_bytes(kind, int(p) // 4, m, list(g).index(r))
-            elif m == 2 and cfg.framework == "decentpy":
+            elif m == 2 and cfg.framework in ("decentpy", NOCHECK):
                 tot += p
             else:
                 tot += 2.0 * (m - 1) / m * p
@@ -232,7 +234,8 @@ class TrainRunner(Runner):
 
             self.net = DecentralizedDataParallel(model, optim_fn=adamw_fn, topology=cfg.topology,
                                                  local_world_size=cfg.local_world_size,
-                                                 compression=COMPRESSED.get(cfg.framework))
+                                                 compression=COMPRESSED.get(cfg.framework),
+                                                 **({"peer_check": "off"} if cfg.framework == NOCHECK else {}))
         elif cfg.framework == "decent-dp":
             from decent_dp.ddp import DecentralizedDataParallel as RefDDP
 
@@ -264,6 +267,16 @@ class TrainRunner(Runner):
         else:
             self.net = model
             self.opt = torch.optim.AdamW(model.parameters(), lr=LR)
+
+
+    def extra_figures(self) -> Dict[str, float]:
+        """decentpy's peer check: its host CPU time per step over this configuration's steps (timed and
+        untimed alike), in ms."""
+        if self.cfg.framework != "decentpy":
+            return {}
+        stats = self.net.stats()
+        return {"peer_check_ms": 1e3 * stats.get("peer_check_cpu_s", 0.0) / max(1, stats["steps"]),
+                "peer_checks_failed": float(stats.get("peer_checks_failed", 0))}
 
 
 def _worker_body(rank: int, n: int, plan: Dict[str, Any]) -> Dict[str, Any]:
@@ -343,7 +356,8 @@ def summarize(raw: List[Dict[str, Any]], chunk: int = 0) -> List[Dict[str, Any]]
     for res in raw:
         row = timing_row(per_period(res, chunk) if chunk else res)
         rows.append(dict(row, steady_delta=res["steady_delta"], peak_delta=res["peak_delta"],
-                         wrap_delta=res["wrap_delta"], bytes=bytes_per_step(row["cfg"], res["param_bytes"])))
+                         wrap_delta=res["wrap_delta"], bytes=bytes_per_step(row["cfg"], res["param_bytes"]),
+                         figures=res.get("extra", {})))
     by = {(r["cfg"].model, r["cfg"].workers, r["cfg"].framework, r["cfg"].topology): r for r in rows}
     for r in rows:
         c = r["cfg"]
@@ -454,6 +468,55 @@ def compression_targets(rows: List[Dict[str, Any]], link: Optional[str]) -> List
     return out
 
 
+#: the peer check may cost at most this fraction of a step (issue 52)
+PEER_CHECK_BUDGET = 0.03
+
+
+def peer_check_cost(rows: List[Dict[str, Any]]) -> List[Tuple[str, bool, str]]:
+    """``--peer-check``: decentpy's default (the peer check on) against ``peer_check='off'`` in the same
+    workers, interleaved: per topology the two median steps, their ratio and the CPU time per step;
+    the target line: the check within PEER_CHECK_BUDGET of a step everywhere."""
+    by = {(r["cfg"].model, r["cfg"].workers, r["cfg"].framework, r["cfg"].topology): r for r in rows}
+    pairs = []
+    for r in rows:
+        c = r["cfg"]
+        off = by.get((c.model, c.workers, NOCHECK, c.topology))
+        if c.framework == "decentpy" and off is not None:
+            r["check_cost"] = r["step"] / off["step"] - 1.0
+            r["check_cpu_cost"] = r["cpu"] / off["cpu"] - 1.0
+            pairs.append((r, off))
+    if not pairs:
+        return []
+    print("\npeer check (decentpy default: PeerCheck('skip', bound=10, window=16)) against peer_check='off', "
+          "interleaved in the same workers:")
+    hdr = ["model", "n", "topology", "check ms", "off ms", "step ratio", "check CPU ms", "off CPU ms", "CPU ratio",
+           "check's own ms", "of a worker's CPU", "flagged"]
+    table = []
+    for r, off in pairs:
+        own = r["figures"].get("peer_check_ms")
+        per_worker = r["cpu"] / r["cfg"].workers
+        r["check_share"] = own / (per_worker * 1e3) if own is not None else None
+        table.append([r["cfg"].model, str(r["cfg"].workers), short_topo(r["cfg"]), f"{r['step'] * 1e3:.2f}",
+                      f"{off['step'] * 1e3:.2f}", f"{r['step'] / off['step']:.4f}", f"{r['cpu'] * 1e3:.1f}",
+                      f"{off['cpu'] * 1e3:.1f}", f"{r['cpu'] / off['cpu']:.4f}", fmt(own, ".3f"),
+                      fmt(r["check_share"], ".2%"), fmt(r["figures"].get("peer_checks_failed"), ".0f")])
+    print_table_rows(hdr, table, group=lambda t: (t[0], t[1]))
+    print("step / CPU ratio: decentpy's median step (wall; CPU summed over the workers) over peer_check='off''s; "
+          "check's own ms: the host CPU the check took per step on a worker (its passes and verdicts, max over the "
+          "workers: stats()['peer_check_cpu_s']), and its share of a worker's CPU per step (the ratio of two noisy "
+          "medians cannot resolve a few percent on a loaded machine; this share can); flagged: contributions the "
+          "check failed (max over the workers; honest training: 0)")
+    out = [_target(f"the peer check costs <= {PEER_CHECK_BUDGET:.0%} of a step (median step, check / off - 1)",
+                   [r for r, _ in pairs], lambda r: r["check_cost"] <= PEER_CHECK_BUDGET, lambda r: r["check_cost"],
+                   lambda r: f"{r['check_cost']:+.2%} (CPU {r['check_cpu_cost']:+.2%})", higher_is_better=False)]
+    shares = [r for r, _ in pairs if r.get("check_share") is not None]
+    if shares:
+        out.append(_target(f"the peer check's own CPU <= {PEER_CHECK_BUDGET:.0%} of a worker's CPU per step", shares,
+                           lambda r: r["check_share"] <= PEER_CHECK_BUDGET, lambda r: r["check_share"],
+                           lambda r: f"{r['check_share']:.2%}", higher_is_better=False))
+    return out
+
+
 def check_targets(rows: List[Dict[str, Any]], link: Optional[str] = None) -> List[Tuple[str, bool, str]]:
     out = []
     dp = [r for r in rows if r["cfg"].framework == "decentpy"]
@@ -552,7 +615,7 @@ def plot(path: Path, rows: List[Dict[str, Any]], machine: Dict[str, str], link: 
     if plt is None:
         return None
     models = [m for m in MODELS if any(r["cfg"].model == m for r in rows)]
-    colors = {"decentpy": "#1f77b4", "decentpy-int8": "#aec7e8", "decentpy-int4": "#c6dbef", "decentpy-bf16": "#6baed6", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "torch-ddp-fp16": "#98df8a",
+    colors = {"decentpy": "#1f77b4", NOCHECK: "#9ecae1", "decentpy-int8": "#aec7e8", "decentpy-int4": "#c6dbef", "decentpy-bf16": "#6baed6", "decent-dp": "#ff7f0e", "torch-ddp": "#2ca02c", "torch-ddp-fp16": "#98df8a",
               "torch-ddp-bf16": "#17becf", "torch-ddp-powersgd": "#9467bd", "local": "#7f7f7f",
               "local-fused": "#bcbd22"}
     fig, axes = plt.subplots(len(models), 1, figsize=(13, 4.2 * len(models)), squeeze=False)
@@ -597,6 +660,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help=f"comma-separated, from {','.join(FRAMEWORKS)} (decent-dp is skipped when not installed); "
                    f"default: {','.join(DEFAULT_FRAMEWORKS)}; with --link-mbit: {','.join(LINK_FRAMEWORKS)}")
     p.add_argument("--topologies", default=",".join(TOPOLOGIES), help="comma-separated")
+    p.add_argument("--peer-check", action="store_true",
+                   help=f"also run decentpy with peer_check='off' ({NOCHECK}) in the same workers, interleaved with "
+                   "decentpy's default check, and report the check's cost: the ratio of their median steps")
     add_run_args(p, rounds=4, chunk=8, plot=True)
     add_link_args(p)
     p.add_argument("--quick", action="store_true",
@@ -617,6 +683,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     frameworks = csv_list(args.frameworks or ",".join(LINK_FRAMEWORKS if link else DEFAULT_FRAMEWORKS))
     check_choices(models, MODELS, "model")
     check_choices(frameworks, FRAMEWORKS, "framework")
+    if args.peer_check and "decentpy" in frameworks and NOCHECK not in frameworks:
+        frameworks.insert(frameworks.index("decentpy") + 1, NOCHECK)
     if "torch-ddp-bf16" in frameworks:  # torch refuses it on CPU: "requires CUDA 11+ and NCCL 2.10+"
         print("torch-ddp-bf16 skipped: torch's bf16_compress_hook needs NCCL (CUDA) or XCCL; these workers run gloo "
               "on CPU")
@@ -676,7 +744,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"process-wide ru_maxrss (max over all workers, all configurations of a worker alive together): "
           f"{ru_max / 2**20:.0f} MiB")
     link_label = f"{args.link_mbit:g} Mbit/s {args.link_layout} link" if link else None
-    print_targets(check_targets(rows, link_label))
+    targets = check_targets(rows, link_label)
+    if args.peer_check:
+        targets += peer_check_cost(rows)
+    print_targets(targets)
     out = Path(args.out)
     stem = f"bench_train_link{args.link_mbit:g}_{args.link_layout}" if link else "bench_train"  # not the calibration CSV
     csv_path = out / f"{stem}.csv"

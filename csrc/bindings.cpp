@@ -14,6 +14,7 @@
 #include "ops/mix_and_step_op.h"
 #include "ops/reduce_scatter_pack.h"
 #include "kernels/update.h"
+#include "kernels/peer_check.h"
 #ifdef DECENTPY_WITH_CUDA
 #include "cuda/mix_and_step_cuda.h"
 #endif
@@ -185,7 +186,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("q_send", &StepCall::q_send)
       .def_readwrite("self_copy_next", &StepCall::self_copy_next)
       .def_readwrite("prev_skip", &StepCall::prev_skip)
-      .def_readwrite("alt_bias_steps", &StepCall::alt_bias_steps);
+      .def_readwrite("alt_bias_steps", &StepCall::alt_bias_steps)
+      .def_readwrite("mix_factor", &StepCall::mix_factor)
+      .def_readwrite("mix_guard", &StepCall::mix_guard)
+      .def_readwrite("mix_guarded", &StepCall::mix_guarded);
   const char* mix_doc = "One fused pass over one flat bucket, in place: mix, optimizer step, send-buffer write (or, "
                         "with a compressor, the compressed-gossip pass). Takes a StepArgs or its fields as keyword "
                         "arguments. See csrc/kernels/mix_and_step.h for the contract.";
@@ -222,6 +226,41 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("numel"), py::arg("lo"), py::arg("hi"),
         "The byte ranges [start, stop) of elements [lo, hi) (lo a multiple of INT8_BLOCK) in the wire of numel "
         "elements: the block scales, then the codes (bf16: one range).");
+
+  m.def("peer_stats", &decentpy::peer_stats, py::arg("param"), py::arg("comm"), py::arg("sample"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>(),
+        "The peer check's statistics of comm (optional) against param in one pass: out's last PEER_STATS "
+        "float64 values are sum (c - p)^2, sum p^2, and the non-finite indicators of c and p (0, or NaN). "
+        "See csrc/kernels/peer_check.h.");
+  m.def("peer_sketch", &decentpy::peer_sketch, py::arg("src"), py::arg("seed"), py::arg("slots"), py::arg("sample"),
+        py::arg("out"),
+        py::call_guard<py::gil_scoped_release>(),
+        "The peer check's linear sketch of src into slots float64 values, then sum src^2 and the non-finite "
+        "indicator (out's last slots + 2 values). See csrc/kernels/peer_check.h.");
+  m.def("peer_mix",
+        [](float a, float b, float f) {
+          const decentpy::PeerMix m = decentpy::peer_mix(a, b, f);
+          return py::make_tuple(m.a, m.b, m.reads_comm);
+        },
+        py::arg("mix_a"), py::arg("mix_b"), py::arg("factor"),
+        "(mix_a, mix_b, reads_comm) under the peer check's factor: the rule the kernels apply to mix_factor "
+        "(kernels/update.h peer_mix).");
+  m.attr("PEER_PARTS") = decentpy::kPeerParts;
+  m.attr("PEER_STATS") = decentpy::kPeerStats;
+  m.attr("SKETCH_MAX_SLOTS") = decentpy::kSketchMaxSlots;
+  m.attr("SAMPLE_UNIT") = decentpy::kSampleUnit;
+  m.def("peer_pair_verdict", &decentpy::peer_pair_verdict, py::arg("stats"), py::arg("expand"), py::arg("tau"),
+        py::arg("first"), py::arg("clip"), py::arg("out"), py::call_guard<py::gil_scoped_release>(),
+        "A pair's verdict into out: [f, d, tau, c_ok, p_ok] (kernels/peer_check.h pair_verdict; tau NaN: the "
+        "first bound).");
+  m.def("peer_group_verdict", &decentpy::peer_group_verdict, py::arg("fingerprints"), py::arg("recv"),
+        py::arg("scale"), py::arg("unit_roundoff"), py::arg("tau"), py::arg("first"), py::arg("expand"),
+        py::arg("out"), py::call_guard<py::gil_scoped_release>(),
+        "A group's verdict into out: [f, consistent, tau, |center|, d_j..., bad_j...] (kernels/peer_check.h "
+        "group_verdict; tau NaN: the first bound).");
+  m.def("peer_sampled_count", [](int64_t n, int64_t sample) { return decentpy::sampled_count(n, sample); },
+        py::arg("numel"), py::arg("sample"),
+        "Elements the peer check's passes read of numel with one unit of SAMPLE_UNIT in every sample.");
 
   m.def("grad_factor",
         [](float norm, float scale, float clip) {

@@ -29,10 +29,12 @@ else:
 
     log_cpu_kernel_choice(_C)
     from . import optim, topo, utils  # noqa: E402  (decent-dp's module paths: decentpy.topo, decentpy.utils)
-    from .comm import NonFiniteGradientError, PeerReportedError, PeerTimeoutError, PeerUnreachableError  # noqa: E402
     from .comm import MalformedMessageError, SettingsMismatchError  # noqa: E402
     from .comm.arrival import ArrivalError  # noqa: E402
     from .optim.hyperparams import HyperparameterError  # noqa: E402
+    from .comm import (FaultyPeerError, NonFiniteGradientError, PeerFaultyError, PeerReportedError,  # noqa: E402
+                       PeerTimeoutError, PeerUnreachableError)
+    from .engine.peer_check import PeerCheck  # noqa: E402
     from .optim.compression import Compression  # noqa: E402
     from .config import show_config  # noqa: E402
     from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
@@ -67,6 +69,9 @@ else:
         "ArrivalError",
         "HyperparameterError",
         "CheckpointError",
+        "FaultyPeerError",
+        "PeerFaultyError",
+        "PeerCheck",
         "PreemptionCheckpointer",
         "Join",
         "DiLoCo",

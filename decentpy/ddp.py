@@ -29,6 +29,7 @@ from .engine import (NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy,
 from .optim.compression import Compression, resolve_compression
 from .engine.bucket import Bucket
 from .engine.layout import OptimFn, SchedulerFn
+from .engine.peer_check import DEFAULT_PEER_CHECK, PeerCheck, resolve_peer_check
 from .optim.grad_scaling import BucketGradScaling
 from .optim.hyperparams import check_hyperparameters, hyperparameters_of
 from .topology import Topology
@@ -133,6 +134,22 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         fragment_update_alpha: with a delay, the fragment's parameters after its outer step keep
             this fraction of the inner steps taken during the exchange: ``theta + alpha (x - theta)``
             (0: the new global copy, as DiLoCo).
+        peer_check: what arrives from a peer is checked before it is mixed: that it is finite, and
+            that its distance from this replica is within ``bound`` times the median of the last
+            ``window`` accepted distances (until a window is kept, within this replica's norm; a change
+            of scale on every peer at once restarts the history). A policy name or a
+            :class:`~decentpy.PeerCheck` (``policy``, ``bound``, ``window``; default
+            ``PeerCheck('skip', bound=10, window=16)``). ``'skip'`` drops a contribution that fails (its
+            weight goes to this replica) and logs a warning naming the peer's rank; ``'clip'`` scales
+            the peer's difference down to the bound (ClippedGossip; a non-finite one is dropped);
+            ``'raise'`` raises :class:`~decentpy.FaultyPeerError` naming the peer, the bucket, the step,
+            the distance and the bound on the detecting rank, and an error naming the same peer on every
+            other rank; ``'off'`` checks nothing. Groups of more than two ranks (``complete``, the
+            cross-node groups of ``alternating-exp-ring``) exchange a small fingerprint of each member's
+            contribution beside the sum; a member that fails makes every member keep its parameters for
+            that step (or raise). An accepted contribution mixes bit for bit as without the check;
+            ``stats()`` counts the failures per peer. Compressed gossip and local steps get a non-finite
+            check only. See docs/failures.md, "A faulty peer".
     """
 
     #: buffer dtypes that global_avg averages with sync_buffers (decent-dp's attribute; may be edited)
@@ -167,6 +184,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         fragments: int = 1,
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
+        peer_check: Union[str, PeerCheck] = DEFAULT_PEER_CHECK,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -261,10 +279,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                                     fragment_sync_delay=fragment_sync_delay,
                                     fragment_update_alpha=fragment_update_alpha)
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
+            self._peer_check = resolve_peer_check(peer_check)
             self._strategy: GossipStrategy = GossipStrategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
                 self._bucket_size, self._param_as_bucket_view, self._timeout, self._group,
-                node=node_mode, exchange=exchange, failure=self._failure_policy)
+                node=node_mode, exchange=exchange, failure=self._failure_policy, peer_check=self._peer_check)
             if self._compression is not None and local_steps == 1 and outer_optim is None and sync_every_s is None:
                 self._check_compressible()  # (local steps compress the outer exchange: any parameter dtype)
             for b in self._strategy.buckets:  # (fused optimizers checked theirs; torch's others accept NaN)
@@ -285,6 +304,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "compression": repr(self._compression), "local_steps": local_steps, "outer_optim": outer_optim,
             "sync_every_s": sync_every_s, "fragments": fragments, "fragment_sync_delay": fragment_sync_delay,
             "fragment_update_alpha": fragment_update_alpha,
+            "peer_check": repr(getattr(self, "_peer_check", peer_check)),  # resolved: 'skip' == PeerCheck('skip')
         }
         wants_edges = False
         if failure is None:
@@ -670,14 +690,26 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         ``steps``: training iterations completed (:attr:`step_count`); ``bytes_sent``: payload this
         rank's exchanges put on the wire (:attr:`bytes_sent`); ``skipped_steps``: iterations in which
         at least one bucket skipped its update for a non-finite gradient (``nonfinite='skip'`` or a
-        GradScaler backing off); ``skipped_bucket_updates``: the bucket updates skipped. Reading it
-        applies the last iteration's skip verdicts (a device sync on a GPU, as :attr:`buckets`).
-        Not here: :meth:`consensus_distance`, a collective every rank must call together.
+        GradScaler backing off); ``skipped_bucket_updates``: the bucket updates skipped;
+        ``peer_checks``: contributions of peers this rank checked (``peer_check``); ``peer_checks_failed``:
+        those that failed, and per faulty peer ``peer_checks_failed_rank<r>`` (global rank ``r``;
+        ``peer_checks_failed_unnamed``: a group's sum that did not match its members' fingerprints);
+        ``peer_check_cpu_s``: host CPU seconds the check took (its passes and verdicts);
+        ``nonfinite_param_checks`` / ``params_taken_from_peer`` when this rank's own parameters were found
+        not finite. Reading it applies the last iteration's skip and peer-check verdicts (a device sync
+        on a GPU, as :attr:`buckets`). Not here: :meth:`consensus_distance`, a collective every rank
+        must call together.
         """
         self._strategy.settle()
         return {"steps": self.step_count, "bytes_sent": self.bytes_sent,
                 "skipped_steps": self._strategy.skipped_steps,
-                "skipped_bucket_updates": self._strategy.skipped_bucket_updates}
+                "skipped_bucket_updates": self._strategy.skipped_bucket_updates,
+                **self._strategy.peer_check.counters()}
+
+    @property
+    def peer_check(self) -> PeerCheck:
+        """The peer-check settings (``peer_check=``)."""
+        return self._peer_check
 
     # -- checkpoints ---------------------------------------------------------------------------
     # state_dict() is nn.Module's: the model's keys prefixed "_model." (as decent-dp's), so that

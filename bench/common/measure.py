@@ -145,6 +145,11 @@ class Runner:
         t2 = time.perf_counter()
         return t2 - t0, t1 - t0
 
+    def extra_figures(self) -> Dict[str, float]:
+        """Figures of this configuration beyond the timings (a framework's own counters), reported as
+        the max over ranks (``extra`` in the gathered results)."""
+        return {}
+
     def finish(self) -> None:
         """Complete in-flight exchanges before the configuration is dropped."""
         from decentpy import DecentralizedDataParallel
@@ -279,6 +284,9 @@ def gather_results(runners: Sequence[Runner], mems: Sequence[List[float]], base_
         mem = torch.tensor(list(m) + [base_rss], dtype=torch.float64)
         allm = [torch.empty_like(mem) for _ in range(n)]
         dist.all_gather(allm, mem)
+        extra = r.extra_figures()
+        allx: List[Any] = [None] * n
+        dist.all_gather_object(allx, extra)
         if rank == 0:
             st = torch.stack(allt)  # [n, 3, steps]
             step_max = st[:, 0].max(0).values.tolist()
@@ -294,7 +302,7 @@ def gather_results(runners: Sequence[Runner], mems: Sequence[List[float]], base_
                 peak_delta=float((mm[:, 3] - mm[:, 0]).max()),
                 steady_delta=float((mm[:, 2] - mm[:, 0]).max()),
                 wrap_delta=float((mm[:, 2] - mm[:, 1]).max()),
-                hwm_reset=r.hwm_ok))
+                hwm_reset=r.hwm_ok, extra={k: max(x[k] for x in allx) for k in extra}))
     return results
 
 

@@ -118,6 +118,22 @@ void outer_decode_cpu(Compressor c, const void* wire, float* out, int64_t n) {
   }
 }
 
+void peer_stats_cpu(const PeerStatsArgs& args) {
+  switch (isa()) {
+    case Isa::Avx512: return cpu_detail::isa_avx512::peer_stats_entry(args);
+    case Isa::Avx2: return cpu_detail::isa_avx2::peer_stats_entry(args);
+    default: return cpu_detail::isa_default::peer_stats(args);
+  }
+}
+
+void peer_sketch_cpu(const PeerSketchArgs& args) {
+  switch (isa()) {
+    case Isa::Avx512: return cpu_detail::isa_avx512::peer_sketch_entry(args);
+    case Isa::Avx2: return cpu_detail::isa_avx2::peer_sketch_entry(args);
+    default: return cpu_detail::isa_default::peer_sketch(args);
+  }
+}
+
 int cpu_kernel_vector_width() {
   switch (isa()) {
     case Isa::Avx512: return cpu_detail::isa_avx512::vec_width();

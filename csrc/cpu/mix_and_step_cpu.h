@@ -26,6 +26,10 @@ void outer_decode_cpu(Compressor c, const void* wire, float* out, int64_t n);
 // dst = alpha * src (dst may equal src).
 void scale_copy_cpu(const ScaleCopyArgs& args);
 
+// The peer check's two passes (kernels/peer_check.h; csrc/cpu/peer_check_cpu_impl.h, per ISA).
+void peer_stats_cpu(const PeerStatsArgs& args);
+void peer_sketch_cpu(const PeerSketchArgs& args);
+
 // Name of the instruction set the CPU kernels use on this machine: "default", "avx2" or "avx512".
 const char* cpu_kernel_isa();
 

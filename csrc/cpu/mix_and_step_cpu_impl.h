@@ -22,6 +22,7 @@
 #include "kernels/update.h"
 #include "kernels/compress.h"
 #include "kernels/outer_step.h"
+#include "kernels/peer_check.h"
 
 namespace decentpy {
 namespace cpu_detail {
@@ -127,9 +128,13 @@ void run_piece(const Launch& L, const StepConstants& h, int64_t lo, int64_t hi) 
   float* __restrict S1 = A.state1;
   float* __restrict S2 = A.state2;
 
+  // the peer check's element guard (a launch-uniform branch per block): an element whose change is not
+  // <= the guard (NaN, inf, or beyond) keeps p; counted, and added to *mix_guarded once per piece
+  const bool guarded = Comm && A.mix_guard > 0.f;
+  int64_t kept = 0;
   int64_t i = lo;
   {
-    const Vec a(A.mix_a), b(A.mix_b), s(A.send_scale), gs(L.grad_factor);
+    const Vec a(A.mix_a), b(A.mix_b), s(A.send_scale), gs(L.grad_factor), g(A.mix_guard);
     constexpr int64_t B = IoT::kBlock;
     for (; i + B <= hi; i += B) {
       Vec p0, p1;
@@ -137,8 +142,21 @@ void run_piece(const Launch& L, const StepConstants& h, int64_t lo, int64_t hi) 
       if constexpr (Comm) {
         Vec c0, c1;
         IoT::load(C + i, c0, c1);
-        p0 = mix<VecMath>(a, b, p0, c0);
-        p1 = mix<VecMath>(a, b, p1, c1);
+        const Vec m0 = mix<VecMath>(a, b, p0, c0);
+        const Vec m1 = mix<VecMath>(a, b, p1, c1);
+        if (guarded) {
+          const Vec ok0 = (m0 - p0).abs() <= g, ok1 = (m1 - p1).abs() <= g;  // all-ones lanes where within
+          // zero_mask: a bit per lane that is 0 (not within; p not finite); counted where p itself is finite
+          // (a non-finite p is this replica's own fault, not the peer's)
+          const Vec zero(0.f);
+          kept += __builtin_popcount(static_cast<unsigned>(ok0.zero_mask() & ~((p0 - p0) == zero).zero_mask())) +
+                  __builtin_popcount(static_cast<unsigned>(ok1.zero_mask() & ~((p1 - p1) == zero).zero_mask()));
+          p0 = Vec::blendv(p0, m0, ok0);
+          p1 = Vec::blendv(p1, m1, ok1);
+        } else {
+          p0 = m0;
+          p1 = m1;
+        }
       }
       if constexpr (U::grad) {
         Vec g0, g1, m0, m1, v0, v1, r0, r1;
@@ -166,7 +184,11 @@ void run_piece(const Launch& L, const StepConstants& h, int64_t lo, int64_t hi) 
   }
   for (; i < hi; ++i) {
     float p = IoT::load1(P + i);
-    if constexpr (Comm) p = mix<ScalarMath>(A.mix_a, A.mix_b, p, IoT::load1(C + i));
+    if constexpr (Comm) {
+      const float m = mix<ScalarMath>(A.mix_a, A.mix_b, p, IoT::load1(C + i));
+      if (!guarded || std::fabs(m - p) <= A.mix_guard) p = m;
+      else if (p - p == 0.f) ++kept;  // (a non-finite p is this replica's own)
+    }
     if constexpr (U::grad) {
       float m = 0.f, v = 0.f, r = 0.f;
       const float g = IoT::load1(G + i);
@@ -184,6 +206,7 @@ void run_piece(const Launch& L, const StepConstants& h, int64_t lo, int64_t hi) 
     IoT::store1(P + i, p);
     if constexpr (Send) IoT::store1(S + i, A.send_scale * IoT::load1(P + i));  // p as stored
   }
+  if (kept != 0 && A.mix_guarded != nullptr) __atomic_fetch_add(A.mix_guarded, kept, __ATOMIC_RELAXED);
 }
 
 // Picks the specialisation for one segment piece from the group's flags (never per element).
@@ -377,6 +400,15 @@ void run_choco(const Launch& L) {
 
 inline void mix_and_step(const MixStepArgs& A) {
   if (A.numel <= 0) return;
+  if (A.mix_factor != nullptr && A.comm != nullptr) {  // host memory here: reading it costs nothing
+    const PeerMix m = peer_mix(A.mix_a, A.mix_b, *A.mix_factor);
+    MixStepArgs B = A;
+    B.mix_factor = nullptr;
+    B.mix_a = m.a;
+    B.mix_b = m.b;
+    if (!m.reads_comm) B.comm = nullptr;  // the received buffer is never read (a NaN in it stays there)
+    return mix_and_step(B);
+  }
   Launch L{A, {}, A.grad_scale, A.skip_update != 0};
   const bool alt = A.prev_skip != nullptr && *A.prev_skip != 0;  // host memory here
   for (int g = 0; g < A.num_groups && g < kMaxGroups; ++g) {
@@ -472,6 +504,7 @@ inline void scale_copy(const ScaleCopyArgs& A) {
 }
 
 #include "cpu/outer_step_cpu_impl.h"  // the outer step's passes, in this ISA's namespace
+#include "cpu/peer_check_cpu_impl.h"  // the peer check's passes, in this ISA's namespace
 
 }  // namespace DECENTPY_CPU_NS
 }  // namespace cpu_detail

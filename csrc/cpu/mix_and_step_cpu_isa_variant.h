@@ -89,6 +89,8 @@ void scale_copy_entry(const ScaleCopyArgs& args) { scale_copy(args); }
 void outer_pack_entry(const OuterPackArgs& args) { outer_pack(args); }
 void outer_apply_entry(const OuterApplyArgs& args) { outer_apply(args); }
 void outer_decode_entry(Compressor c, const void* wire, float* out, int64_t n) { outer_decode(c, wire, out, n); }
+void peer_stats_entry(const PeerStatsArgs& args) { peer_stats(args); }
+void peer_sketch_entry(const PeerSketchArgs& args) { peer_sketch(args); }
 int vec_width() { return static_cast<int>(Vec::size()); }
 }  // namespace DECENTPY_CPU_NS
 }  // namespace cpu_detail
@@ -143,6 +145,8 @@ void scale_copy_entry(const ScaleCopyArgs&) {}
 void outer_pack_entry(const OuterPackArgs&) {}
 void outer_apply_entry(const OuterApplyArgs&) {}
 void outer_decode_entry(Compressor, const void*, float*, int64_t) {}
+void peer_stats_entry(const PeerStatsArgs&) {}
+void peer_sketch_entry(const PeerSketchArgs&) {}
 int vec_width() { return 0; }
 #endif
 }  // namespace DECENTPY_CPU_NS

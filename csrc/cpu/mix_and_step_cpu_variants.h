@@ -13,6 +13,8 @@ void scale_copy_entry(const ScaleCopyArgs& args);
 void outer_pack_entry(const OuterPackArgs& args);
 void outer_apply_entry(const OuterApplyArgs& args);
 void outer_decode_entry(Compressor c, const void* wire, float* out, int64_t n);
+void peer_stats_entry(const PeerStatsArgs& args);
+void peer_sketch_entry(const PeerSketchArgs& args);
 int vec_width();  // fp32 lanes of at::vec::Vectorized<float> in this variant
 }  // namespace isa_avx2
 namespace isa_avx512 {
@@ -23,6 +25,8 @@ void scale_copy_entry(const ScaleCopyArgs& args);
 void outer_pack_entry(const OuterPackArgs& args);
 void outer_apply_entry(const OuterApplyArgs& args);
 void outer_decode_entry(Compressor c, const void* wire, float* out, int64_t n);
+void peer_stats_entry(const PeerStatsArgs& args);
+void peer_sketch_entry(const PeerSketchArgs& args);
 int vec_width();
 }  // namespace isa_avx512
 }  // namespace cpu_detail

@@ -62,6 +62,9 @@ struct KArgs {
   float mix_a, mix_b, send_scale, grad_scale;
   const float* grad_norm;     // device: the bucket's gradient norm (null: factor = grad_scale)
   const float* scaler_scale;  // device: the GradScaler's scale (null: 1)
+  const float* mix_factor;    // device: the peer check's factor on the mix (null: the mix as given)
+  float mix_guard;            // the peer check's element guard (0: none)
+  unsigned long long* mix_guarded;  // device: += elements the guard kept (null: not counted)
   float clip_norm;
   int32_t zero_grad;
   int32_t num_groups;
@@ -69,6 +72,16 @@ struct KArgs {
   const uint8_t* prev_skip;           // device: != 0 -> hyp_alt (a deferred skip verdict), null: hyp
   StepConstants hyp_alt[kMaxGroups];  // derive_step with the groups' alt_bias_step
 };
+
+// The peer check's element guard (MixStepArgs::mix_guard): the mixed value m of an element whose
+// change from p is not <= the guard (NaN, inf, or beyond) is replaced by p, and counted if p is finite.
+__device__ __forceinline__ float guard_mix(const KArgs& a, float p, float m, int& kept) {
+  if (a.mix_guard > 0.f && !(fabsf(m - p) <= a.mix_guard)) {
+    if (p - p == 0.f) ++kept;  // counted where p is finite (a non-finite p is this replica's own)
+    return p;
+  }
+  return m;
+}
 
 // Per-thread cache of the last segment found: [begin, end) -> group.
 struct SegCache {
@@ -100,13 +113,13 @@ template <OptKind K, bool VAR> constexpr bool kWritesS01 = K == OptKind::Adam ||
 
 // One element, scalar loads/stores (head, tail, unaligned buffers, straddling vectors).
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
-__device__ __forceinline__ void process_one(const KArgs& a, const StepConstants* hyp, float gs, int64_t i,
-                                            SegCache& cache) {
+__device__ __forceinline__ void process_one(const KArgs& a, const StepConstants* hyp, float gs, float ma, float mb,
+                                            int64_t i, SegCache& cache, int& kept) {
   T* __restrict__ param = static_cast<T*>(a.param);
   float p = detail::to_f32<T>(param[i]);
   if constexpr (HC) {
     const T* comm = static_cast<const T*>(a.comm);
-    p = mix<ScalarMath>(a.mix_a, a.mix_b, p, detail::to_f32<T>(comm[i]));
+    p = guard_mix(a, p, mix<ScalarMath>(ma, mb, p, detail::to_f32<T>(comm[i])), kept);
   }
   if constexpr (K != OptKind::None) {
     int grp = 0;
@@ -154,13 +167,14 @@ constexpr int kVecsPerThread = (sizeof(T) == 2 && K == OptKind::AccumAdam && VAR
 
 // Loads of one vector at `base` (p mixed with comm already: the mix needs no state).
 template <typename T, OptKind K, bool HC, bool VAR, int VEC>
-__device__ __forceinline__ void load_vec(const KArgs& a, int64_t base, VecRegs<VEC>& r) {
+__device__ __forceinline__ void load_vec(const KArgs& a, float ma, float mb, int64_t base, VecRegs<VEC>& r,
+                                         int& kept) {
   detail::load4(static_cast<const T*>(a.param) + base, r.p);
   if constexpr (HC) {
     float c[VEC];
     detail::load4(static_cast<const T*>(a.comm) + base, c);
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) r.p[e] = mix<ScalarMath>(a.mix_a, a.mix_b, r.p[e], c[e]);
+    for (int e = 0; e < VEC; ++e) r.p[e] = guard_mix(a, r.p[e], mix<ScalarMath>(ma, mb, r.p[e], c[e]), kept);
   }
   if constexpr (K != OptKind::None) {
     detail::load4(static_cast<const T*>(a.grad) + base, r.g);
@@ -210,12 +224,13 @@ __device__ __forceinline__ void store_vec(const KArgs& a, int64_t base, VecRegs<
 }
 
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
-__device__ __forceinline__ void mix_step_body(const KArgs& a, const StepConstants* hyp, float gs) {
+__device__ __forceinline__ void mix_step_body(const KArgs& a, const StepConstants* hyp, float gs, float ma, float mb) {
   constexpr int VEC = kStepVec;
   constexpr int U = kVecsPerThread<T, K, MULTI, VAR>;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   SegCache cache;
+  int kept = 0;  // elements the peer check's guard kept (added once per thread, at the end)
 
   // ---- vector path ----
   if constexpr (U == 2) {
@@ -226,8 +241,8 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, const StepConstant
       const int64_t base1 = base0 + stride * VEC;
       const bool second = k + stride < a.nvec;
       VecRegs<VEC> r0, r1;
-      load_vec<T, K, HC, VAR, VEC>(a, base0, r0);
-      if (second) load_vec<T, K, HC, VAR, VEC>(a, base1, r1);
+      load_vec<T, K, HC, VAR, VEC>(a, ma, mb, base0, r0, kept);
+      if (second) load_vec<T, K, HC, VAR, VEC>(a, ma, mb, base1, r1, kept);
       step_vec<T, K, VAR, VEC>(h, gs, r0);
       store_vec<T, K, HS, VAR, VEC>(a, base0, r0);
       if (second) {
@@ -253,7 +268,8 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, const StepConstant
           if (!(base >= cache.begin && base < cache.end)) find_segment(a, base, cache);
           if (base + VEC > cache.end) {  // the vector straddles segments: element by element
 #pragma unroll 1
-            for (int e = 0; e < VEC; ++e) process_one<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, base + e, cache);
+            for (int e = 0; e < VEC; ++e)
+              process_one<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, ma, mb, base + e, cache, kept);
             continue;
           }
         }
@@ -266,7 +282,7 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, const StepConstant
         float c[VEC];
         detail::load4(comm + base, c);
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) p[e] = mix<ScalarMath>(a.mix_a, a.mix_b, p[e], c[e]);
+        for (int e = 0; e < VEC; ++e) p[e] = guard_mix(a, p[e], mix<ScalarMath>(ma, mb, p[e], c[e]), kept);
       }
       if constexpr (K != OptKind::None) {
         const StepConstants& h = hyp[grp];
@@ -312,29 +328,47 @@ __device__ __forceinline__ void mix_step_body(const KArgs& a, const StepConstant
   const int64_t nscalar = a.head + (a.numel - tail_begin);
   for (int64_t t = tid; t < nscalar; t += stride) {
     const int64_t i = t < a.head ? t : tail_begin + (t - a.head);
-    process_one<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, i, cache);
+    process_one<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, ma, mb, i, cache, kept);
   }
+  if (kept != 0 && a.mix_guarded != nullptr) atomicAdd(a.mix_guarded, static_cast<unsigned long long>(kept));
+}
+
+// The body for the gradient's verdict: skip (non-finite gradients) mixes, sends and zeroes them, no update.
+template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
+__device__ __forceinline__ void step_or_skip(const KArgs& a, const StepConstants* hyp, float gs, bool skip, float ma,
+                                             float mb) {
+  if (skip) mix_step_body<T, OptKind::None, HC, HS, false, false>(a, hyp, 1.f, ma, mb);
+  else mix_step_body<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, ma, mb);
 }
 
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
 __global__ void __launch_bounds__(kThreads)
 mix_step_kernel(const __grid_constant__ KArgs a) {
   float gs = a.grad_scale;
+  bool skip = false;
   const StepConstants* hyp = a.hyp;
   if constexpr (K != OptKind::None) {
     if (a.grad_norm != nullptr) {  // every thread reads the same two floats (cached)
       const GradFactor f = grad_factor(__ldg(a.grad_norm), a.scaler_scale ? __ldg(a.scaler_scale) : 1.f,
                                        a.clip_norm);
-      if (f.skip) {  // non-finite gradients: mix, send and zero them, no update
-        mix_step_body<T, OptKind::None, HC, HS, false, false>(a, hyp, 1.f);
-        return;
-      }
-      gs = f.factor;
+      skip = f.skip;
+      gs = f.skip ? 1.f : f.factor;
     }
     // a deferred verdict: the previous update was skipped -> the bias corrections of one step fewer
-    if (a.prev_skip != nullptr && __ldg(a.prev_skip) != 0) hyp = a.hyp_alt;
+    if (!skip && a.prev_skip != nullptr && __ldg(a.prev_skip) != 0) hyp = a.hyp_alt;
   }
-  mix_step_body<T, K, HC, HS, MULTI, VAR>(a, hyp, gs);
+  if constexpr (HC) {
+    if (a.mix_factor != nullptr) {  // the peer check's verdict (kernels/update.h peer_mix), one float for all
+      const PeerMix m = peer_mix(a.mix_a, a.mix_b, __ldg(a.mix_factor));
+      if (!m.reads_comm) {  // the received buffer is never read: a NaN there cannot reach p
+        step_or_skip<T, K, false, HS, MULTI, VAR>(a, hyp, gs, skip, 1.f, 0.f);
+        return;
+      }
+      step_or_skip<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, skip, m.a, m.b);
+      return;
+    }
+  }
+  step_or_skip<T, K, HC, HS, MULTI, VAR>(a, hyp, gs, skip, a.mix_a, a.mix_b);
 }
 
 template <typename T, OptKind K, bool HC, bool HS, bool MULTI, bool VAR>
@@ -459,6 +493,10 @@ void launch_mix_and_step(const MixStepArgs& args, void* stream_ptr) {
   a.grad_scale = args.grad_scale;
   a.grad_norm = args.grad_norm;
   a.scaler_scale = args.scaler_scale;
+  a.mix_factor = has_comm ? args.mix_factor : nullptr;
+  a.mix_guard = has_comm ? args.mix_guard : 0.f;
+  static_assert(sizeof(unsigned long long) == sizeof(int64_t), "the guard's count is added as a 64-bit integer");
+  a.mix_guarded = has_comm ? reinterpret_cast<unsigned long long*>(args.mix_guarded) : nullptr;
   a.clip_norm = args.clip_norm;
   a.zero_grad = zero_grad ? 1 : 0;
   a.num_groups = kind != OptKind::None ? args.num_groups : 0;

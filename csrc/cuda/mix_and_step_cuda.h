@@ -20,5 +20,14 @@ void launch_outer_pack(const OuterPackArgs& args, void* stream);
 void launch_outer_apply(const OuterApplyArgs& args, void* stream);
 void launch_outer_decode(Compressor c, const void* wire, float* out, int64_t n, void* stream);
 void launch_scale_copy(const ScaleCopyArgs& args, void* stream);
+// The peer check's two passes (kernels/peer_check.h; csrc/cuda/peer_check.cu).
+void launch_peer_stats(const PeerStatsArgs& args, void* stream);
+void launch_peer_sketch(const PeerSketchArgs& args, void* stream);
+// The verdicts of kernels/peer_check.h as one-thread kernels (device pointers; nothing read back).
+void launch_peer_pair_verdict(const double* stats, double expand, double tau, double first, bool clip, double* out,
+                              void* stream);
+void launch_peer_group_verdict(const double* fingerprints, int members, int slots, const double* recv, double scale,
+                               double unit_roundoff, double tau, double first, double expand, double* out,
+                               void* stream);
 const char* compiled_archs();   // e.g. "sm_80,sm_90,compute_90", from __CUDA_ARCH_LIST__ or a macro set at compile time
 } }

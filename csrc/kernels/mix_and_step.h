@@ -6,6 +6,18 @@
 //
 // Per element i of a bucket (one pass, fp32 math whatever the storage dtype):
 //   if comm:            p = mix_a * p + mix_b * c                     (mix)
+//                       with mix_factor (a float in the kernel's memory, like grad_norm; the peer
+//                       check's verdict, decentpy/engine/peer_check.py): f = *mix_factor and
+//                       (mix_a, mix_b) -> peer_mix(mix_a, mix_b, f) of update.h: f >= 1 the mix as
+//                       given; 0 < f < 1 p = (mix_a + mix_b (1 - f)) p + (mix_b f) c, a pair's mix
+//                       with the peer's difference c - p scaled by f (ClippedGossip); f <= 0 or not
+//                       a number: c is not read at all (a non-finite c cannot reach p through
+//                       0 * NaN) and p is kept as it is (no mix).
+//                       with mix_guard g > 0 (the peer check's element guard): an element whose change
+//                       |mixed - p| is not <= g (NaN, inf, or beyond g) keeps p, and is counted into
+//                       *mix_guarded (int64, the kernel's memory; may be null) when p is finite. A contribution within the
+//                       peer check's bound never trips it (no element of a vector is longer than the
+//                       vector): then p is mixed bit for bit as without the guard.
 //   if !skip:           g = grad[i] * factor                          (unscale / clip factor)
 //                       p, state = optimizer update (group hyper of the segment holding i)
 //   if send:            send[i] = send_scale * p   (p as stored: rounded to the param dtype first)
@@ -118,6 +130,12 @@ struct MixStepArgs {
 
   float mix_a = 1.f;
   float mix_b = 0.f;
+  // The peer check's factor on the mix (see the header comment); null: the mix as given. Same device
+  // as param; read by the kernel (on CUDA never by the host). Only with comm, not with a compressor.
+  const float* mix_factor = nullptr;
+  // The peer check's element guard (see the header comment); 0: none. Only with comm.
+  float mix_guard = 0.f;
+  int64_t* mix_guarded = nullptr;      // += elements the guard kept (same device as param), or null
   float send_scale = 1.f;
   float grad_scale = 1.f;              // the gradient factor when grad_norm is null
 
@@ -194,6 +212,45 @@ struct ScaleCopyArgs {
   const void* src = nullptr;
   float alpha = 1.f;
   float* sumsq = nullptr;
+};
+
+// The two passes of the peer check (the contract and the arithmetic: kernels/peer_check.h).
+// Fixed parts of both passes (CUDA: one block each; CPU: the unit of at::parallel_for).
+constexpr int64_t kPeerParts = 256;
+// Columns of the stats pass.
+constexpr int kDistSq = 0;
+constexpr int kSelfSq = 1;
+constexpr int kPeerNf = 2;
+constexpr int kSelfNf = 3;
+constexpr int kPeerStats = 4;
+// Elements summed in fp32 before the float64 accumulator (CPU stats pass).
+constexpr int64_t kStatRun = 4096;
+// Sketch: most slots, longest chunk, and the chunks each slot should get at least (when numel allows).
+constexpr int kSketchMaxSlots = 128;
+constexpr int64_t kSketchMaxChunk = 256;
+constexpr int64_t kSketchChunksPerSlot = 16;
+
+// Both passes may read a sample of the buffers: units of kSampleUnit elements (four 64-byte lines of
+// fp32), of which unit u is read when u % sample == 0 (sample 1: every element).
+constexpr int64_t kSampleUnit = 64;
+
+struct PeerStatsArgs {
+  DType dtype = DType::Float32;
+  int64_t numel = 0;
+  const void* param = nullptr;  // this replica, required
+  const void* comm = nullptr;   // what arrived, optional
+  int64_t sample = 1;           // read one unit of kSampleUnit elements in every `sample`
+  double* out = nullptr;        // (kPeerParts + 1) x kPeerStats
+};
+
+struct PeerSketchArgs {
+  DType dtype = DType::Float32;
+  int64_t numel = 0;
+  const void* src = nullptr;  // y, required
+  uint64_t seed = 0;
+  int32_t slots = 0;          // k in [1, kSketchMaxSlots]
+  int64_t sample = 1;         // sketch the sampled elements only (in order: the sketch of that subsequence)
+  double* out = nullptr;      // (kPeerParts + 1) x (k + 2)
 };
 
 // The two passes of the fused outer step of local-steps training: the contract and the arithmetic

@@ -171,6 +171,22 @@ DECENTPY_HD V mix(const V& a, const V& b, const V& p, const V& c) {
   return M::fma(b, c, a * p);
 }
 
+// The mix coefficients under the peer check's factor f (MixStepArgs::mix_factor): the mix as given
+// for f >= 1 (the same a and b: an accepted contribution mixes bit for bit as without the check);
+// for 0 < f < 1 the peer's difference scaled by f, p + f (c - p) in place of c:
+//   a' = a + b (1 - f),  b' = b f;
+// for f <= 0 or NaN, c is not read and p stays as it is (reads_comm false).
+struct PeerMix {
+  float a;
+  float b;
+  bool reads_comm;
+};
+DECENTPY_HD PeerMix peer_mix(float a, float b, float f) {
+  if (!(f > 0.f)) return {1.f, 0.f, false};
+  if (f >= 1.f) return {a, b, true};
+  return {ScalarMath::fma(b, 1.f - f, a), ScalarMath::mul(b, f), true};
+}
+
 // The optimizer update of one element (or vector of elements) of a mixed parameter p.
 // g: the raw gradient (multiplied by gs here); m, v, acc: state0..2 (unused ones are ignored).
 // `flags` are UpdateFlags; callers pass a compile-time constant where they can (the CPU kernels)

@@ -12,6 +12,7 @@
 #include "cpu/mix_and_step_cpu.h"
 #include "kernels/compress.h"
 #include "kernels/mix_and_step.h"
+#include "kernels/peer_check.h"
 #ifdef DECENTPY_WITH_CUDA
 #include "cuda/mix_and_step_cuda.h"
 #endif
@@ -309,6 +310,24 @@ void mix_and_step_impl(const StepCall& call) {
     }
   }
 
+  a.mix_factor = scalar_on_device(call.mix_factor, param, "mix_and_step: mix_factor");
+  TORCH_CHECK(a.mix_factor == nullptr || !compressed, "mix_and_step: mix_factor scales the plain mix with comm; "
+              "a compressed pass takes none");
+  TORCH_CHECK(a.mix_factor == nullptr || c.defined(), "mix_and_step: mix_factor scales the mix with comm, but no "
+              "comm was given");
+  TORCH_CHECK(call.mix_guard >= 0.0, "mix_and_step: mix_guard must be >= 0 (0: no guard), got ", call.mix_guard);
+  TORCH_CHECK(call.mix_guard == 0.0 || (c.defined() && !compressed), "mix_and_step: mix_guard guards the plain "
+              "mix with comm; give comm (and no compressor)");
+  a.mix_guard = static_cast<float>(call.mix_guard);
+  if (call.mix_guarded.has_value() && call.mix_guarded->defined()) {
+    const at::Tensor& t = *call.mix_guarded;
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == 1, "mix_and_step: mix_guarded must be a one-element "
+                "int64 tensor, got ", t.scalar_type(), " ", t.sizes());
+    TORCH_CHECK(t.device() == param.device(), "mix_and_step: mix_guarded is on ", t.device(), " but param is on ",
+                param.device(), "; the kernel adds to it where it runs");
+    a.mix_guarded = t.data_ptr<int64_t>();
+  }
+
   if (prev_skip.has_value() && prev_skip->defined()) {
     const at::Tensor& f = *prev_skip;
     TORCH_CHECK(!compressed, "mix_and_step: a deferred verdict (prev_skip) is not supported with a compressor");
@@ -418,6 +437,7 @@ void mix_and_step_impl(const StepCall& call) {
   if (needs_grad) for (const auto& t : states) bump(t);
   if (s.defined()) bump(s);
   if (zero_grad) bump(g);
+  if (a.mix_guarded != nullptr) bump(*call.mix_guarded);
   if (compressed) {
     bump(get(call.peer_copy));
     bump(get(call.q_send));
@@ -628,6 +648,143 @@ std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor comp
   std::vector<std::pair<int64_t, int64_t>> out;
   for (int i = 0; i < k; ++i) out.emplace_back(r[2 * i], r[2 * i + 1]);
   return out;
+}
+
+namespace {
+
+// A flat buffer the peer check reads: fp32 / bf16 / fp16, 1-D, contiguous, on a CPU or CUDA device.
+DType check_peer_buffer(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.defined(), what, " is undefined");
+  const DType dt = to_dtype(t, what);
+  check_device_supported(t, what);
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous(), what, " must be a flat contiguous tensor, got sizes ", t.sizes(),
+              " strides ", t.strides());
+  return dt;
+}
+
+// `out`: float64, contiguous, (kPeerParts + 1) * width elements, on `like`'s device.
+double* check_peer_out(const at::Tensor& out, const at::Tensor& like, int64_t width, const char* what) {
+  TORCH_CHECK(out.defined() && out.scalar_type() == at::kDouble && out.is_contiguous(), what,
+              ": out must be a contiguous float64 tensor", out.defined() ? ", got " : "",
+              out.defined() ? c10::toString(out.scalar_type()) : "");
+  TORCH_CHECK(out.numel() == (kPeerParts + 1) * width, what, ": out has ", out.numel(), " elements; it needs (",
+              kPeerParts, " parts + 1) x ", width, " = ", (kPeerParts + 1) * width);
+  TORCH_CHECK(out.device() == like.device(), what, ": out is on ", out.device(), " but the buffer is on ",
+              like.device());
+  check_no_overlap(out, "out", like, "the buffer");
+  return out.data_ptr<double>();
+}
+
+}  // namespace
+
+void peer_stats(const at::Tensor& param, const c10::optional<at::Tensor>& comm, int64_t sample, const at::Tensor& out) {
+  TORCH_CHECK(sample >= 1, "peer_stats: sample must be >= 1 (1: every element), got ", sample);
+  PeerStatsArgs a;
+  a.sample = sample;
+  a.dtype = check_peer_buffer(param, "peer_stats: param");
+  a.numel = param.numel();
+  a.param = param.data_ptr();
+  if (comm.has_value() && comm->defined()) {
+    check_like_param(*comm, param, "peer_stats: comm");
+    a.comm = comm->data_ptr();
+  }
+  a.out = check_peer_out(out, param, kPeerStats, "peer_stats");
+  if (param.device().is_cpu()) {
+    peer_stats_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(param.device());
+    decentpy::cuda::launch_peer_stats(a, cuda_stream_of(param));
+#else
+    no_cuda_kernels(param.device(), "peer_stats");
+#endif
+  }
+  bump(out);
+}
+
+void peer_sketch(const at::Tensor& src, int64_t seed, int64_t slots, int64_t sample, const at::Tensor& out) {
+  TORCH_CHECK(slots >= 1 && slots <= kSketchMaxSlots, "peer_sketch: slots must be in [1, ", kSketchMaxSlots,
+              "], got ", slots);
+  TORCH_CHECK(sample >= 1, "peer_sketch: sample must be >= 1 (1: every element), got ", sample);
+  PeerSketchArgs a;
+  a.sample = sample;
+  a.dtype = check_peer_buffer(src, "peer_sketch: src");
+  a.numel = src.numel();
+  a.src = src.data_ptr();
+  a.seed = static_cast<uint64_t>(seed);
+  a.slots = static_cast<int32_t>(slots);
+  a.out = check_peer_out(out, src, slots + 2, "peer_sketch");
+  if (src.device().is_cpu()) {
+    peer_sketch_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(src.device());
+    decentpy::cuda::launch_peer_sketch(a, cuda_stream_of(src));
+#else
+    no_cuda_kernels(src.device(), "peer_sketch");
+#endif
+  }
+  bump(out);
+}
+
+namespace {
+
+// A float64 vector of the verdicts: contiguous, `numel` values, on `like`'s device.
+double* verdict_buffer(const at::Tensor& t, int64_t numel, const at::Tensor& like, const char* what) {
+  TORCH_CHECK(t.defined() && t.scalar_type() == at::kDouble && t.is_contiguous() && t.numel() == numel, what,
+              " must be a contiguous float64 tensor of ", numel, " values, got ",
+              t.defined() ? c10::toString(t.scalar_type()) : "undefined", " ", t.defined() ? t.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(t.device() == like.device(), what, " is on ", t.device(), " but the inputs are on ", like.device());
+  check_device_supported(t, what);
+  return t.data_ptr<double>();
+}
+
+}  // namespace
+
+void peer_pair_verdict(const at::Tensor& stats, double expand, double tau, double first, bool clip,
+                       const at::Tensor& out) {
+  const double* st = verdict_buffer(stats, kPeerStats, stats, "peer_pair_verdict: stats");
+  double* o = verdict_buffer(out, 5, stats, "peer_pair_verdict: out");
+  TORCH_CHECK(expand >= 1.0 && first > 0.0, "peer_pair_verdict: expand must be >= 1 and first > 0, got ", expand,
+              " and ", first);
+  if (stats.device().is_cpu()) {
+    pair_verdict(st, expand, tau, first, clip, o);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(stats.device());
+    decentpy::cuda::launch_peer_pair_verdict(st, expand, tau, first, clip, o, cuda_stream_of(stats));
+#else
+    no_cuda_kernels(stats.device(), "peer_pair_verdict");
+#endif
+  }
+  bump(out);
+}
+
+void peer_group_verdict(const at::Tensor& fingerprints, const at::Tensor& recv, double scale, double unit_roundoff,
+                        double tau, double first, double expand, const at::Tensor& out) {
+  TORCH_CHECK(fingerprints.defined() && fingerprints.dim() == 2 && fingerprints.size(1) >= 3,
+              "peer_group_verdict: fingerprints must be [members, slots + 2], got ",
+              fingerprints.defined() ? fingerprints.sizes() : at::IntArrayRef{});
+  const int64_t m = fingerprints.size(0), k = fingerprints.size(1) - 2;
+  TORCH_CHECK(m >= 1 && m <= kVerdictMaxMembers && k <= kSketchMaxSlots, "peer_group_verdict: ", m, " members of ",
+              k, " slots; at most ", kVerdictMaxMembers, " members and ", kSketchMaxSlots, " slots");
+  const double* fp = verdict_buffer(fingerprints, m * (k + 2), fingerprints, "peer_group_verdict: fingerprints");
+  const double* rv = verdict_buffer(recv, k + 2, fingerprints, "peer_group_verdict: recv");
+  double* o = verdict_buffer(out, 4 + 2 * m, fingerprints, "peer_group_verdict: out");
+  TORCH_CHECK(scale > 0.0 && expand >= 1.0 && first > 0.0 && unit_roundoff > 0.0, "peer_group_verdict: scale, first "
+              "and unit_roundoff must be > 0 and expand >= 1");
+  if (fingerprints.device().is_cpu()) {
+    group_verdict(fp, static_cast<int>(m), static_cast<int>(k), rv, scale, unit_roundoff, tau, first, expand, o);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(fingerprints.device());
+    decentpy::cuda::launch_peer_group_verdict(fp, static_cast<int>(m), static_cast<int>(k), rv, scale, unit_roundoff,
+                                              tau, first, expand, o, cuda_stream_of(fingerprints));
+#else
+    no_cuda_kernels(fingerprints.device(), "peer_group_verdict");
+#endif
+  }
+  bump(out);
 }
 
 void scale_copy_(const at::Tensor& dst, const at::Tensor& src, double alpha,

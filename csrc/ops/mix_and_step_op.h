@@ -35,6 +35,10 @@ void check_segments(const at::Tensor& segments, int64_t numel, int64_t num_group
 //     send are then unused.
 //   prev_skip / alt_bias_steps: a deferred skip verdict (MixStepArgs): a one-element bool / uint8
 //     tensor on param's device; when it is set the groups' bias-correction steps are alt_bias_steps.
+//   mix_factor: the peer check's factor on the mix with comm (MixStepArgs): a one-element float32
+//     tensor on param's device that the kernel reads itself; only with comm, not with a compressor.
+//   mix_guard / mix_guarded: the peer check's element guard (MixStepArgs): mix_guard >= 0 (0: none),
+//     mix_guarded an optional one-element int64 tensor on param's device the kernel adds its count to.
 struct StepCall {
   OptKind kind = OptKind::None;
   at::Tensor param;
@@ -65,6 +69,9 @@ struct StepCall {
   c10::optional<at::Tensor> self_copy_next;
   c10::optional<at::Tensor> prev_skip;
   std::vector<int64_t> alt_bias_steps;
+  c10::optional<at::Tensor> mix_factor;
+  double mix_guard = 0.0;
+  c10::optional<at::Tensor> mix_guarded;
 };
 
 void mix_and_step(const StepCall& call);
@@ -93,6 +100,23 @@ void outer_decode(Compressor compressor, const at::Tensor& wire, const at::Tenso
 // The byte ranges [start, stop) of elements [lo, hi) in the wire of n elements (kernels/compress.h).
 std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor compressor, int64_t n, int64_t lo,
                                                                  int64_t hi);
+
+// The peer check's passes (kernels/peer_check.h) over flat contiguous fp32 / bf16 / fp16 tensors;
+// `out` is a contiguous float64 tensor of (kPeerParts + 1) * width elements on their device (the
+// parts' partial sums, then the result: its last `width` elements).
+// peer_stats: width kPeerStats, comm optional (like param: dtype, numel, device).
+// peer_sketch: width slots + 2, slots in [1, kSketchMaxSlots].
+// sample >= 1: read one unit of kSampleUnit elements in every `sample` (kernels/peer_check.h).
+void peer_stats(const at::Tensor& param, const c10::optional<at::Tensor>& comm, int64_t sample, const at::Tensor& out);
+void peer_sketch(const at::Tensor& src, int64_t seed, int64_t slots, int64_t sample, const at::Tensor& out);
+// The verdicts of kernels/peer_check.h on the passes' results (float64 tensors on one device; tau NaN:
+// the first bound): pair_verdict into out (5 values), group_verdict of the [m, k + 2] fingerprints and
+// the sum's sketch (k + 2 values) into out (4 + 2m values). On a GPU a one-thread kernel: nothing is
+// read back.
+void peer_pair_verdict(const at::Tensor& stats, double expand, double tau, double first, bool clip,
+                       const at::Tensor& out);
+void peer_group_verdict(const at::Tensor& fingerprints, const at::Tensor& recv, double scale, double unit_roundoff,
+                        double tau, double first, double expand, const at::Tensor& out);
 
 // dst = alpha * src, flat contiguous tensors of the same dtype (fp32/bf16/fp16), numel and device.
 // dst = alpha * src; with sumsq (fp32, kNormSlots elements, dst's device) also the partial sums of

@@ -1,5 +1,6 @@
 // C++ unit tests of the kernel layer (no gtest): bucket plan, aligned offsets, and the CPU
-// mix-and-step kernel for every OptKind on fp32 against a scalar double-precision re-computation.
+// mix-and-step kernel for every OptKind on fp32 against a scalar double-precision re-computation;
+// the peer check's passes, verdicts, mix factor and element guard.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +13,7 @@
 #include "bucket/bucket_plan.h"
 #include "cpu/mix_and_step_cpu.h"
 #include "kernels/mix_and_step.h"
+#include "kernels/peer_check.h"
 
 static int g_failures = 0;
 static int g_checks = 0;
@@ -359,6 +361,83 @@ static void test_outer_step() {
   }
 }
 
+// The peer check (kernels/peer_check.h): the stats pass against double sums (whole and sampled), the
+// pair verdict's rule, and the fused kernel's mix factor and element guard against the plain mix.
+static void test_peer_check() {
+  const int64_t n = 100003;
+  std::vector<float> p(n), c(n);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  for (int64_t i = 0; i < n; ++i) {
+    p[i] = nd(rng);
+    c[i] = p[i] + 0.01f * nd(rng);
+  }
+  std::vector<double> out((kPeerParts + 1) * kPeerStats);
+  for (int64_t sample : {int64_t(1), int64_t(5)}) {
+    PeerStatsArgs a;
+    a.numel = n;
+    a.param = p.data();
+    a.comm = c.data();
+    a.sample = sample;
+    a.out = out.data();
+    peer_stats_cpu(a);
+    double d2 = 0, p2 = 0;
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if ((i / kSampleUnit) % sample != 0) continue;
+      const double x = double(c[i]) - double(p[i]);
+      d2 += x * x;
+      p2 += double(p[i]) * p[i];
+      ++count;
+    }
+    const double* r = out.data() + kPeerParts * kPeerStats;
+    CHECK(count == sampled_count(n, sample));
+    CHECK_NEAR(r[kDistSq], d2, 1e-4, 0.0);
+    CHECK_NEAR(r[kSelfSq], p2, 1e-4, 0.0);
+    CHECK(r[kPeerNf] == 0.0 && r[kSelfNf] == 0.0);
+  }
+  // the pair verdict: within, beyond (skip / clip), not finite, the first bound
+  double v[5];
+  const double st[4] = {4.0, 100.0, 0.0, 0.0};  // d = 2, ||p|| = 10
+  pair_verdict(st, 1.0, 3.0, 1.0, false, v);
+  CHECK(v[0] == 1.0 && v[1] == 2.0 && v[2] == 3.0);
+  pair_verdict(st, 1.0, 1.0, 1.0, false, v);
+  CHECK(v[0] == 0.0);
+  pair_verdict(st, 1.0, 1.0, 1.0, true, v);
+  CHECK(v[0] == 0.5);
+  pair_verdict(st, 1.0, std::nan(""), 0.1, false, v);  // first bound 0.1 x 10 = 1 < 2
+  CHECK(v[0] == 0.0 && v[2] == 1.0);
+  const double bad[4] = {4.0, 100.0, std::nan(""), 0.0};
+  pair_verdict(bad, 1.0, 3.0, 1.0, true, v);
+  CHECK(v[0] == 0.0 && v[3] == 0.0);
+  // the mix factor and the guard in the fused pass (kind None)
+  std::vector<float> q(p), ref(p), cc(c);
+  cc[5] = std::nanf("");
+  cc[77] = 1e30f;
+  MixStepArgs m;
+  m.numel = n;
+  m.param = q.data();
+  m.comm = cc.data();
+  m.mix_a = 0.5f;
+  m.mix_b = 0.5f;
+  int64_t kept = 0;
+  m.mix_guard = 1.0f;
+  m.mix_guarded = &kept;
+  mix_and_step_cpu(m);
+  CHECK(kept == 2 && q[5] == p[5] && q[77] == p[77]);
+  for (int64_t i = 0; i < n; ++i)
+    if (i != 5 && i != 77) CHECK(q[i] == std::fma(0.5f, c[i], 0.5f * p[i]));
+  const float f = 0.0f;  // a factor 0 never reads comm
+  q = p;
+  m.mix_guard = 0.f;
+  m.mix_guarded = nullptr;
+  m.mix_factor = &f;
+  mix_and_step_cpu(m);
+  CHECK(std::memcmp(q.data(), p.data(), sizeof(float) * n) == 0);
+  const PeerMix pm = peer_mix(0.5f, 0.5f, 0.25f);
+  CHECK(pm.reads_comm && pm.a == 0.875f && pm.b == 0.125f);
+}
+
 int main() {
   test_assign_buckets();
   test_aligned_offsets();
@@ -367,6 +446,7 @@ int main() {
   test_scale_copy();
   test_group_reduce();
   test_outer_step();
+  test_peer_check();
   std::printf("decentpy_cpp_tests: %d checks, %d failures (cpu kernels: %s)\n", g_checks,
               g_failures, cpu_kernel_isa());
   return g_failures == 0 ? 0 : 1;

@@ -24,8 +24,8 @@ Below the engine: nothing here imports a strategy, a bucket or a wrapper.
 
 from .agreement import (SettingsMismatchError, agree_across_ranks, check_on_every_rank, comparable, everyone,
                         first_difference_across_ranks, raise_if_any_rank_failed)
-from .failures import (DEFAULT_LIVENESS_TIMEOUT, NonFiniteGradientError, PeerReportedError, PeerUnreachableError,
-                       PeerWatch, peer_monitor)
+from .failures import (DEFAULT_LIVENESS_TIMEOUT, FaultyPeerError, NonFiniteGradientError, PeerFaultyError,
+                       PeerReportedError, PeerUnreachableError, PeerWatch, peer_monitor)
 from .groups import CommGroup, SubGroup, group_ranks, or_world
 from .nccl import (NcclCommunicator, NcclExchange, nccl_available, nccl_compiled, nccl_library_candidates,
                    nccl_unavailable_reason)
@@ -41,5 +41,5 @@ __all__ = ["Communicator", "Work", "TorchCommunicator", "Exchange", "NcclCommuni
            "check_on_every_rank", "everyone", "first_difference_across_ranks", "raise_if_any_rank_failed", "PeerTimeoutError",
            "default_timeout", "wait_bounded", "agree_across_ranks", "comparable", "SettingsMismatchError",
            "MalformedMessageError",
-           "DEFAULT_LIVENESS_TIMEOUT", "NonFiniteGradientError", "PeerReportedError", "PeerUnreachableError", "PeerWatch",
+           "DEFAULT_LIVENESS_TIMEOUT", "NonFiniteGradientError", "FaultyPeerError", "PeerFaultyError", "PeerReportedError", "PeerUnreachableError", "PeerWatch",
            "peer_monitor"]

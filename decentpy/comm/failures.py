@@ -6,8 +6,9 @@ catches every one of them):
 
 * :class:`PeerUnreachableError` -- a peer is gone: killed, stopped (SIGSTOP, a hung host) or its
   connection closed. Named from the heartbeats (below), not from the socket that happened to fail.
-* :class:`PeerReportedError` -- a peer raised (a non-finite gradient with ``nonfinite='raise'``, or
-  its own peer failure) and posted its message before leaving.
+* :class:`PeerReportedError` -- a peer raised (a non-finite gradient with ``nonfinite='raise'``, a
+  faulty peer with ``peer_check='raise'``, or its own peer failure) and posted its message before
+  leaving.
 * :class:`PeerTimeoutError` itself -- the peer is alive and silent past the wait's timeout.
 
 Liveness: every process that built a wrapper beats a counter in the job's c10d store once per
@@ -27,6 +28,7 @@ import contextlib
 import datetime
 import logging
 import queue
+import re
 import threading
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -36,8 +38,9 @@ import torch.distributed as dist
 from .exit import stop_at_exit
 
 __all__ = ["PeerTimeoutError", "PeerUnreachableError", "PeerReportedError", "NonFiniteGradientError",
-           "PeerNonFiniteError", "PeerMonitor", "PeerWatch", "running_monitor", "report_to_peers", "start_heartbeat",
-           "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S", "peer_monitor"]
+           "PeerNonFiniteError", "FaultyPeerError", "PeerFaultyError", "PeerMonitor", "PeerWatch", "running_monitor",
+           "report_to_peers", "start_heartbeat", "NOTICE_INTERVAL_S", "DEFAULT_LIVENESS_TIMEOUT", "HEARTBEAT_INTERVAL_S",
+           "peer_monitor"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +91,46 @@ class PeerNonFiniteError(PeerReportedError, NonFiniteGradientError):
                  step: Optional[int] = None, waited_s: Optional[float] = None) -> None:
         PeerTimeoutError.__init__(self, message, ranks, bucket, step, waited_s)
         self.rank, self.buckets = (ranks[0] if ranks else -1), []
+
+
+class FaultyPeerError(RuntimeError):
+    """What a peer sent failed the peer check (``peer_check='raise'``): not finite, or farther from this
+    replica than the bound. Raised where it was detected, naming the peer; every other rank raises a
+    :class:`PeerFaultyError` (a subclass) when it next waits for a peer.
+
+    ``peer``: the faulty peer's global rank (-1: a member of ``group`` that could not be named, its
+    data not matching its fingerprint); ``bucket``, ``step``: what was checked; ``distance``,
+    ``bound``: the measured distance and the bound it exceeded (None for a non-finite value);
+    ``group``: the global ranks of the exchange."""
+
+    def __init__(self, message: str, peer: int = -1, bucket: Optional[int] = None, step: Optional[int] = None,
+                 distance: Optional[float] = None, bound: Optional[float] = None,
+                 group: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.peer, self.bucket, self.step = peer, bucket, step
+        self.distance, self.bound, self.group = distance, bound, list(group)
+
+
+class PeerFaultyError(PeerReportedError, FaultyPeerError):
+    """On the other ranks: a rank found a faulty peer and raised (``peer_check='raise'``); names that
+    peer (parsed from the detecting rank's report)."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = (), bucket: Optional[int] = None,
+                 step: Optional[int] = None, waited_s: Optional[float] = None, peer: int = -1) -> None:
+        PeerTimeoutError.__init__(self, message, ranks, bucket, step, waited_s)  # (FaultyPeerError's too: the MRO)
+        self.peer = peer
+
+
+#: how a FaultyPeerError's message names the faulty peer (the detecting rank writes it; the others read
+#: it back from the report)
+FAULTY_PEER_TOKEN = "faulty peer rank"
+_FAULTY_PEER_RE = re.compile(re.escape(FAULTY_PEER_TOKEN) + r" (-?\d+)")
+
+
+def faulty_peer_of(text: str) -> int:
+    """The faulty peer a FaultyPeerError's message names (-1: none)."""
+    m = _FAULTY_PEER_RE.search(text)
+    return int(m.group(1)) if m else -1
 
 
 #: how often (at most) a rank looks for its peers' notices (non-finite skips): one store read
@@ -491,6 +534,13 @@ class PeerWatch:
             return PeerUnreachableError(
                 f"{what}: rank(s) {gone} unreachable, as rank {by} reported (this rank gave up after {waited:.1f} s): "
                 f"{reports[by][1]}", gone, bucket, step, waited)
+        # a faulty peer found by a rank's peer check: every rank's error names that peer
+        faulty = [r for r, (_, text) in sorted(reports.items()) if f"{FaultyPeerError.__name__}:" in text]
+        if faulty:
+            origin = [r for r in faulty if reports[r][1].startswith(FaultyPeerError.__name__)] or faulty
+            text = reports[origin[0]][1]
+            return PeerFaultyError(f"{what}: rank {origin[0]} reported an error after {waited:.1f} s: {text}",
+                                   sorted(reports), bucket, step, waited, peer=faulty_peer_of(text))
         # the rank where it started (its own error, not a relayed one) is the one to name
         origin = [r for r, (_, text) in sorted(reports.items()) if text.startswith(NonFiniteGradientError.__name__)]
         relayed = [r for r, (_, text) in sorted(reports.items()) if f"{NonFiniteGradientError.__name__}:" in text]

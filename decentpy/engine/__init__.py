@@ -4,10 +4,11 @@
   readiness, the end of backward, accumulation (``no_sync``), Join, bounded waits.
 - :mod:`.strategy`: :class:`BucketStrategy`, the typed interface: what happens to a ready bucket.
 - :mod:`.bucket` (one bucket type, one step path) and :mod:`.layout` (the gossip wrappers' buckets).
-- :mod:`.gossip`: the gossip strategy, the per-bucket sequence once, composed of three parts with
+- :mod:`.gossip`: the gossip strategy, the per-bucket sequence once, composed of four parts with
   one registry each: the node mode (:mod:`.node`, :mod:`.node_allreduce`, :mod:`.node_shard`;
   :data:`NODE_MODES`), the exchange (:mod:`.exchanges`, :mod:`.choco`;
-  :data:`EXCHANGES`) and the failure policy (:mod:`.failure`; :data:`FAILURE_POLICIES`).
+  :data:`EXCHANGES`), the failure policy (:mod:`.failure`; :data:`FAILURE_POLICIES`) and the peer
+  check of what arrives (:mod:`.peer_check`; :data:`PEER_POLICIES`).
 
 The strategies plug into the driver from where they belong: the gossip strategy and its parts
 here; ``ShardedDataParallel``'s reduce to the owners in :mod:`decentpy.sharding.sharded_grads`.
@@ -27,6 +28,7 @@ from .gossip import GossipStrategy
 from .node import GossipSetup, NodeMode, NodeReduction
 from .node_allreduce import NodeAllReduce
 from .node_shard import NodeShard
+from .peer_check import PEER_POLICIES, CheckedPeers, PeerCheck, PeerChecker, make_peer_check
 from .strategy import BucketStrategy, Readiness
 
 #: ``DecentralizedDataParallel(intra_node=...)`` name -> node mode (a strategy's ``node=``). The
@@ -68,4 +70,5 @@ def check_intra_node(mode: str) -> None:
 __all__ = ["check_intra_node", "BackwardDriver", "BoundedWait", "DriverJoinHook", "BucketStrategy", "Readiness", "GossipSetup",
            "GossipStrategy", "NodeMode", "NodeReduction", "NodeAllReduce", "NodeShard", "NODE_MODES", "Exchange",
            "CompressedExchange", "LocalStepsExchange", "OuterOptimFn", "diloco_outer_optim",
-           "EXCHANGES", "exchange_for", "FailurePolicy", "ElasticPolicy", "FAILURE_POLICIES"]
+           "EXCHANGES", "exchange_for", "FailurePolicy", "ElasticPolicy", "FAILURE_POLICIES", "PeerCheck", "PeerChecker",
+           "CheckedPeers", "PEER_POLICIES", "make_peer_check"]

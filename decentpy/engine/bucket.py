@@ -151,7 +151,8 @@ class Bucket:
     @torch.no_grad()
     def step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send_scale: Optional[float],
              grads: GradArgs, local_step: bool, compressed: Optional[Any] = None,
-             prev_skip: Optional[Tensor] = None, no_update: int = 0) -> None:
+             prev_skip: Optional[Tensor] = None, no_update: int = 0, mix_factor: Optional[Tensor] = None,
+             mix_guard: float = 0.0, mix_guarded: Optional[Tensor] = None) -> None:
         """Mix ``recv`` into ``[lo, hi)`` (``p <- mix_a p + mix_b recv``; none when ``recv`` is None),
         take the local optimizer step on ``grad`` (unless ``local_step`` is False: a joined worker,
         or a shard of padding only), zero the gradient, and, with ``send_scale``, write
@@ -162,7 +163,11 @@ class Bucket:
         ``send_scale`` None: the pass's own buffers carry the exchange). ``prev_skip``: the last
         update's outcome is only on the device (see ``FusedOptimizer.bucket_step``). ``no_update``:
         a bit mask of parameters (of a whole bucket) that got no gradient: mixed and sent, but not
-        updated, as torch's optimizers skip a parameter whose ``.grad`` is None."""
+        updated, as torch's optimizers skip a parameter whose ``.grad`` is None. ``mix_factor``: the
+        peer check's verdict on ``recv`` as a one-element float32 tensor on the bucket's device
+        (csrc/kernels/mix_and_step.h: 1 mixes as given, 0 leaves ``recv`` unread, between scales the
+        peer's difference); ``mix_guard``: the check's element guard (an element whose change is not within
+        it keeps its value), counted into ``mix_guarded``."""
         send = self.comm if send_scale is not None else None
         scale = 1.0 if send_scale is None else send_scale
         if not self.params_are_views:
@@ -179,7 +184,10 @@ class Bucket:
                                              self.param, self.grad, self.segments_without(no_update), recv, send,
                                              mix_a, mix_b, scale, grads if local_step else UNSCALED, not local_step,
                                              zero_grad=True, prev_skip=prev_skip, no_update_group=bool(no_update),
-                                             **({"compressed": compressed} if compressed is not None else {}))
+                                             **({"compressed": compressed} if compressed is not None else {}),
+                                             **({"mix_factor": mix_factor} if mix_factor is not None else {}),
+                                             **({"mix_guard": mix_guard, "mix_guarded": mix_guarded}
+                                                if mix_guard > 0 else {}))
             if self.whole and not self.params_are_views:
                 self.scatter_params()
             self.stepped = False if local_step else None
@@ -188,7 +196,8 @@ class Bucket:
         if compressed is not None or prev_skip is not None:
             raise RuntimeError(f"internal error: bucket {self.index} is not fused but compressed gossip or a "
                                "deferred verdict needs the fused kernel")
-        self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step, no_update)
+        self._generic_step(recv, mix_a, mix_b, send, scale, grads, local_step, no_update, mix_factor, mix_guard,
+                           mix_guarded)
         self.consumed = True
 
     def segments_without(self, no_update: int) -> Optional[Tensor]:
@@ -205,16 +214,33 @@ class Bucket:
         return table
 
     def _generic_step(self, recv: Optional[Tensor], mix_a: float, mix_b: float, send: Optional[Tensor],
-                      send_scale: float, grads: GradArgs, local_step: bool, no_update: int = 0) -> None:
+                      send_scale: float, grads: GradArgs, local_step: bool, no_update: int = 0,
+                      mix_factor: Optional[Tensor] = None, mix_guard: float = 0.0,
+                      mix_guarded: Optional[Tensor] = None) -> None:
         """Optimizers the kernel does not implement: a separate mix, then their own ``step()``."""
         param, grad = self.param, self.grad
         follow = self.whole and not self.params_are_views  # the optimizer steps the separate parameters
         kernel = param.dtype in kernels.KERNEL_DTYPES  # float64 mixes with torch ops
         if recv is not None:
             if kernel:
-                kernels.mix(param, recv, mix_a, mix_b)
-            else:
+                kernels.mix(param, recv, mix_a, mix_b, mix_factor=mix_factor, mix_guard=mix_guard,
+                            mix_guarded=mix_guarded)
+            elif mix_factor is None and mix_guard <= 0:
                 param.mul_(mix_a).add_(recv, alpha=mix_b)
+            else:  # the peer check's factor and guard (kernels/update.h peer_mix), with torch ops
+                f = mix_factor.to(param.dtype) if mix_factor is not None else torch.ones(1, dtype=param.dtype,
+                                                                                      device=param.device)
+                keep = ~(f > 0)
+                a = torch.where(keep, torch.ones_like(f), torch.where(f >= 1, torch.full_like(f, mix_a),
+                                                                        mix_a + mix_b * (1 - f)))
+                b = torch.where(keep | (f >= 1), torch.full_like(f, mix_b), mix_b * f)
+                mixed = torch.where(keep, param, param * a + recv * b)
+                if mix_guard > 0:
+                    bad = ~((mixed - param).abs() <= mix_guard)
+                    if mix_guarded is not None:
+                        mix_guarded.add_(bad.sum())
+                    mixed = torch.where(bad, param, mixed)
+                param.copy_(mixed)
         if follow:
             self.scatter_params()
         skip = True

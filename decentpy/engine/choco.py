@@ -178,6 +178,10 @@ class CompressedExchange(Exchange):
                 g = tuple(received.group.ranks)
                 q_recv, peer_copy, self_mix = st.result, st.group_mean[g], st.group_self[g]
                 gw *= len(g)
+            # the peer check: a non-finite compressed difference is neither mixed nor added to the copy
+            if not s.peer_check.admit_wire(b, q_recv, self.compression.compressor, b.param.numel(), members):
+                q_recv = peer_copy = self_mix = None
+                gw = 0.0
         elif received.mixes and not b.skip_mix:
             raise RuntimeError(f"internal error: bucket {b.index} has no exchange to mix at step {s.step}")
         targets = self.peers_at(nxt)

@@ -5,7 +5,9 @@ The strategy holds the per-bucket sequence once (wait for the bucket's exchange,
 pass, launch the next exchange; :meth:`~decentpy.engine.gossip.GossipStrategy.mix_and_step`). The
 exchange decides the two steps in it that depend on what travels: the arguments the kernel pass
 takes from it (:meth:`Exchange.mixing`) and the launch of the next exchange
-(:meth:`Exchange.launch`). It also owns what it keeps beyond the buckets, in checkpoints too.
+(:meth:`Exchange.launch`). It also owns what it keeps beyond the buckets, in checkpoints too. What
+arrives passes the strategy's peer check (:mod:`~decentpy.engine.peer_check`) in ``mixing``, after
+the wait and before the kernel pass.
 
 - :class:`Exchange` (``"plain"``): the whole bucket (or shard) as the exchange plans of
   :mod:`decentpy.comm.plans` move it; the kernel mixes the received buffer in.
@@ -60,14 +62,20 @@ class Exchange:
             s.pre_average_hook(b, received.group)
             recv = b.comm
             a, c = received.mix_coefficients(s.adaptive_factor)
-        return {"recv": recv, "mix_a": a, "mix_b": c, "send_scale": nxt.send_scale(),
-                "prev_skip": s.deferred_skip_flag(b)}
+        mixing = {"recv": recv, "mix_a": a, "mix_b": c, "send_scale": nxt.send_scale(),
+                  "prev_skip": s.deferred_skip_flag(b)}
+        return s.peer_check.admit(b, received, mixing)  # what arrived is checked before it is mixed
 
     def launch(self, b: Bucket, nxt: ExchangePlan) -> Optional[Any]:
-        """Start the bucket's exchange of the next step (its work, or None: nothing to exchange)."""
-        comm = self.strategy.comm
-        assert comm is not None, "internal error: the strategy has no communicator (attach() first)"
-        return nxt.launch(comm, b.index, b.param, b.comm)
+        """Start the bucket's exchange of the next step (its work, or None: nothing to exchange), with
+        the peer check's fingerprint of what is sent, where it has one (groups: their own all-reduce,
+        launched and waited with the body's)."""
+        s = self.strategy
+        assert s.comm is not None, "internal error: the strategy has no communicator (attach() first)"
+        s.peer_check.stepped(b)  # what the kernel pass's element guard kept
+        carried = s.peer_check.fingerprint(b, nxt)  # a buffer to carry instead of b.comm (None: b.comm)
+        work = nxt.launch(s.comm, b.index, b.param, carried if carried is not None else b.comm)
+        return s.peer_check.launched(b, nxt, work)
 
     def memory_bytes(self) -> int:
         """Bytes the exchange keeps beyond the buckets' own buffers."""

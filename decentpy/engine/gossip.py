@@ -8,14 +8,16 @@ next exchange -- while autograd keeps computing the earlier layers. The sequence
 here (:meth:`GossipStrategy.mix_and_step`); what varies is one of three parts, each with one
 registry: the node mode (:mod:`~decentpy.engine.node`: every rank a worker, or the node reduces
 first), the exchange (:mod:`~decentpy.engine.exchanges`: plain or compressed) and the failure
-policy (:mod:`~decentpy.engine.failure`: raise, or elastic).
+policy (:mod:`~decentpy.engine.failure`: raise, or elastic); a fourth, the peer check
+(:mod:`~decentpy.engine.peer_check`), checks what arrives from a peer before the exchange lets the
+kernel pass mix it.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +31,7 @@ from .bucket import Bucket, BucketPlan
 from .exchanges import Exchange
 from .failure import FailurePolicy, make_failure_policy
 from .step_checks import check_step_hyperparameters
+from .peer_check import PeerCheck, PeerChecker, make_peer_check
 from .node import GossipSetup, NodeMode
 from .layout import BucketLayout, OptimFn, SchedulerFn
 from .strategy import BucketStrategy, Readiness
@@ -52,12 +55,14 @@ class GossipStrategy(BucketStrategy):
                  setup: GossipSetup, grad_scaling: BucketGradScaling, bucket_cap_bytes: int,
                  param_as_bucket_view: bool, timeout: datetime.timedelta, group: CommGroup,
                  node: Callable[["GossipStrategy"], NodeMode] = NodeMode,
-                 exchange: Callable[["GossipStrategy"], Exchange] = Exchange, failure: str = "raise") -> None:
+                 exchange: Callable[["GossipStrategy"], Exchange] = Exchange, failure: str = "raise",
+                 peer_check: Union[None, str, PeerCheck] = "off") -> None:
         """Local only (no collective): builds the buckets and their optimizers; :meth:`attach` then
         gives the strategy its communicator. Its parts: ``node`` makes the node mode
         (:data:`~decentpy.engine.NODE_MODES`; its ``configure`` made ``setup``); ``exchange`` makes the exchange
         (:data:`~decentpy.engine.EXCHANGES`; the plain one by default); ``failure`` names the failure
-        policy (:data:`~decentpy.engine.failure.FAILURE_POLICIES`)."""
+        policy (:data:`~decentpy.engine.failure.FAILURE_POLICIES`); ``peer_check`` what arrives from a
+        peer goes through before it is mixed (:mod:`~decentpy.engine.peer_check`; 'off': nothing)."""
         self.setup = setup
         self.topology = setup.exchange_topology
         self.grad_scaling = grad_scaling
@@ -82,6 +87,8 @@ class GossipStrategy(BucketStrategy):
         self.exchange: Exchange = exchange(self)
         #: what a failed peer does to this strategy (every operation that can meet one runs through it)
         self.policy: FailurePolicy = make_failure_policy(failure, self)
+        #: what arrives from a peer is checked before it is mixed (the exchange asks it)
+        self.peer_check: PeerChecker = make_peer_check(peer_check, self)
         #: what the ranks of a node do together (before the layout: it pads and shards the buckets)
         self.node_mode: NodeMode = node(self)
         self.layout = BucketLayout(params, names, optim_fn, scheduler_fn, bucket_cap_bytes, param_as_bucket_view,
@@ -152,6 +159,7 @@ class GossipStrategy(BucketStrategy):
         self.exchange.wait_params()
         self.layout.settle(order)
         check_step_hyperparameters(self)  # the rebuilt buckets' optimizers, before any of them steps
+        self.peer_check.reset()
 
     def begin_iteration(self, in_join: bool, active: bool) -> None:
         if not active and not self.layout.final:
@@ -236,6 +244,7 @@ class GossipStrategy(BucketStrategy):
         if self._deferred is not None:
             deferred, self._deferred, self._prev_skip = self._deferred, None, {}
             self._apply(*deferred)
+        self.peer_check.settle()  # what the device decided of the peers' contributions (a GPU: lagged)
         if self._unsettled is None:
             return
         unsettled, self._unsettled = self._unsettled, None
@@ -256,24 +265,79 @@ class GossipStrategy(BucketStrategy):
         if self.grad_scaling.check_finite and self.group.size > 1:
             self._nonfinite(sorted(i for i, s in skipped.items() if s), step)
 
+    #: iterations with a non-finite gradient whose warning was logged in full; after these, one summary
+    #: every NONFINITE_SUMMARY_EVERY steps (a rank whose parameters stay non-finite would warn every step)
+    NONFINITE_WARNINGS = 3
+    NONFINITE_SUMMARY_EVERY = 100
+    _nonfinite_events = 0
+    _nonfinite_quiet: Tuple[int, int] = (0, -1)  # (events not logged since the last line, step of that line)
+
+    def _params_not_finite(self, bad: List[int]) -> Tuple[List[int], List[int]]:
+        """Of the buckets in ``bad`` (their gradient was not finite), those whose parameters were not
+        finite at this step's peer check (the parameters the gradient was taken at) and those whose
+        parameters are not finite now (what this step sends). A host read, on this error path only."""
+        by_index = {b.index: b for b in self.buckets}
+        were, now = [], []
+        for i in bad:
+            b = by_index.get(i)
+            if b is None:
+                continue
+            if self.peer_check.params_finite(b) is False:
+                were.append(i)
+            if not bool(torch.isfinite(b.param).all()):
+                now.append(i)
+        return were, now
+
     def _nonfinite(self, bad: List[int], step: int) -> None:
         """Tell every rank about this rank's skipped buckets (a warning here, a notice for the
-        others, who log it at their next look), or raise on every rank (``nonfinite='raise'``)."""
+        others, who log it at their next look), or raise on every rank (``nonfinite='raise'``). The
+        message says whether this rank's parameters are not finite too (then they were sent to the
+        peers as they are) or only its gradient (then nothing non-finite was sent)."""
         monitor = peer_monitor()
         me = self.group.to_global(self.rank)
         if bad:
             scaler = self.grad_scaling.scaler is not None
-            text = (f"rank {me}: the gradient of bucket(s) {bad} at step {step} is not finite (inf or NaN); "
-                    f"{'their update was skipped' if self.grad_scaling.nonfinite == 'skip' or scaler else 'raising'}"
-                    f"{' (the GradScaler backs off)' if scaler else ''}; nothing non-finite was sent to the peers")
+            were, now = ([], []) if scaler else self._params_not_finite(bad)
+            params = sorted(set(were) | set(now))
+            grads = [i for i in bad if i not in params]
+            what = "their update was skipped" if self.grad_scaling.nonfinite == "skip" or scaler else "raising"
+            parts = []
+            if grads:
+                parts.append(f"the gradient of bucket(s) {grads} at step {step} is not finite (inf or NaN)")
+            if params:
+                parts.append(f"the parameters of bucket(s) {params} are not finite at step {step} (on this rank, after "
+                             "its step or a fault; the gradient taken at them is not finite either)")
+            taken = [i for i in were if i not in now]
+            if taken:
+                parts.append(f"bucket(s) {taken} took a peer's finite values in their place before this step's send")
+            sent = ("nothing non-finite was sent to the peers" if not params else
+                    "non-finite parameters go to the peers as they are" + (
+                        " (their peer check drops them)" if self.peer_check.name != "off" else
+                        " (peer_check='off': the peers mix them)") if now else
+                    "if they were non-finite at its last send too, its peers' check dropped them")
+            text = (f"rank {me}: {'; '.join(parts)}; {what}{' (the GradScaler backs off)' if scaler else ''}; {sent}")
             if self.grad_scaling.nonfinite == "raise" and not scaler:
                 err = NonFiniteGradientError(f"{NonFiniteGradientError.__name__}: {text}", me, step, bad)
                 if monitor is not None:
                     monitor.report(str(err))
                 raise err
-            logger.log(logging.INFO if scaler else logging.WARNING, "%s", text)
-            if monitor is not None and not scaler:
-                monitor.notify(text)
+            self._nonfinite_events += 1
+            quiet, last = self._nonfinite_quiet
+            if self._nonfinite_events <= self.NONFINITE_WARNINGS or scaler:
+                logger.log(logging.INFO if scaler else logging.WARNING, "%s", text)
+                if monitor is not None and not scaler:
+                    monitor.notify(text)
+                self._nonfinite_quiet = (0, step)
+            elif step - last >= self.NONFINITE_SUMMARY_EVERY:
+                summary = (f"{text} ({quiet + 1} iteration(s) with a non-finite gradient on this rank since step "
+                           f"{last}; one line every {self.NONFINITE_SUMMARY_EVERY} steps after the first "
+                           f"{self.NONFINITE_WARNINGS})")
+                logger.warning("%s", summary)
+                if monitor is not None:
+                    monitor.notify(summary)
+                self._nonfinite_quiet = (0, step)
+            else:
+                self._nonfinite_quiet = (quiet + 1, last)
         if monitor is not None:
             for r, text in monitor.notices(self.group.global_ranks):
                 logger.warning("peer notice from rank %d: %s", r, text)
@@ -399,6 +463,7 @@ class GossipStrategy(BucketStrategy):
     def load_checkpoint_state(self, state: Dict[str, Any]) -> None:
         """Restore :meth:`checkpoint_state` (after :meth:`check_resume`; the model's values are loaded
         by the wrapper after the layout, which this adopts first: see :meth:`adopt_layout`)."""
+        self.peer_check.reset()  # the buffers in flight and the histories were another run's
         if not state.get("rebuild_exchange", False):
             self.exchange.load_state_dict(state.get("compression"))
         else:  # an elastic epoch: new peers; the exchange decides what of its state carries over

@@ -345,6 +345,11 @@ class LocalStepsExchange(Exchange):
             n = st.theta.numel()
             got = pending.receive(self.strategy.timeout)
             total = pending.total
+            plan = self.strategy.plans.at(self._outer_steps)
+            if not self.strategy.peer_check.admit_outer(b, got, self.compression.compressor if pending.compressed
+                                                        else None, n, plan.group.ranks):
+                done = True  # the peer check dropped this outer step (not finite): theta and the parameters stay
+                continue
             tiny = torch.finfo(torch.float32).tiny
             if pending.compressed and total is None:  # the mean's wire bytes, decoded inside the fused outer step
                 delta, mix, comp = got, None, self.compression

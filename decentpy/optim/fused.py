@@ -256,6 +256,9 @@ class FusedOptimizer(Optimizer):
         compressed: Optional["CompressedPass"] = None,
         prev_skip: Optional[Tensor] = None,
         no_update_group: bool = False,
+        mix_factor: Optional[Tensor] = None,
+        mix_guard: float = 0.0,
+        mix_guarded: Optional[Tensor] = None,
     ) -> None:
         """Mix, step and fill the send buffer for one bucket in one kernel pass.
 
@@ -269,7 +272,9 @@ class FusedOptimizer(Optimizer):
         tensor there, true when it was skipped; see :meth:`defers_verdict`): this step counts it as
         taken, and the kernel takes the bias corrections of one step fewer when it was not.
         ``no_update_group``: ``segments`` names one group more than the optimizer has, whose
-        elements (parameters without a gradient) are not updated.
+        elements (parameters without a gradient) are not updated. ``mix_factor``: the peer check's
+        verdict on ``comm`` (a one-element float32 tensor the kernel reads: csrc/kernels/mix_and_step.h);
+        ``mix_guard`` / ``mix_guarded``: its element guard (0: none) and the count of elements it kept.
         """
         states = self._ensure_flat_state(params, offsets, param_block.numel(), param_block.device)
         assert self._shared_step is not None
@@ -293,6 +298,10 @@ class FusedOptimizer(Optimizer):
             exchange: Dict[str, Any] = compressed._asdict()  # its fields are StepArgs' of the same names
         else:
             exchange = dict(comm=comm, send=send, mix_a=mix_a, mix_b=mix_b, send_scale=send_scale)
+            if mix_factor is not None:
+                exchange["mix_factor"] = mix_factor
+            if mix_guard > 0:
+                exchange.update(mix_guard=float(mix_guard), mix_guarded=mix_guarded)
         kernels.step(kernels.StepArgs(
             kind=self.kind, param=param_block, grad=grad_block, states=states, segments=segments, groups=hypers,
             grad_scale=grads.factor, grad_norm=grads.norm, scaler_scale=grads.scale, clip_norm=grads.clip,

@@ -17,7 +17,8 @@ from torch import Tensor
 import decentpy._C as _C  # the compiled extension (a module of the package, not its __init__)
 
 __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "StepArgs", "step", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes",
-           "group_reduce", "wire_regions", "mix", "scale_copy", "NORM_SLOTS",
+           "group_reduce", "wire_regions", "mix", "peer_mix", "peer_stats", "peer_sketch", "peer_rows", "peer_sampled_count", "SAMPLE_UNIT", "peer_pair_verdict", "peer_group_verdict", "PEER_PARTS", "PEER_STATS",
+           "scale_copy", "NORM_SLOTS",
            "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
            "make_flat_block", "build_info"]
 
@@ -121,11 +122,89 @@ def outer_decode(compressor: "_C.Compressor", wire: Tensor, out: Tensor) -> None
 
 
 def mix(param: Tensor, comm: Optional[Tensor], mix_a: float, mix_b: float, *, grad: Optional[Tensor] = None,
-        send: Optional[Tensor] = None, send_scale: float = 1.0, zero_grad: bool = False) -> None:
+        send: Optional[Tensor] = None, send_scale: float = 1.0, zero_grad: bool = False,
+        mix_factor: Optional[Tensor] = None, mix_guard: float = 0.0, mix_guarded: Optional[Tensor] = None) -> None:
     """``param = mix_a * param + mix_b * comm`` (no update); optionally ``send = send_scale * param``
-    and ``grad`` zeroed, in the same pass."""
+    and ``grad`` zeroed, in the same pass. ``mix_factor``: the peer check's factor on the mix (a
+    one-element float32 tensor on param's device, read by the kernel; see :func:`peer_mix`);
+    ``mix_guard`` / ``mix_guarded``: its element guard (an element whose change is not within the guard
+    keeps its value, counted into the one-element int64 ``mix_guarded``)."""
     _C.mix_and_step(kind=OptKind.NONE, param=param, grad=grad, comm=comm, send=send, mix_a=mix_a, mix_b=mix_b,
-                    send_scale=send_scale, zero_grad=zero_grad)
+                    send_scale=send_scale, zero_grad=zero_grad, mix_factor=mix_factor, mix_guard=float(mix_guard),
+                    mix_guarded=mix_guarded)
+
+
+def peer_mix(mix_a: float, mix_b: float, factor: float) -> Tuple[float, float, bool]:
+    """``(a, b, reads_comm)``: the mix coefficients the kernels use under the peer check's factor
+    (csrc/kernels/update.h ``peer_mix``): as given for ``factor >= 1``; ``(a + b (1 - f), b f)``
+    between; ``comm`` not read (``p`` kept) for ``factor <= 0`` or NaN."""
+    a, b, reads = _C.peer_mix(float(mix_a), float(mix_b), float(factor))
+    return float(a), float(b), bool(reads)
+
+
+#: float64 rows of the peer check's passes (fixed parts, then the result; csrc/kernels/peer_check.h)
+PEER_PARTS: int = int(_C.PEER_PARTS)
+#: the stats pass's values: sum (c - p)^2, sum p^2, c's and p's non-finite indicators
+PEER_STATS: int = int(_C.PEER_STATS)
+
+
+def peer_rows(width: int, device: torch.device) -> Tensor:
+    """A work buffer of a peer-check pass of ``width`` values (its parts' rows, then the result)."""
+    return torch.empty((PEER_PARTS + 1) * width, dtype=torch.float64, device=device)
+
+
+def peer_stats(param: Tensor, comm: Optional[Tensor], out: Optional[Tensor] = None, sample: int = 1) -> Tensor:
+    """The peer check's one pass (csrc/kernels/peer_check.h): float64 ``[sum (c - p)^2, sum p^2, c's
+    non-finite indicator, p's]`` (an indicator is 0, or NaN) over the sampled elements (``sample``:
+    one unit of SAMPLE_UNIT elements in every ``sample``; 1: all), on param's device; a view of ``out``
+    (:func:`peer_rows` of PEER_STATS, reused across calls) when given."""
+    if out is None:
+        out = peer_rows(PEER_STATS, param.device)
+    _C.peer_stats(param, comm, int(sample), out)
+    return out[-PEER_STATS:]
+
+
+def peer_sketch(src: Tensor, seed: int, slots: int, out: Optional[Tensor] = None, sample: int = 1) -> Tensor:
+    """The peer check's linear sketch of ``src`` (csrc/kernels/peer_check.h), of its sampled elements:
+    float64 ``[slots values, their sum of squares, the non-finite indicator]``, on src's device (a view
+    of ``out``, :func:`peer_rows` of ``slots + 2``, when given)."""
+    if out is None:
+        out = peer_rows(slots + 2, src.device)
+    _C.peer_sketch(src, int(seed), int(slots), int(sample), out)
+    return out[-(slots + 2):]
+
+
+def peer_pair_verdict(stats: Tensor, expand: float, tau: Optional[float], first: float, clip: bool,
+                      out: Optional[Tensor] = None) -> Tensor:
+    """A pair's verdict (csrc/kernels/peer_check.h ``pair_verdict``): float64 ``[f, d, tau, c_ok, p_ok]``
+    on the stats' device, computed there (a GPU: a one-thread kernel, nothing read back). ``tau`` None:
+    the first bound, ``first x ||p||``."""
+    if out is None:
+        out = torch.empty(5, dtype=torch.float64, device=stats.device)
+    _C.peer_pair_verdict(stats, float(expand), float("nan") if tau is None else float(tau), float(first), bool(clip),
+                         out)
+    return out
+
+
+def peer_group_verdict(fingerprints: Tensor, recv: Tensor, scale: float, unit_roundoff: float, tau: Optional[float],
+                       first: float, expand: float = 1.0, out: Optional[Tensor] = None) -> Tensor:
+    """A group's verdict (csrc/kernels/peer_check.h ``group_verdict``): float64 ``[f, consistent, tau,
+    ||center||, d_0 .. d_{m-1}, bad_0 .. bad_{m-1}]`` on the fingerprints' device."""
+    m = fingerprints.shape[0]
+    if out is None:
+        out = torch.empty(4 + 2 * m, dtype=torch.float64, device=fingerprints.device)
+    _C.peer_group_verdict(fingerprints, recv, float(scale), float(unit_roundoff),
+                          float("nan") if tau is None else float(tau), float(first), float(expand), out)
+    return out
+
+
+#: elements of a unit of the peer check's sampling (csrc/kernels/mix_and_step.h kSampleUnit)
+SAMPLE_UNIT: int = int(_C.SAMPLE_UNIT)
+
+
+def peer_sampled_count(numel: int, sample: int) -> int:
+    """Elements of ``numel`` the peer check's passes read with ``sample``."""
+    return int(_C.peer_sampled_count(int(numel), int(sample)))
 
 
 #: slots of the partial sums of squares :func:`scale_copy` writes (``sumsq``)
