@@ -488,10 +488,19 @@ def _others(res: List[Dict[str, Any]], name: str, key: str = "loss") -> List[Any
 
 
 def test_clean_run_is_bit_identical_to_off(probes: tuple) -> None:
+    """Nothing flagged: the checked run is the unchecked one, bit for bit where every exchange is a pair
+    (ring); where groups of more than two sum their bodies with the fingerprints' tail (AER's group of
+    4), the backend splits the longer buffer otherwise for its sum, so the two runs agree to float32
+    rounding only (the same mean, the additions in another order)."""
     topology, res = probes
     for r in range(4):
-        for other in (OFF, "clean/lagged"):
-            assert all(torch.equal(a, b) for a, b in zip(res[r][CLEAN]["params"], res[r][other]["params"])), (r, other)
+        assert all(torch.equal(a, b) for a, b in zip(res[r][CLEAN]["params"], res[r]["clean/lagged"]["params"])), r
+        pairs = [(a, b) for a, b in zip(res[r][CLEAN]["params"], res[r][OFF]["params"])]
+        if topology == "ring":
+            assert all(torch.equal(a, b) for a, b in pairs), r
+        else:
+            assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs), \
+                (r, max(float((a - b).abs().max()) for a, b in pairs))
         s = res[r][CLEAN]["stats"]
         assert s["peer_checks"] > 0 and s["peer_checks_failed"] == 0, (topology, r, s)
         assert res[r][CLEAN]["warnings"] == [], (topology, r)

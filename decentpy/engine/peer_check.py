@@ -12,7 +12,9 @@ the wait for the bucket's exchange and before the kernel pass, and decides what 
 * **groups of more than two ranks** (:class:`~decentpy.comm.plans.GroupAllReduce`) deliver only the
   sum, so each member also contributes a fingerprint of what it sends -- a finite flag, its sum of
   squares and a linear sketch of ``SKETCH_SLOTS`` float64 values (:func:`decentpy.optim.kernels.peer_sketch`) -- in
-  its own row of a small float64 all-reduce launched and waited with the body's. Every member then
+  its own row of a tail the body's all-reduce carries (float32 buckets: each float64 value as a float32
+  pair ``hi + lo``, exact after the sum since every other member adds zeros there; other dtypes: a
+  small float64 all-reduce launched and waited with the body's). Every member then
   sees every member's sketch ``S y_j`` and the sum's own sketch: ``||S y_j - center||`` (the center the
   coordinate-wise median of the members' sketches) estimates each member's distance, and ``S(sum)``
   against ``sum_j S y_j`` reveals a member whose data does not match its fingerprint. The verdict is a
@@ -43,7 +45,10 @@ What a contribution that fails does is the policy (:data:`PEER_POLICIES`):
 * ``"off"``: no check (the code path of decentpy before the check).
 
 An accepted contribution mixes with exactly the coefficients it would without the check (the kernel
-gets the same ``a`` and ``b``): a run in which nothing fails is bit for bit the run without it.
+gets the same ``a`` and ``b``): a run in which nothing fails is bit for bit the run without it on
+pairs. A group's body travels with the fingerprints' tail, a longer buffer that the backend splits
+otherwise for its sum (gloo's ring): the same mean, its float additions in another order (within the
+rounding of an m-term sum of the unchecked run's).
 On the CPU the verdict is read at once (no device to wait for). On a GPU the kernel reads it from
 device memory (``mix_factor``: csrc/kernels/mix_and_step.h) and the host learns it through a pinned
 copy and an event, read when the strategy settles an iteration (or :data:`HISTORY_LAG` steps later),
@@ -382,8 +387,12 @@ class CheckedPeers(PeerChecker):
         self._history: Dict[Tuple[Any, ...], Deque[Tuple[int, float]]] = {}
         self._pending: Deque[_Pending] = deque()
         self._outs: Dict[Tuple[int, int], Tensor] = {}     # (bucket, width) -> the passes' output rows
-        #: bucket -> (the fingerprints in flight: float64 rows of their own all-reduce; the group; the send scale)
-        self._fingerprints: Dict[int, Tuple[Tensor, Tuple[int, ...], float]] = {}
+        #: bucket -> the fingerprints in flight: float64 rows of their own all-reduce, or the float32 buffer
+        #: whose tail carries them (``carried``); the group; the send scale; carried
+        self._fingerprints: Dict[int, Tuple[Tensor, Tuple[int, ...], float, bool]] = {}
+        #: bucket -> the float32 buffer its group exchanges carry: ``b.comm`` is its head (see _carrier)
+        self._carriers: Dict[int, Tensor] = {}
+        self._max_group: Optional[int] = None
         self._own_finite: Dict[int, bool] = {}
         self._guards: Dict[int, Tuple[Tensor, float, _Pending]] = {}  # bucket -> (count, guard, its check) this step
         self._counters: Dict[int, Tensor] = {}             # bucket -> the guard's int64 counter
@@ -426,6 +435,7 @@ class CheckedPeers(PeerChecker):
         self._history.clear()
         self._streak.clear()
         self._fingerprints.clear()
+        self._carriers.clear()
         self._outs.clear()
         self._own_finite.clear()
         self._adopt.clear()
@@ -550,10 +560,12 @@ class CheckedPeers(PeerChecker):
     @_timed
     def fingerprint(self, b: Bucket, nxt: ExchangePlan) -> Optional[Tensor]:
         """A group member's fingerprint of what it sends: its row (the non-finite flag, the sum of squares,
-        the sketch) of m float64 rows, zeros elsewhere, all-reduced beside the body (:meth:`launched`).
-        Not inside the body's own buffer: that would change how the backend splits the body for its
-        sum (gloo's ring), hence the order of its float additions, and an accepted mix would no longer
-        be bit for bit the unchecked one."""
+        the sketch) of m float64 rows, zeros elsewhere, summed over the group with the body. For a float32
+        bucket the rows ride in a tail of the buffer the body's all-reduce carries (:meth:`_carrier`):
+        ``hi = float32(row)``, ``lo = float32(row - hi)``, exact after the sum (the other members add
+        zeros), so no second collective (on 4 CPU workers of ``complete`` one cost ~5% of a step). Other
+        dtypes cannot carry a float64 value exactly: their rows go in their own float64 all-reduce,
+        launched with the body's (:meth:`launched`)."""
         ranks = nxt.collective_ranks
         if ranks is None or nxt.send_scale() is None:
             return None
@@ -565,13 +577,39 @@ class CheckedPeers(PeerChecker):
         rows[me, 0] = (sk[-1] != 0).to(torch.float64)  # the non-finite indicator: 0, or NaN
         rows[me, 1] = sk[SKETCH_SLOTS]
         rows[me, 2:] = sk[:SKETCH_SLOTS]
-        self._fingerprints[b.index] = (rows, tuple(ranks), float(nxt.send_scale()))  # type: ignore[arg-type]
-        return None
+        scale = float(nxt.send_scale())  # type: ignore[arg-type]
+        if send.dtype != torch.float32:
+            self._fingerprints[b.index] = (rows, tuple(ranks), scale, False)
+            return None
+        n = send.numel()
+        carrier = self._carrier(b, 2 * rows.numel())
+        tail = carrier[n:n + 2 * rows.numel()].view(2, *rows.shape)
+        tail[0].copy_(rows)  # rounded to float32: hi
+        tail[1].copy_(rows - tail[0].to(torch.float64))  # what the rounding dropped: lo
+        self._fingerprints[b.index] = (carrier, tuple(ranks), scale, True)
+        return carrier[:n + 2 * rows.numel()]
+
+    def _carrier(self, b: Bucket, extra: int) -> Tensor:
+        """The float32 buffer ``[body | tail]`` whose head is ``b.comm`` (the kernel pass writes the body
+        there, the group's all-reduce sums the whole prefix it needs in place): made once per bucket
+        with room for the topology's largest group, ``b.comm`` then a view of it (its values copied)."""
+        n = b.comm.numel()
+        if self._max_group is None:
+            self._max_group = max(len(g.ranks) for g in self.strategy.topology.unique_groups())
+        room = max(extra, 2 * self._max_group * (SKETCH_SLOTS + 2))
+        carrier = self._carriers.get(b.index)
+        if (carrier is None or carrier.numel() < n + extra or carrier.device != b.comm.device
+                or carrier.data_ptr() != b.comm.data_ptr()):
+            carrier = torch.empty(n + room, dtype=b.comm.dtype, device=b.comm.device)
+            carrier[:n].copy_(b.comm)
+            b.comm = carrier[:n]
+            self._carriers[b.index] = carrier
+        return carrier
 
     @_timed
     def launched(self, b: Bucket, nxt: ExchangePlan, work: Optional[Any]) -> Optional[Any]:
         fp = self._fingerprints.get(b.index)
-        if fp is None or work is None:
+        if fp is None or work is None or fp[3]:  # (carried in the body's tail: nothing more to launch)
             return work
         comm = self.strategy.comm
         assert comm is not None and nxt.collective_ranks is not None
@@ -579,7 +617,7 @@ class CheckedPeers(PeerChecker):
         return _Joined([work, comm.all_reduce(b.index, nxt.collective_ranks, fp[0])])
 
     def _admit_group(self, b: Bucket, received: ExchangePlan, mixing: Dict[str, Any],
-                     fp: Optional[Tuple[Tensor, Tuple[int, ...], float]]) -> Dict[str, Any]:
+                     fp: Optional[Tuple[Tensor, Tuple[int, ...], float, bool]]) -> Dict[str, Any]:
         s = self.strategy
         ranks = tuple(received.collective_ranks or ())
         if fp is None or fp[1] != ranks:
@@ -587,8 +625,11 @@ class CheckedPeers(PeerChecker):
             logger.debug("rank %d: bucket %d at step %d: no fingerprints for group %s; mixed unchecked", self._me(),
                          b.index, s.step, list(ranks))
             return mixing
-        rows, _, scale = fp
+        rows, _, scale, carried = fp
         recv = mixing["recv"]
+        if carried:  # the summed tail after the body: hi + lo of every member's row
+            tail = rows[recv.numel():recv.numel() + 2 * len(ranks) * (SKETCH_SLOTS + 2)].view(2, len(ranks), -1)
+            rows = tail[0].to(torch.float64) + tail[1].to(torch.float64)
         lagged = self._is_lagged(recv.device)
         sample = sample_for(recv.numel())
         sk = kernels.peer_sketch(recv, SKETCH_SEED, SKETCH_SLOTS, self._out(b, SKETCH_SLOTS + 2, recv.device), sample)
