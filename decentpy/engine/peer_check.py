@@ -77,6 +77,7 @@ import torch
 from torch import Tensor
 
 from ..optim import kernels
+from ..optim.host_copy import HostCopy
 from ..comm import FaultyPeerError, peer_monitor
 from ..comm.failures import FAULTY_PEER_TOKEN
 from ..comm.plans import ExchangePlan
@@ -354,22 +355,13 @@ class _Pending:
         self.first = first  # the bound was the first one (relative to the norm: no accepted distance yet)
         self.guard = 0.0    # (kind 'guard': the element guard, and the kind of check it followed)
         self.check_kind = kind
-        self._event: Optional[Any] = None
-        if result.is_cuda:
-            self._host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-            self._host.copy_(result, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = result
+        self._copy = HostCopy(result)
 
     def ready(self) -> bool:
-        return self._event is None or self._event.query()
+        return self._copy.ready()
 
     def values(self) -> List[float]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.tolist()
+        return self._copy.values()
 
 
 class CheckedPeers(PeerChecker):

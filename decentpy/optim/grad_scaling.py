@@ -20,6 +20,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .host_copy import HostCopy
+
 import decentpy._C as _C  # the compiled extension (a module of the package, not its __init__)
 
 
@@ -45,19 +47,12 @@ class SkipVerdict:
     def __init__(self, buckets: List[int], found: Tensor) -> None:
         self.buckets = buckets
         self._found = found  # on the device: what a deferred step reads (see flag())
-        self._event: Optional[torch.cuda.Event] = None
-        if found.is_cuda:
-            self._flags = torch.empty(found.shape, dtype=found.dtype, pin_memory=True)
-            self._flags.copy_(found, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._flags = found
+        self._flags = HostCopy(found)
         self._result: Optional[Dict[int, bool]] = None
 
     def ready(self) -> bool:
         """Whether :meth:`result` would return without waiting for the device."""
-        return self._event is None or self._result is not None or self._event.query()
+        return self._result is not None or self._flags.ready()
 
     def flag(self, bucket: int) -> Optional[Tensor]:
         """Bucket ``bucket``'s skip flag where the device computed it (a one-element bool tensor),
@@ -70,9 +65,7 @@ class SkipVerdict:
     def result(self) -> Dict[int, bool]:
         """``{bucket: skipped}``."""
         if self._result is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._result = dict(zip(self.buckets, self._flags.tolist()))
+            self._result = dict(zip(self.buckets, self._flags.values()))
         return self._result
 
 #: what a bucket whose gradient is not finite does: skip its update (and tell every rank), raise on
