@@ -145,9 +145,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             ``'raise'`` raises :class:`~decentpy.FaultyPeerError` naming the peer, the bucket, the step,
             the distance and the bound on the detecting rank, and an error naming the same peer on every
             other rank; ``'off'`` checks nothing. Groups of more than two ranks (``complete``, the
-            cross-node groups of ``alternating-exp-ring``) exchange a small fingerprint of each member's
-            contribution beside the sum; a member that fails makes every member keep its parameters for
-            that step (or raise). An accepted contribution mixes bit for bit as without the check;
+            cross-node groups of ``alternating-exp-ring``) carry a small fingerprint of each member's
+            contribution with the sum; a member that fails makes every member keep its parameters for
+            that step (or raise). An accepted contribution mixes with the coefficients it would without
+            the check (bit for bit on pairs; a group's sum of the longer buffer may round otherwise);
             ``stats()`` counts the failures per peer. Compressed gossip and local steps get a non-finite
             check only. See docs/failures.md, "A faulty peer".
     """
