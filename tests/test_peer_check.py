@@ -456,6 +456,58 @@ def test_sampled_check_and_element_guard() -> None:
 
 
 
+def float64_worker(rank: int, world: int) -> Dict[str, Any]:
+    """float64 parameters (torch's path, the passes read a float32 copy) on 3 ranks: ``complete`` (a group
+    of 3: the fingerprints' own float64 all-reduce) and ``ring`` (pairs): a clean run flags nothing, and
+    rank 2 sending NaN once is dropped by the others (named by a pair)."""
+    from decentpy import DecentralizedDataParallel
+
+    out: Dict[str, Any] = {}
+    for topology in ("complete", "ring"):
+        for name, fault in (("clean", False), ("off", False), ("nan", True)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+            ddp = DecentralizedDataParallel(model, torch_sgd, topology=topology,
+                                            **({"peer_check": "off"} if name == "off" else {}))
+            if fault and rank == 2:
+                launch, k = ddp.communicator.all_reduce, [0]
+                send_recv = ddp.communicator.send_recv
+
+                def poison(t: torch.Tensor) -> torch.Tensor:
+                    k[0] += 1
+                    return t.detach().clone().fill_(float("nan")) if k[0] == 4 else t
+
+                # the body (1-D; the fingerprints' rows are 2-D)
+                ddp.communicator.all_reduce = lambda b, ranks, buf: launch(b, ranks, buf.copy_(poison(buf))  # type: ignore[method-assign]
+                                                                           if buf.dim() == 1 else buf)
+                ddp.communicator.send_recv = lambda b, peer, send, recv: send_recv(b, peer, poison(send), recv)  # type: ignore[method-assign]
+            g = torch.Generator().manual_seed(rank)
+            for _ in range(8):
+                ddp(torch.randn(4, 6, generator=g, dtype=torch.float64)).square().mean().backward()
+            ddp.wait()
+            out[f"{topology}/{name}"] = {"params": [p.detach().clone() for p in model.parameters()],
+                                         "stats": ddp.stats()}
+            ddp.close()
+    return out
+
+
+def test_float64_parameters_are_checked() -> None:
+    res = run_workers(float64_worker, 3, timeout=180)
+    for topology in ("complete", "ring"):
+        for r in range(3):
+            clean, off = res[r][f"{topology}/clean"], res[r][f"{topology}/off"]
+            assert clean["stats"]["peer_checks"] > 0 and clean["stats"]["peer_checks_failed"] == 0, (topology, r)
+            assert all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(clean["params"], off["params"]))
+        for r in (0, 1):  # the honest ranks: finite, and rank 2 named
+            got = res[r][f"{topology}/nan"]
+            assert all(torch.isfinite(p).all() for p in got["params"]), (topology, r)
+        # a pair names rank 2; in the group its NaN was put on the wire after its fingerprint (data that does
+        # not match its fingerprint): detected by every member, dropped, not named (docs/failures.md)
+        key = "peer_checks_failed_rank2" if topology == "ring" else "peer_checks_failed_unnamed"
+        assert any(res[r][f"{topology}/nan"]["stats"].get(key, 0) >= 1 for r in (0, 1)), \
+            (topology, [res[r][f"{topology}/nan"]["stats"] for r in (0, 1)])
+
+
 CLEAN, OFF = "clean/skip", "clean/off"
 LIMIT = 1.5  # the others' final loss, at most this times the clean run's
 

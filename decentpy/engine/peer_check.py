@@ -135,7 +135,8 @@ def expansion(numel: int, sample: int) -> float:
 
 
 def _unit_roundoff(dtype: torch.dtype) -> float:
-    return float(torch.finfo(dtype).eps) / 2.0
+    """Of the values the passes read (a float64 bucket is read as float32: kernels.peer_read_dtype)."""
+    return float(torch.finfo(kernels.peer_read_dtype(dtype)).eps) / 2.0
 
 
 # -- the argument ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import decentpy._C as _C  # the compiled extension (a module of the package, not
 __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "StepArgs", "step", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes",
            "group_reduce", "wire_regions", "mix", "peer_mix", "peer_stats", "peer_sketch", "peer_rows", "peer_sampled_count", "SAMPLE_UNIT", "peer_pair_verdict", "peer_group_verdict", "PEER_PARTS", "PEER_STATS",
            "scale_copy", "NORM_SLOTS",
-           "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
+           "peer_read_dtype", "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
            "make_flat_block", "build_info"]
 
 OptKind = _C.OptKind
@@ -160,8 +160,20 @@ def peer_stats(param: Tensor, comm: Optional[Tensor], out: Optional[Tensor] = No
     (:func:`peer_rows` of PEER_STATS, reused across calls) when given."""
     if out is None:
         out = peer_rows(PEER_STATS, param.device)
+    param, comm = _peer_readable(param), (None if comm is None else _peer_readable(comm))
     _C.peer_stats(param, comm, int(sample), out)
     return out[-PEER_STATS:]
+
+
+def peer_read_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the peer check's passes read a buffer of ``dtype`` in: its own for the kernels'
+    dtypes, float32 for others (float64 buckets, which take torch's path: read as a float32 copy --
+    a heuristic's precision; its rounding is what the group verdict's tolerance must allow)."""
+    return dtype if dtype in KERNEL_DTYPES else torch.float32
+
+
+def _peer_readable(t: Tensor) -> Tensor:
+    return t if t.dtype in KERNEL_DTYPES else t.to(torch.float32)
 
 
 def peer_sketch(src: Tensor, seed: int, slots: int, out: Optional[Tensor] = None, sample: int = 1) -> Tensor:
@@ -170,6 +182,7 @@ def peer_sketch(src: Tensor, seed: int, slots: int, out: Optional[Tensor] = None
     of ``out``, :func:`peer_rows` of ``slots + 2``, when given)."""
     if out is None:
         out = peer_rows(slots + 2, src.device)
+    src = _peer_readable(src)
     _C.peer_sketch(src, int(seed), int(slots), int(sample), out)
     return out[-(slots + 2):]
 
