@@ -9,6 +9,18 @@ the averaged model (``global_avg()`` first, as a user would evaluate) and the me
 workers' own models, against tokens, wall time and bytes sent. The training loop is the
 example's own (:func:`examples.lm.loop.run_arm`): one implementation.
 
+Two views of the same race. **Equal tokens** (the default): every arm trains ``--tokens``.
+**Equal wall time** (``--race``), the race users run: per link a wall-clock budget ``T``
+(``--budget-s``; default DDP's time for ``--tokens`` on that link); every arm first measures its own
+throughput on that link (a short probe, :func:`examples.lm.loop.measure_throughput`), then trains
+the tokens that fill ``T`` with its learning-rate schedule sized to them, so every arm ends its
+schedule at ``T``; the summary compares the final held-out loss at equal wall time. ``--sweep``: a
+small sweep per arm on a shorter budget (the inner lr x 0.5, 1, 2; for local steps the outer
+lr/momentum among DiLoCo's (0.7, 0.9), plain averaging (1.0, 0) and (0.85, 0.5) between), written
+to its own CSV; the other modes then run each arm at its best settings (``--settings``, default the
+published sweep ``docs/data/bench_lm_sweep.csv``). Every row names its data split, its settings and
+``budget_s`` (empty for equal-token runs).
+
 Outputs (``--out``, default bench/out): ``bench_lm.csv`` (one row per arm, link, seed and
 evaluation), ``bench_lm_summary.csv`` (per arm and link: final loss, mean of the seeds, against
 torch DDP's; the time to the link's target loss -- DDP's held-out loss at its first evaluation at
@@ -17,7 +29,7 @@ against wall time (one panel per link) and against bytes sent. ``--docs`` also c
 and plots into docs/ (the Benchmarks page is generated from them).
 
     python -m bench.bench_lm [--arms ddp,aer,...] [--links loopback,100] [--seeds 0] [--tokens N]
-        [--preset small|wide] [--quick] [--docs]
+        [--preset small|wide] [--race [--budget-s S]] [--sweep] [--data-split shuffle|shard] [--quick] [--docs]
 
 Throttled links need root (network namespaces and tc); without it those links are skipped, said
 once. Arms: see ``ARMS``; links: ``loopback`` or a rate in Mbit/s per node.
@@ -81,6 +93,15 @@ ARMS: Dict[str, Dict[str, Any]] = {
     "torchft-diloco-32": dict(mode="torchft-diloco", local_steps=32),
 }
 DEFAULT_ARMS = ("ddp", "aer", "aer-int8", "shard-aer-int8", "decent-dp-aer")
+#: the race's default arms (``make bench-lm``: the default race fits in 30 minutes on 2 cores)
+RACE_ARMS = ("ddp", "aer-int8", "diloco-32-streaming-4", "decent-dp-aer")
+#: the sweep's arms: every arm of the published race
+SWEEP_ARMS = ("ddp", "complete", "aer", "aer-int8", "decent-dp-aer", "diloco-32", "diloco-32-streaming-4")
+#: the sweep: inner lr multipliers of the preset's, and the outer (lr, momentum) of local-steps arms
+SWEEP_LR = (0.5, 1.0, 2.0)
+SWEEP_OUTER = ((0.7, 0.9), (1.0, 0.0), (0.85, 0.5))
+#: the published sweep the other modes take each arm's best settings from (``--settings``)
+SETTINGS = ROOT / "docs" / "data" / "bench_lm_sweep.csv"
 DEFAULT_LINKS = ("loopback", "100")
 #: held-out loss within this fraction of DDP's at equal tokens (uncompressed, int8)
 QUALITY = {"none": 0.02, "int8": 0.03}
@@ -107,14 +128,16 @@ def link_label(mbit: Optional[float]) -> str:
     return "loopback" if mbit is None else f"{mbit:g} Mbit/s"
 
 
-def _worker(rank: int, world: int, plan: Dict[str, Any]) -> List[Dict[str, Any]]:
+def _worker(rank: int, world: int, plan: Dict[str, Any]) -> Any:
     import torch
 
     from examples.lm.corpus import load_corpus
-    from examples.lm.loop import RunSpec, run_arm
+    from examples.lm.loop import RunSpec, measure_throughput, run_arm
 
     torch.set_num_threads(1)
     corpus = load_corpus(plan.get("corpus"))
+    if "probes" in plan:  # every arm's throughput on this link, one after the other in one group
+        return [measure_throughput(RunSpec(**spec), corpus, torch.device("cpu")) for spec in plan["probes"]]
     return run_arm(RunSpec(**plan["spec"]), corpus, torch.device("cpu"))
 
 
@@ -130,6 +153,70 @@ def run_one(spec: Dict[str, Any], mbit: Optional[float], corpus: Optional[str], 
     finally:
         if net is not None:
             net.close()
+
+
+def probe_link(specs: Dict[str, Dict[str, Any]], mbit: Optional[float], corpus: Optional[str],
+               timeout: float) -> Dict[str, Dict[str, float]]:
+    """Every arm's throughput on one link (:func:`examples.lm.loop.measure_throughput`), measured one
+    after the other by the same four workers: ``{arm: {"tokens_per_s", "s_per_step", "steps"}}``."""
+    net = None
+    if mbit is not None:
+        from bench.common.netlink import ThrottledNetwork
+        net = ThrottledNetwork(WORKERS, mbit, "two-nodes")
+    try:
+        got = spawn_workers(_worker, WORKERS, {"probes": [dict(s, link_mbit=mbit) for s in specs.values()],
+                                               "corpus": corpus}, timeout, pg_timeout_s=timeout, net=net)
+    finally:
+        if net is not None:
+            net.close()
+    return dict(zip(specs, got))
+
+
+def race_tokens(budget_s: float, tokens_per_s: float, tokens_per_step: int) -> int:
+    """The token budget an arm of ``tokens_per_s`` trains in ``budget_s``: whole steps, at least 8."""
+    return max(8, int(budget_s * tokens_per_s // tokens_per_step)) * tokens_per_step
+
+
+def best_settings(path: Path) -> Dict[str, Dict[str, Any]]:
+    """Each arm's best settings in a sweep's CSV (the lowest final held-out loss, mean over its seeds):
+    ``{arm: {"lr", "outer_lr", "outer_momentum"}}`` (the outer ones for local-steps arms)."""
+    if not path.is_file():
+        return {}
+    finals: Dict[Tuple[str, float, Optional[float], Optional[float]], List[float]] = defaultdict(list)
+    last: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+    for r in read_rows(path):
+        key = (arm_name(r), r["seed"], r.get("peak_lr"), r.get("outer_lr"), r.get("outer_momentum"))
+        if key not in last or r["tokens"] > last[key]["tokens"]:
+            last[key] = r
+    for (arm, _seed, lr, olr, om), r in last.items():
+        finals[(arm, float(lr), _num(olr), _num(om))].append(float(r["val_bits_per_byte"]))
+    best: Dict[str, Tuple[float, Dict[str, Any]]] = {}
+    for (arm, lr, olr, om), vs in finals.items():
+        score = statistics.mean(vs)
+        if arm not in best or score < best[arm][0]:
+            setting: Dict[str, Any] = {"lr": lr}
+            if olr is not None:
+                setting.update(outer_lr=olr, outer_momentum=om)
+            best[arm] = (score, setting)
+    return {arm: v[1] for arm, v in best.items()}
+
+
+def _num(v: Any) -> Optional[float]:
+    return None if v in (None, "", "None") else float(v)
+
+
+def sweep_variants(arm: str, base_lr: float) -> List[Dict[str, Any]]:
+    """The sweep's settings of ``arm``: the inner lr x :data:`SWEEP_LR`, and for local steps x the outer
+    settings :data:`SWEEP_OUTER`."""
+    outer = SWEEP_OUTER if ARMS[arm].get("local_steps", 1) > 1 or ARMS[arm]["mode"] == "torchft-diloco" else (None,)
+    out = []
+    for m in SWEEP_LR:
+        for o in outer:
+            v: Dict[str, Any] = {"lr": base_lr * m}
+            if o is not None:
+                v.update(outer_lr=o[0], outer_momentum=o[1])
+            out.append(v)
+    return out
 
 
 def target_loss(ddp_rows: Sequence[Dict[str, Any]]) -> Optional[float]:
@@ -211,6 +298,68 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return out
 
 
+def race_summary(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The race (rows with a ``budget_s``): per link and arm, the final held-out loss at equal wall time
+    (mean over seeds, with their range), its gap to DDP's on that link and to decent-dp's on the same
+    topology, the tokens the arm trained in the budget and the wall time it took."""
+    runs: Dict[Tuple[Optional[float], str, int], List[Dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r.get("budget_s") not in (None, "", "None"):
+            runs[(r["link_mbit"], arm_name(r), r["seed"])].append(r)
+    out: List[Dict[str, Any]] = []
+    for link in dict.fromkeys(k[0] for k in runs):
+        finals: Dict[str, List[Dict[str, Any]]] = defaultdict(list)
+        for (lk, arm, _), v in runs.items():
+            if lk == link:
+                finals[arm].append(max(v, key=lambda r: r["tokens"]))
+        mean = {a: statistics.mean(float(f["val_bits_per_byte"]) for f in fs) for a, fs in finals.items()}
+        for arm, fs in finals.items():
+            losses = [float(f["val_bits_per_byte"]) for f in fs]
+            rival = _decent_dp_rival(arm)
+            out.append({
+                "link": link_label(link), "arm": arm, "seeds": len(fs),
+                "budget_s": statistics.mean(float(f["budget_s"]) for f in fs),
+                "tokens": statistics.mean(float(f["tokens"]) for f in fs),
+                "wall_s": statistics.mean(float(f["wall_s"]) for f in fs),
+                "final_val_bits_per_byte": mean[arm], "min": min(losses), "max": max(losses),
+                "vs_ddp": mean[arm] / mean["ddp"] - 1.0 if "ddp" in mean else None,
+                "decent_dp_rival": rival if rival in mean else None,
+                "vs_decent_dp": mean[arm] / mean[rival] - 1.0 if rival in mean else None,
+                "bytes_sent_per_worker": statistics.mean(float(f["bytes_sent_per_worker"]) for f in fs),
+            })
+    return out
+
+
+def _decent_dp_rival(arm: str) -> Optional[str]:
+    """decent-dp's arm on the topology of decentpy's ``arm`` (None: decent-dp has none, or not decentpy)."""
+    fields = ARMS.get(arm, {})
+    if fields.get("mode") != "decentpy":
+        return None
+    return next((a for a, f in ARMS.items() if f["mode"] == "decent-dp" and f["topology"] == fields["topology"]), None)
+
+
+def race_targets(race: Sequence[Dict[str, Any]], preset: str) -> List[Tuple[str, Optional[bool], str]]:
+    """The race's targets (issue 53), each with its measured figure."""
+    out: List[Tuple[str, Optional[bool], str]] = []
+    slow = [r for r in race if r["link"] == "100 Mbit/s" and r["vs_ddp"] is not None
+            and ARMS.get(r["arm"], {}).get("mode") == "decentpy"]
+    if not slow:
+        return out
+    want = 0.10 if preset == "wide" else 0.08
+    best = min(slow, key=lambda r: r["vs_ddp"])
+    out.append((f"100 Mbit/s, equal wall time ({preset}): the best decentpy arm >= {100 * want:.0f}% below DDP's "
+                f"held-out loss", best["vs_ddp"] <= -want, f"{best['arm']} {100 * best['vs_ddp']:+.1f}%"))
+    worst = max(slow, key=lambda r: r["vs_ddp"])
+    out.append(("100 Mbit/s, equal wall time: every decentpy arm below DDP's", worst["vs_ddp"] < 0,
+                f"worst {worst['arm']} {100 * worst['vs_ddp']:+.1f}%"))
+    rivals = [r for r in slow if r["vs_decent_dp"] is not None]
+    if rivals:
+        w = max(rivals, key=lambda r: r["vs_decent_dp"])
+        out.append(("100 Mbit/s, equal wall time: every decentpy arm below decent-dp's on its topology",
+                    w["vs_decent_dp"] < 0, f"worst {w['arm']} {100 * w['vs_decent_dp']:+.1f}% vs {w['decent_dp_rival']}"))
+    return out
+
+
 def targets(summary: Sequence[Dict[str, Any]]) -> List[Tuple[str, Optional[bool], str]]:
     """The issue's targets, each with its measured figure (None: not measured in this run)."""
     out: List[Tuple[str, Optional[bool], str]] = []
@@ -286,6 +435,12 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path, machine: str) -> Optional[P
                 legend_size=7)
     axes[1].set_xlabel("bytes sent per worker")
     for i, link in enumerate(links):
+        budgets = sorted({float(r["budget_s"]) for r in rows
+                          if r["link_mbit"] == link and r.get("budget_s") not in (None, "", "None")})
+        for b in budgets:  # the race's wall-clock budget: every arm's schedule ends there
+            axes[2 + i].axvline(b, color="grey", linestyle=":", linewidth=1)
+            axes[2 + i].annotate(f"T = {b:.0f} s", (b, 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                                 ha="right", va="top", rotation=90)
         finish_axes(axes[2 + i], "held-out bits per byte", f"against wall time, {link_label(link)}", legend_size=7)
         axes[2 + i].set_xlabel("training wall seconds")
     return finish_figure(fig, f"byte-level LM, {WORKERS} workers, {machine}", path)
@@ -293,12 +448,14 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path, machine: str) -> Optional[P
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = bench_parser(__doc__)
-    p.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated, from {','.join(ARMS)}")
+    p.add_argument("--arms", default=None, help=f"comma-separated, from {','.join(ARMS)} (default: "
+                   f"{','.join(DEFAULT_ARMS)}; --race: {','.join(RACE_ARMS)}; --sweep: {','.join(SWEEP_ARMS)})")
     p.add_argument("--links", default=",".join(DEFAULT_LINKS),
                    help="comma-separated: loopback, or a per-node rate in Mbit/s (two simulated nodes of 2 workers)")
     p.add_argument("--seeds", default="0", help="comma-separated seeds")
     p.add_argument("--preset", default="small", choices=("small", "wide"))
-    p.add_argument("--tokens", type=int, default=1_000_000, help="token budget per run (global)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="token budget per run (global; default 1M, 500k for --sweep; --race: DDP's budget that sets T)")
     p.add_argument("--evals", type=int, default=8)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the preset's)")
     p.add_argument("--corpus", default=None, help="a file or directory of text (default: the stdlib's *.py)")
@@ -312,12 +469,51 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--from-csv", default=None, metavar="PATH[,PATH...]",
                    help="train nothing: summarise, plot (and with --docs publish) the rows of earlier runs' "
                         "bench_lm.csv files (comma-separated: e.g. one run per seed or per link, merged)")
+    p.add_argument("--race", action="store_true",
+                   help="equal wall time: per link a budget T (--budget-s, default DDP's time for --tokens there); "
+                        "each arm probes its throughput on the link and trains the tokens that fill T")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="--race: the wall-clock budget in seconds on every link (default: DDP's time for --tokens on "
+                        "each link, from its probe)")
+    p.add_argument("--sweep", action="store_true",
+                   help="each arm's sweep (inner lr x 0.5/1/2; local steps x 3 outer settings) on loopback at "
+                        "--tokens (default 500k here), written to bench_lm_sweep.csv")
+    p.add_argument("--settings", default=str(SETTINGS),
+                   help="a sweep's CSV: each arm runs at its best settings there ('none': the preset's)")
+    p.add_argument("--data-split", default="shuffle", choices=("shuffle", "shard"),
+                   help="the whole training text shuffled over the ranks (as DistributedSampler), or a contiguous "
+                        "shard per rank (the heterogeneous stress case)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="every arm clips its gradients to this norm (0: none)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="the learning-rate warm-up in steps (default: 5%% of the run's steps)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke mode: ddp and aer on loopback, 2 evaluations of a tiny budget")
+                   help="smoke mode: ddp and aer on loopback, 2 evaluations of a tiny budget (with --race: a tiny "
+                        "budget in seconds)")
     args = p.parse_args(argv)
+    if args.arms is None:
+        args.arms = ",".join(SWEEP_ARMS if args.sweep else RACE_ARMS if args.race else DEFAULT_ARMS)
+    if args.tokens is None:
+        args.tokens = 500_000 if args.sweep else 1_000_000
     if args.quick:
         args.arms, args.links, args.tokens, args.evals = "ddp,aer", "loopback", 4096 * 3, 2
+        if args.race and args.budget_s is None:
+            args.budget_s = 4.0
+    if args.race and args.sweep:
+        p.error("--race and --sweep are two runs: sweep first (it writes the settings the race takes)")
     return args
+
+
+def _spec(arm: str, args: argparse.Namespace, seed: int, settings: Dict[str, Dict[str, Any]],
+          **over: Any) -> Dict[str, Any]:
+    """The RunSpec fields of ``arm``: its ARMS entry, the run's options, its best settings (a sweep's),
+    then ``over``."""
+    spec = dict(ARMS[arm], preset=args.preset, tokens=args.tokens, seed=seed, evals=args.evals,
+                data_split=args.data_split, grad_clip=args.grad_clip, warmup_steps=args.warmup_steps)
+    if args.lr is not None:
+        spec["lr"] = args.lr
+    spec.update(settings.get(arm, {}))
+    spec.update(over)
+    return spec
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -327,6 +523,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     links: List[Optional[float]] = []
     for tok in (t for t in args.links.split(",") if t):
         links.append(None if tok == "loopback" else float(tok))
+    if args.sweep:
+        links = [None]  # equal tokens: the loss does not depend on the link
     seeds = [int(s) for s in args.seeds.split(",") if s]
     machine = report_machine("decent-dp")
     if any(link is not None for link in links):
@@ -335,8 +533,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if why is not None:
             print(f"throttled links skipped: {why}")
             links = [link for link in links if link is None]
+    settings: Dict[str, Dict[str, Any]] = {}
+    if not args.sweep and not args.from_csv and args.settings != "none":
+        settings = best_settings(Path(args.settings))
+        print(f"settings: {'each arm at its best in ' + args.settings if settings else 'the preset (no sweep)'}"
+              + "".join(f"\n  {a}: " + ", ".join(f"{k} {v:g}" for k, v in settings[a].items()) for a in arms
+                        if a in settings))
     rows: List[Dict[str, Any]] = []
-    total = 0 if args.from_csv else len(arms) * len(links) * len(seeds)
     if args.from_csv:
         for path in (p for p in args.from_csv.split(",") if p):
             rows += read_rows(Path(path))
@@ -347,35 +550,61 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(load_corpus(args.corpus).describe())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from examples.lm.loop import COLUMNS
+    from examples.lm.loop import COLUMNS, RunSpec, schedule
     stamp = {"machine": machine_line if args.from_csv else
              f"{machine.get('cpu', '')}, {machine.get('cores', '')} cores, torch {machine.get('torch', '')}"}
+    csv_name = "bench_lm_sweep.csv" if args.sweep else "bench_lm.csv"
 
     def stamped(rs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         # a row read back keeps the machine it was measured on (merged runs may come from several)
         return [dict(r, machine=r.get("machine") or stamp["machine"]) for r in rs]
 
-    done = 0
-    for link in (links if total else []):
-        for seed in seeds:
-            for arm in arms:
-                spec = dict(ARMS[arm], preset=args.preset, tokens=args.tokens, seed=seed, evals=args.evals)
-                if args.lr is not None:
-                    spec["lr"] = args.lr
+    # the runs: (link, seed, arm, spec, label) in order; the race first sizes each arm's tokens on each link
+    plan: List[Tuple[Optional[float], int, str, Dict[str, Any], str]] = []
+    if not args.from_csv:
+        for link in links:
+            if args.race:
+                probe_arms = list(dict.fromkeys(["ddp"] + arms))
+                specs = {a: _spec(a, args, seeds[0], settings) for a in probe_arms}
                 t0 = time.perf_counter()
-                got = run_one(spec, link, args.corpus, args.timeout)
-                done += 1
-                last = max(got, key=lambda r: r["tokens"])
-                print(f"[{done}/{total}] {arm:16} {link_label(link):11} seed {seed}: held-out "
-                      f"{last['val_bits_per_byte']:.4f} bits/byte after {last['tokens']} tokens, train wall "
-                      f"{last['wall_s']:.1f} s, {last['bytes_sent_per_worker'] / 2**20:.1f} MiB sent per worker "
-                      f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
-                rows += got
-                # after every run, so that a run cut short (a restart, a timeout) keeps what it measured
-                write_csv(out / "bench_lm.csv", list(COLUMNS) + ["machine"], stamped(rows))
-    summary = summarize(rows)
-    print(f"\n{'link':11} {'arm':16} {'final bits/byte':>15} {'vs DDP':>8} {'to target s':>12} {'speedup':>8}"
-          f" {'to common s':>12} {'speedup':>8}")
+                tps = probe_link(specs, link, args.corpus, args.timeout)
+                per_step = schedule(RunSpec(**specs["ddp"])).tokens_per_step
+                budget = args.budget_s if args.budget_s is not None else args.tokens / tps["ddp"]["tokens_per_s"]
+                print(f"race on {link_label(link)}: T = {budget:.1f} s "
+                      f"({'--budget-s' if args.budget_s is not None else f'DDP for {args.tokens:,} tokens'}); "
+                      f"probes ({time.perf_counter() - t0:.0f} s): " + ", ".join(
+                          f"{a} {v['tokens_per_s']:,.0f} tok/s" for a, v in tps.items()), flush=True)
+            for seed in seeds:
+                for arm in arms:
+                    if args.sweep:
+                        base = RunSpec(**_spec(arm, args, seed, {})).model_config().lr
+                        for v in sweep_variants(arm, base):
+                            plan.append((link, seed, arm, _spec(arm, args, seed, {}, **v),
+                                         ", ".join(f"{k} {x:g}" for k, x in v.items())))
+                    elif args.race:
+                        tokens = race_tokens(budget, tps[arm]["tokens_per_s"], per_step)
+                        plan.append((link, seed, arm, _spec(arm, args, seed, settings, tokens=tokens, budget_s=budget),
+                                     f"{tokens:,} tokens in T"))
+                    else:
+                        plan.append((link, seed, arm, _spec(arm, args, seed, settings), ""))
+    for done, (link, seed, arm, spec, label) in enumerate(plan, 1):
+        t0 = time.perf_counter()
+        got = run_one(spec, link, args.corpus, args.timeout)
+        last = max(got, key=lambda r: r["tokens"])
+        print(f"[{done}/{len(plan)}] {arm:16} {link_label(link):11} seed {seed}{' (' + label + ')' if label else ''}: "
+              f"held-out {last['val_bits_per_byte']:.4f} bits/byte after {last['tokens']} tokens, train wall "
+              f"{last['wall_s']:.1f} s, {last['bytes_sent_per_worker'] / 2**20:.1f} MiB sent per worker "
+              f"({time.perf_counter() - t0:.0f} s in all)", flush=True)
+        rows += got
+        # after every run, so that a run cut short (a restart, a timeout) keeps what it measured
+        write_csv(out / csv_name, list(COLUMNS) + ["machine"], stamped(rows))
+    if args.sweep:
+        return _sweep_report(rows, out, args, stamped)
+    equal = [r for r in rows if r.get("budget_s") in (None, "", "None")]
+    summary = summarize(equal) if equal else []
+    if summary:
+        print(f"\nequal tokens:\n{'link':11} {'arm':16} {'final bits/byte':>15} {'vs DDP':>8} {'to target s':>12} "
+              f"{'speedup':>8} {'to common s':>12} {'speedup':>8}")
     for s in summary:
         vs = "" if s["vs_ddp_final"] is None else f"{100 * s['vs_ddp_final']:+.1f}%"
         tt = "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}"
@@ -384,13 +613,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sc = "-" if s["speedup_vs_ddp_to_common"] is None else f"{s['speedup_vs_ddp_to_common']:.2f}x"
         print(f"{s['link']:11} {s['arm']:16} {s['final_val_bits_per_byte']:15.4f} {vs:>8} {tt:>12} {sp:>8}"
               f" {tc:>12} {sc:>8}")
-    print_targets(targets(summary))
+    race = race_summary(rows)
+    if race:
+        print(f"\nequal wall time (the race):\n{'link':11} {'arm':22} {'T s':>6} {'tokens':>9} {'wall s':>7} "
+              f"{'final bits/byte':>15} {'range':>15} {'vs DDP':>8} {'vs decent-dp':>13}")
+    for r in race:
+        vs = "" if r["vs_ddp"] is None else f"{100 * r['vs_ddp']:+.1f}%"
+        vd = "" if r["vs_decent_dp"] is None else f"{100 * r['vs_decent_dp']:+.1f}%"
+        print(f"{r['link']:11} {r['arm']:22} {r['budget_s']:6.0f} {r['tokens']:9,.0f} {r['wall_s']:7.1f} "
+              f"{r['final_val_bits_per_byte']:15.4f} {r['min']:7.4f}-{r['max']:.4f} {vs:>8} {vd:>13}")
+    print_targets(targets(summary) + race_targets(race, args.preset))
     if not args.from_csv:
         write_csv(out / "bench_lm.csv", list(COLUMNS) + ["machine"], stamped(rows))
         print(f"wrote {out / 'bench_lm.csv'}")
     fields = list(summary[0]) + ["machine"] if summary else ["machine"]
     write_csv(out / "bench_lm_summary.csv", fields, [dict(s, **stamp) for s in summary])
     print(f"wrote {out / 'bench_lm_summary.csv'}")
+    if race:
+        write_csv(out / "bench_lm_race.csv", list(race[0]) + ["machine"], [dict(r, **stamp) for r in race])
+        print(f"wrote {out / 'bench_lm_race.csv'}")
     png = None if args.no_plot else plot(rows, out / "bench_lm.png", stamp["machine"])
     if png is not None:
         print(f"wrote {png}")
@@ -398,10 +639,55 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         name = args.docs_name
         write_csv(ROOT / "docs" / "data" / f"{name}.csv", list(COLUMNS) + ["machine"], stamped(rows))
         write_csv(ROOT / "docs" / "data" / f"{name}_summary.csv", list(DOCS_COLUMNS), docs_rows(summary))
+        if race:
+            write_csv(ROOT / "docs" / "data" / f"{name}_race.csv", list(RACE_DOCS_COLUMNS), race_docs_rows(race))
         if png is not None:
             shutil.copy(png, ROOT / "docs" / f"{name}.png")
-        print(f"wrote docs/data/{name}.csv, docs/data/{name}_summary.csv" + (f", docs/{name}.png" if png else ""))
+        print(f"wrote docs/data/{name}.csv, docs/data/{name}_summary.csv" + (", _race.csv" if race else "")
+              + (f", docs/{name}.png" if png else ""))
     return 0
+
+
+def _sweep_report(rows: List[Dict[str, Any]], out: Path, args: argparse.Namespace, stamped: Any) -> int:
+    """Print the sweep per arm and its best settings; with ``--docs`` publish its CSV (the settings
+    every other mode takes by default)."""
+    from examples.lm.loop import COLUMNS
+    finals: Dict[Tuple[str, float, Any, Any], List[float]] = defaultdict(list)
+    last: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+    for r in rows:
+        key = (arm_name(r), r["seed"], r.get("peak_lr"), r.get("outer_lr"), r.get("outer_momentum"))
+        if key not in last or r["tokens"] > last[key]["tokens"]:
+            last[key] = r
+    for (arm, _, lr, olr, om), r in last.items():
+        finals[(arm, float(lr), olr, om)].append(float(r["val_bits_per_byte"]))
+    write_csv(out / "bench_lm_sweep.csv", list(COLUMNS) + ["machine"], stamped(rows))
+    best = best_settings(out / "bench_lm_sweep.csv")
+    print(f"\nsweep ({args.tokens:,} tokens, loopback, seeds {args.seeds}):\n{'arm':22} {'lr':>8} {'outer':>11} "
+          f"{'final bits/byte':>15}")
+    for (arm, lr, olr, om), vs in sorted(finals.items(), key=lambda kv: (kv[0][0], statistics.mean(kv[1]))):
+        mark = " <- best" if best.get(arm, {}).get("lr") == lr and best[arm].get("outer_lr") == _num(olr) \
+            and best[arm].get("outer_momentum") == _num(om) else ""
+        outer = "-" if olr in (None, "", "None") else f"{float(olr):g}/{float(om):g}"
+        print(f"{arm:22} {lr:8.2e} {outer:>11} {statistics.mean(vs):15.4f}{mark}")
+    print(f"wrote {out / 'bench_lm_sweep.csv'}")
+    if args.docs:
+        write_csv(SETTINGS, list(COLUMNS) + ["machine"], stamped(rows))
+        print(f"wrote {SETTINGS.relative_to(ROOT)} (every other mode's default settings)")
+    return 0
+
+
+#: the race as the Benchmarks page shows it (formatted), from race_summary()'s rows
+RACE_DOCS_COLUMNS = ("link", "arm", "seeds", "T s", "tokens in T", "train wall s", "final held-out bits/byte",
+                     "range over seeds", "vs DDP", "vs decent-dp (same topology)", "MiB sent per worker")
+
+
+def race_docs_rows(race: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    def pct(v: Optional[float]) -> str:
+        return "-" if v is None else f"{100 * v:+.1f}%"
+    return [dict(zip(RACE_DOCS_COLUMNS, (
+        r["link"], r["arm"], r["seeds"], f"{r['budget_s']:.0f}", f"{r['tokens']:,.0f}", f"{r['wall_s']:.1f}",
+        f"{r['final_val_bits_per_byte']:.4f}", f"{r['min']:.4f}-{r['max']:.4f}", pct(r["vs_ddp"]),
+        pct(r["vs_decent_dp"]), f"{r['bytes_sent_per_worker'] / 2**20:.1f}"))) for r in race]
 
 
 #: the summary as the Benchmarks page shows it (formatted), from summarize()'s rows
@@ -429,7 +715,8 @@ def read_rows(path: Path) -> List[Dict[str, Any]]:
     import csv
 
     num = {"tokens": int, "seed": int, "workers": int, "step": int, "wall_s": float, "bytes_sent_per_worker": float,
-           "val_bits_per_byte": float, "val_bits_per_byte_workers_mean": float}
+           "val_bits_per_byte": float, "val_bits_per_byte_workers_mean": float, "peak_lr": float,
+           "outer_lr": float, "outer_momentum": float, "budget_s": float}
     out = []
     with open(path, newline="") as fh:
         for r in csv.DictReader(fh):

@@ -76,6 +76,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="inner steps a fragment's outer exchange stays in flight")
     p.add_argument("--fragment-update-alpha", type=float, default=0.0, metavar="A",
                    help="the share of those inner steps kept after the fragment's outer step")
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="decentpy local steps: the outer SGD's lr (default DiLoCo's 0.7; 1.0 with --outer-momentum 0: "
+                        "plain averaging)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="decentpy local steps: the outer SGD's Nesterov momentum (default DiLoCo's 0.9; 0: plain SGD)")
+    p.add_argument("--data-split", default="shuffle", choices=list(lm_corpus.SPLITS),
+                   help="shuffle: each step's global batch drawn from the whole text, split over the workers (as "
+                        "DistributedSampler); shard: each worker its own contiguous part (heterogeneous data)")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm every mode clips to (0: none)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="learning-rate warm-up in steps (default: 5%% of the steps)")
     p.add_argument("--preset", default="small", choices=sorted(model.PRESETS), help="model size")
     p.add_argument("--tokens", type=_count, default=1_000_000,
                    help="token budget over all workers (steps = tokens / (global batch x context))")
@@ -123,7 +134,9 @@ def make_spec(args: argparse.Namespace) -> loop.RunSpec:
                         fragment_update_alpha=args.fragment_update_alpha, preset=args.preset, tokens=args.tokens,
                         seed=args.seed,
                         evals=args.evals, val_windows=args.val_windows, lr=args.lr, global_batch=args.global_batch,
-                        context=args.context, local_world_size=args.local_world_size, log_every=args.log_every)
+                        context=args.context, local_world_size=args.local_world_size, log_every=args.log_every,
+                        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, data_split=args.data_split,
+                        grad_clip=args.grad_clip, warmup_steps=args.warmup_steps)
     if args.eval_every is not None:
         spec.evals = max(1, loop.schedule(spec).steps // args.eval_every)
     return spec
@@ -169,7 +182,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         out(f"model {spec.preset}: {params:,} parameters (d_model {cfg.d_model}, {cfg.n_layers} layers, "
             f"{cfg.n_heads} heads, context {cfg.context}); global batch {cfg.global_batch} sequences "
             f"({cfg.global_batch // world}/worker), {sched.steps} steps of {sched.tokens_per_step:,} tokens, "
-            f"AdamW lr {cfg.lr:g} (warm-up {sched.warmup} steps, cosine to {0.1 * cfg.lr:g})", flush=True)
+            f"AdamW lr {cfg.lr:g} (warm-up {sched.warmup} steps, cosine to {0.1 * cfg.lr:g}), gradients clipped to "
+            f"{spec.grad_clip:g}, data split {spec.data_split}", flush=True)
         arm = (f"{spec.mode}" + (f" topology {spec.topology}" if spec.mode in ("decentpy", "decent-dp") else "")
                + (f" compression {args.compression} intra-node {spec.intra_node}" if spec.mode == "decentpy" else ""))
         out(f"mode {arm}; {len(sched.eval_steps)} evaluations on {spec.val_windows} held-out windows", flush=True)

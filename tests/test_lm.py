@@ -108,19 +108,36 @@ def test_load_is_deterministic_and_the_hash_tells_lists_apart(small_dir: str, tm
 def test_batches_are_fixed_per_seed_rank_world_step_and_stay_in_the_rank_shard() -> None:
     world, shard = 4, 1000
     train = (torch.arange(world * shard) // shard).to(torch.uint8)  # every byte names its shard
-    x, y = C.train_batch(train, 7, 2, world, 5, 8, 16)
+    x, y = C.train_batch(train, 7, 2, world, 5, 8, 16, split="shard")
     assert x.shape == y.shape == (8, 16) and x.dtype == torch.int64
     assert torch.equal(x[:, 1:], y[:, :-1])
     for r in range(world):
-        xr, yr = C.train_batch(train, 7, r, world, 5, 8, 16)
+        xr, yr = C.train_batch(train, 7, r, world, 5, 8, 16, split="shard")
         assert (xr == r).all() and (yr == r).all()
-    x2, _ = C.train_batch(train, 7, 2, world, 5, 8, 16)
+    x2, _ = C.train_batch(train, 7, 2, world, 5, 8, 16, split="shard")
     assert torch.equal(x, x2)
     text = torch.randint(0, 256, (world * shard,), generator=torch.Generator().manual_seed(0)).to(torch.uint8)
-    batches = {(s, st): C.train_batch(text, s, 1, world, st, 8, 16)[0] for s in (0, 1) for st in (0, 1)}
+    batches = {(s, st): C.train_batch(text, s, 1, world, st, 8, 16, split="shard")[0] for s in (0, 1) for st in (0, 1)}
     assert len({tuple(b.flatten().tolist()) for b in batches.values()}) == 4
     with pytest.raises(ValueError, match="fewer than context"):
-        C.train_batch(text[:40], 0, 0, world, 0, 8, 16)
+        C.train_batch(text[:40], 0, 0, world, 0, 8, 16, split="shard")
+    with pytest.raises(ValueError, match="split must be one of"):
+        C.train_batch(text, 0, 0, world, 0, 8, 16, split="random")
+
+
+def test_shuffled_batches_draw_the_global_batch_from_the_whole_text() -> None:
+    """The default split, as DistributedSampler: one global batch per step from the whole text, each
+    rank its slice -- the same global batch whatever the number of workers, every shard reached by
+    every rank."""
+    world, shard = 4, 1000
+    train = (torch.arange(world * shard) // shard).to(torch.uint8)
+    glob = torch.cat([C.train_batch(train, 7, r, world, 5, 8, 16)[0] for r in range(world)])
+    two = torch.cat([C.train_batch(train, 7, r, 2, 5, 16, 16)[0] for r in range(2)])
+    one = C.train_batch(train, 7, 0, 1, 5, 32, 16)[0]
+    assert torch.equal(glob, two) and torch.equal(glob, one)
+    seen = {int(v) for r in range(world) for st in range(20) for v in C.train_batch(train, 0, r, world, st, 8, 16)[0][:, 0]}
+    assert seen == set(range(world))  # (every rank's windows come from anywhere in the text)
+    assert not torch.equal(C.train_batch(train, 7, 0, world, 5, 8, 16)[0], C.train_batch(train, 7, 0, world, 6, 8, 16)[0])
 
 
 def test_validation_slice_is_fixed_and_spans_the_held_out_bytes() -> None:
@@ -323,3 +340,59 @@ def test_the_torchft_diloco_anchor_is_diloco(small_dir: str) -> None:
     assert torchft[-1]["bytes_sent_per_worker"] == decentpy_rows[-1]["bytes_sent_per_worker"]
     for a, b in zip(torchft, decentpy_rows):
         assert a["val_bits_per_byte"] == pytest.approx(b["val_bits_per_byte"], abs=2e-3), (a, b)
+
+
+def _recipe_arms(rank: int, world: int, small_dir: str) -> List[List[Dict[str, Any]]]:
+    corpus = C.load_corpus(small_dir)
+    common = dict(tokens=3072, evals=1, val_windows=16, context=32, global_batch=8, lr=3e-3, grad_clip=0.05,
+                  warmup_steps=3)
+    return [L.run_arm(L.RunSpec(mode="ddp", **common), corpus),
+            L.run_arm(L.RunSpec(mode="ddp", data_split="shard", **common), corpus),
+            L.run_arm(L.RunSpec(mode="decentpy", topology="complete", local_steps=4, outer_lr=1.0, outer_momentum=0.0,
+                                **common), corpus)]
+
+
+def _recipe_reference(corpus: C.Corpus, split: str, world: int = 2) -> float:
+    """The DDP arm's recipe in one process on the global batch, float64: AdamW over decentpy's decay
+    groups, the gradient clipped over the model, warm-up then cosine; the held-out bits per byte."""
+    from decentpy.optim import lr_scheduler_fn_cosine_with_warmup, split_decay_groups
+
+    spec = L.RunSpec(mode="ddp", tokens=3072, evals=1, val_windows=16, context=32, global_batch=8, lr=3e-3,
+                     grad_clip=0.05, warmup_steps=3, data_split=split)
+    cfg, sched = spec.model_config(), L.schedule(spec)
+    torch.manual_seed(0)
+    model = M.ByteTransformer(cfg).double()
+    opt = torch.optim.AdamW(split_decay_groups(list(model.named_parameters()), 0.1), lr=cfg.lr, betas=L.BETAS,
+                            eps=L.EPS)
+    sch = lr_scheduler_fn_cosine_with_warmup(opt, t_max=sched.steps - sched.warmup, t_warmup=sched.warmup,
+                                             cosine_eta_min=0.1 * cfg.lr)
+    per = cfg.global_batch // world
+    for step in range(sched.steps):
+        xs = [C.train_batch(corpus.train, 0, r, world, step, per, cfg.context, split) for r in range(world)]
+        opt.zero_grad()
+        # DDP: the mean over ranks of each rank's mean loss, i.e. the global batch's mean
+        loss = sum(F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1)) for x, y in xs) / world
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        sch.step()
+    w = C.val_windows(corpus.val, cfg.context, 16)
+    with torch.no_grad():
+        nll = F.cross_entropy(model(w[:, :-1]).reshape(-1, 256), w[:, 1:].reshape(-1))
+    return float(nll) / math.log(2.0)
+
+
+def test_the_recipe_is_ddp_on_the_global_batch(small_dir: str) -> None:
+    """bench-lm's recipe (issue 53): the shuffled split, gradient clipping and a warm-up in steps, checked
+    on the DDP arm against a float64 re-computation on the global batch (both splits), and a local-steps
+    arm's outer settings recorded in its rows."""
+    ranks = run_workers(_recipe_arms, 2, small_dir, timeout=180)
+    shuffled, shard, diloco = ranks[0]
+    corpus = C.load_corpus(small_dir)
+    for rows, split in ((shuffled, "shuffle"), (shard, "shard")):
+        last = rows[-1]
+        assert last["data_split"] == split and last["grad_clip"] == 0.05 and last["warmup_steps"] == 3
+        assert last["val_bits_per_byte"] == pytest.approx(_recipe_reference(corpus, split), abs=2e-4), split
+    assert shuffled[-1]["val_bits_per_byte"] != shard[-1]["val_bits_per_byte"]
+    assert diloco[-1]["outer_lr"] == 1.0 and diloco[-1]["outer_momentum"] == 0.0 and diloco[-1]["local_steps"] == 4
+    assert shuffled[-1]["outer_lr"] is None and shuffled[-1]["budget_s"] is None

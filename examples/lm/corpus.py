@@ -22,10 +22,16 @@ Choices, and why:
   with the smallest such value; a single file holds out its last 5% of bytes.
 - :attr:`Corpus.list_hash` hashes the list of files used with their sizes: runs on another Python
   version (another standard library) are told apart instead of silently compared.
-- Batches are a pure function of ``(seed, rank, world_size, step)``: each rank draws random
-  windows of ``context + 1`` bytes from its own contiguous shard (``1/world_size``) of the
-  training bytes, with a generator seeded from those four numbers. Windows may cross a file
-  boundary (the files are concatenated as they are).
+- Batches are a pure function of ``(seed, rank, world_size, step)`` and the split (:data:`SPLITS`):
+  ``"shuffle"`` (the default, as users feed data: torch's ``DistributedSampler`` shuffles the whole
+  dataset, then gives each rank its part) draws the step's *global* batch of windows of
+  ``context + 1`` bytes from the whole training text with a generator seeded from ``(seed, step)``,
+  and rank ``r`` takes its ``r``-th slice: every rank sees the same distribution, and the global
+  batch of a step is the same whatever the number of workers. ``"shard"`` (the heterogeneous
+  stress case) gives each rank its own contiguous shard (``1/world_size``) of the training bytes,
+  the files in alphabetical order: each worker trains on different modules, and decentralized
+  methods pay for that heterogeneity. Windows may cross a file boundary (the files are
+  concatenated as they are).
 """
 
 from __future__ import annotations
@@ -39,11 +45,14 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["VAL_FRACTION", "Corpus", "stdlib_root", "list_files", "is_validation", "split_files",
+__all__ = ["VAL_FRACTION", "SPLITS", "Corpus", "stdlib_root", "list_files", "is_validation", "split_files",
            "load_corpus", "train_batch", "val_windows"]
 
 #: share of the files (by the hash of their path) held out for validation
 VAL_FRACTION = 0.05
+#: how the training text is split over the ranks (see the module): the whole text shuffled, or one
+#: contiguous shard per rank
+SPLITS = ("shuffle", "shard")
 #: directories never read: installed packages and bytecode caches are not the standard library
 SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
@@ -185,22 +194,35 @@ def _step_seed(seed: int, rank: int, world_size: int, step: int) -> int:
 
 
 def train_batch(train: Tensor, seed: int, rank: int, world_size: int, step: int, batch_size: int,
-                context: int) -> Tuple[Tensor, Tensor]:
+                context: int, split: str = "shuffle") -> Tuple[Tensor, Tensor]:
     """Inputs and next-byte targets, both ``(batch_size, context)`` int64, for this rank and step.
 
-    A pure function of its arguments: rank ``r`` reads only its shard ``r`` of ``world_size``
-    contiguous equal shards of ``train``, at positions drawn by a generator seeded from
-    ``(seed, rank, world_size, step)``, so a step's batch never depends on the steps before it.
+    A pure function of its arguments (a step's batch never depends on the steps before it).
+    ``split="shuffle"``: the step's global batch (``batch_size x world_size`` windows) is drawn from
+    the whole of ``train`` by a generator seeded from ``(seed, step)``, and this rank takes its slice
+    of it. ``split="shard"``: rank ``r`` reads only its shard ``r`` of ``world_size`` contiguous equal
+    shards of ``train``, at positions drawn by a generator seeded from ``(seed, rank, world_size,
+    step)``.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
-    shard = train.numel() // world_size
-    if shard < context + 2:
-        raise ValueError(f"the training text ({train.numel():,} bytes) split over {world_size} ranks gives "
-                         f"{shard:,} bytes each, fewer than context + 2 = {context + 2}: use a larger corpus "
-                         "or a shorter context")
-    g = torch.Generator().manual_seed(_step_seed(seed, rank, world_size, step))
-    starts = torch.randint(0, shard - context, (batch_size,), generator=g) + rank * shard
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(map(repr, SPLITS))}, got {split!r}")
+    if split == "shuffle":
+        if train.numel() < context + 2:
+            raise ValueError(f"the training text has {train.numel():,} bytes, fewer than context + 2 = "
+                             f"{context + 2}: use a larger corpus or a shorter context")
+        g = torch.Generator().manual_seed(_step_seed(seed, -1, 0, step))  # one draw for every rank
+        starts = torch.randint(0, train.numel() - context, (batch_size * world_size,), generator=g)
+        starts = starts[rank * batch_size:(rank + 1) * batch_size]
+    else:
+        shard = train.numel() // world_size
+        if shard < context + 2:
+            raise ValueError(f"the training text ({train.numel():,} bytes) split over {world_size} ranks gives "
+                             f"{shard:,} bytes each, fewer than context + 2 = {context + 2}: use a larger corpus "
+                             "or a shorter context")
+        g = torch.Generator().manual_seed(_step_seed(seed, rank, world_size, step))
+        starts = torch.randint(0, shard - context, (batch_size,), generator=g) + rank * shard
     idx = starts[:, None] + torch.arange(context + 1)
     windows = train[idx].long()
     return windows[:, :-1], windows[:, 1:]

@@ -2,14 +2,19 @@
 evaluation. ``examples/train_lm.py`` and the ``bench-lm`` benchmark both call :func:`run_arm`.
 
 Every arm trains the same model from the same initial values on the same batches (a pure function
-of seed, rank, world size and step: :func:`examples.lm.corpus.train_batch`) with the same
-optimizer and schedule: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices only, as
-``decentpy.optim.split_decay_groups`` splits them), a linear warm-up over the first 5% of the
-steps from 1% of the peak rate, then a cosine decay to 10% of it
-(``decentpy.optim.lr_scheduler_fn_cosine_with_warmup`` builds it for every framework). The global
-batch is fixed per preset and split over the workers, so every arm sees the same tokens per step.
-No gradient clipping: decentpy clips per bucket, torch DDP over the model, and the comparison
-should not hinge on that difference.
+of seed, rank, world size and step: :func:`examples.lm.corpus.train_batch`; by default each step's
+global batch is drawn from the whole training text and split over the ranks, as torch's
+``DistributedSampler`` does, ``data_split="shard"`` gives each rank its own contiguous shard
+instead) with the same optimizer and schedule: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices
+only, as ``decentpy.optim.split_decay_groups`` splits them), a linear warm-up from 1% of the peak
+rate over ``warmup_steps`` steps (default: 5% of the steps), then a cosine decay to 10% of it
+(``decentpy.optim.lr_scheduler_fn_cosine_with_warmup`` builds it for every framework), gradients
+clipped to the norm ``grad_clip`` (default 1.0; torch DDP and torchft clip over the model, decentpy
+per bucket -- one bucket for the presets' models unless fragments split them -- and decent-dp's
+gradients are clipped after its backward, before its lazy step). The global batch is fixed per
+preset and split over the workers, so every arm sees the same tokens per step. Local-steps arms
+take DiLoCo's outer Nesterov SGD (lr 0.7, momentum 0.9) unless ``outer_lr`` / ``outer_momentum``
+say otherwise (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the replicas).
 
 Modes:
 
@@ -67,7 +72,8 @@ from torch import Tensor, nn
 from .corpus import Corpus, train_batch, val_windows
 from .model import ByteTransformer, ModelConfig, count_parameters, preset
 
-__all__ = ["MODES", "COLUMNS", "RunSpec", "Schedule", "schedule", "run_arm", "bits_per_byte", "TorchftStandInManager"]
+__all__ = ["MODES", "COLUMNS", "RunSpec", "Schedule", "schedule", "run_arm", "bits_per_byte", "TorchftStandInManager",
+           "DILOCO_OUTER", "outer_settings", "measure_throughput"]
 
 MODES = ("ddp", "ddp-powersgd", "decentpy", "decent-dp", "torchft-diloco")
 FRAMEWORK = {"ddp": "torch", "ddp-powersgd": "torch", "decentpy": "decentpy", "decent-dp": "decent-dp",
@@ -80,7 +86,8 @@ EPS = 1e-8
 
 #: the columns of a row, in order (the benchmark's CSV writes them so)
 COLUMNS = ("framework", "mode", "topology", "compression", "intra_node", "local_steps", "fragments", "link_mbit",
-           "workers", "preset", "seed",
+           "workers", "preset", "seed", "data_split", "peak_lr", "grad_clip", "warmup_steps", "outer_lr",
+           "outer_momentum", "budget_s",
            "step", "tokens", "wall_s", "bytes_sent_per_worker", "val_bits_per_byte",
            "val_bits_per_byte_workers_mean", "consensus_distance", "skipped_steps", "train_bits_per_byte",
            "tokens_per_s", "lr", "params", "bytes_source", "corpus", "corpus_bytes", "corpus_hash", "device")
@@ -109,8 +116,14 @@ class RunSpec:
     context: Optional[int] = None
     local_world_size: Optional[int] = None
     warmup_frac: float = 0.05
+    warmup_steps: Optional[int] = None  # the warm-up in steps (None: warmup_frac of the steps)
     weight_decay: float = 0.1
+    grad_clip: float = 1.0  # the gradient norm every arm clips to (0: none)
+    data_split: str = "shuffle"  # examples.lm.corpus.SPLITS: the whole text shuffled, or a shard per rank
+    outer_lr: Optional[float] = None  # local steps: the outer SGD's lr (None: DiLoCo's 0.7)
+    outer_momentum: Optional[float] = None  # local steps: its Nesterov momentum (None: DiLoCo's 0.9; 0: plain)
     link_mbit: Optional[float] = None  # recorded in the rows only (the benchmark throttles the link)
+    budget_s: Optional[float] = None  # recorded in the rows only: the wall-clock budget this token count fills
     log_every: int = 0  # on_log every this many steps (0: never)
 
     def check(self, world_size: int) -> None:
@@ -143,6 +156,21 @@ class RunSpec:
                              f"{self.val_windows}")
         if not 0 <= self.warmup_frac < 1:
             raise ValueError(f"warmup_frac must be in [0, 1), got {self.warmup_frac}")
+        if self.warmup_steps is not None and (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                                              or self.warmup_steps < 0):
+            raise ValueError(f"warmup_steps must be an int >= 0 or None, got {self.warmup_steps!r}")
+        if not (self.grad_clip >= 0 and math.isfinite(self.grad_clip)):
+            raise ValueError(f"grad_clip must be a finite number >= 0 (0: no clipping), got {self.grad_clip}")
+        from .corpus import SPLITS
+        if self.data_split not in SPLITS:
+            raise ValueError(f"data_split must be one of {', '.join(map(repr, SPLITS))}, got {self.data_split!r}")
+        if (self.outer_lr is not None or self.outer_momentum is not None) and self.local_steps < 2:
+            raise ValueError(f"outer_lr / outer_momentum are the outer step's, with local_steps >= 2 (got local_steps="
+                             f"{self.local_steps})")
+        if self.outer_lr is not None and not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
+            raise ValueError(f"outer_lr must be a finite number > 0, got {self.outer_lr}")
+        if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
         cfg = self.model_config()
         if cfg.global_batch % world_size:
             raise ValueError(f"the global batch ({cfg.global_batch} sequences) must be a multiple of the number of "
@@ -169,7 +197,10 @@ def schedule(spec: RunSpec) -> Schedule:
     cfg = spec.model_config()
     per_step = cfg.global_batch * cfg.context
     steps = max(1, spec.tokens // per_step)
-    warmup = min(steps - 1, max(1, round(spec.warmup_frac * steps))) if spec.warmup_frac > 0 else 0
+    if spec.warmup_steps is not None:
+        warmup = min(steps - 1, spec.warmup_steps)
+    else:
+        warmup = min(steps - 1, max(1, round(spec.warmup_frac * steps))) if spec.warmup_frac > 0 else 0
     evals = sorted({0} | {round(k * steps / spec.evals) for k in range(1, spec.evals + 1)})
     return Schedule(steps, warmup, per_step, tuple(evals))
 
@@ -277,6 +308,7 @@ class _DDPArm(_Arm):
         else:
             self.bytes_source = "allreduce(gradients)"
         self.powersgd = spec.mode == "ddp-powersgd"
+        self.clip = spec.grad_clip
         self.steps = 0
         self.opt = torch.optim.AdamW(_adamw_groups(list(model.named_parameters()), spec.weight_decay), lr=cfg.lr,
                                      betas=BETAS, eps=EPS)
@@ -287,6 +319,8 @@ class _DDPArm(_Arm):
         self.opt.zero_grad(set_to_none=True)
         loss = _loss(self.net(x), y)
         loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), self.clip)
         self.opt.step()
         self.sched.step()
         self.steps += 1
@@ -309,6 +343,21 @@ def _bucket_mb(model: nn.Module, fragments: int) -> float:
     return min(25.0, nbytes / (2 * fragments) / 2**20)
 
 
+#: DiLoCo's outer optimizer (Douillard et al. 2023): Nesterov SGD, lr 0.7, momentum 0.9
+DILOCO_OUTER = (0.7, 0.9)
+
+
+def outer_settings(spec: RunSpec) -> Tuple[float, float]:
+    """The outer SGD's (lr, momentum) of a local-steps arm: the spec's, else DiLoCo's."""
+    lr = spec.outer_lr if spec.outer_lr is not None else DILOCO_OUTER[0]
+    momentum = spec.outer_momentum if spec.outer_momentum is not None else DILOCO_OUTER[1]
+    return lr, momentum
+
+
+def _outer_sgd(lr: float, momentum: float, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
 class _DecentpyArm(_Arm):
     bytes_source = "decentpy.stats"
 
@@ -324,7 +373,10 @@ class _DecentpyArm(_Arm):
                                              compression=spec.compression, local_steps=spec.local_steps,
                                              fragments=spec.fragments, fragment_sync_delay=spec.fragment_sync_delay,
                                              fragment_update_alpha=spec.fragment_update_alpha,
-                                             bucket_size_in_mb=_bucket_mb(model, spec.fragments))
+                                             bucket_size_in_mb=_bucket_mb(model, spec.fragments),
+                                             grad_clip_norm=spec.grad_clip,
+                                             outer_optim=(functools.partial(_outer_sgd, *outer_settings(spec))
+                                                          if spec.local_steps > 1 else None))
 
     def train_step(self, x: Tensor, y: Tensor) -> Tensor:
         loss = _loss(self.ddp(x), y)
@@ -385,6 +437,7 @@ class _DecentDPArm(_Arm):
         self.ddp = RefDDP(model, optim_fn=optim_fn, lr_scheduler_fn=_scheduler_fn(cfg.lr, sched),
                           topology=spec.topology, _local_world_size=lws)
         self.param_bytes = 4.0 * sum(p.numel() for p in model.parameters())
+        self.clip = spec.grad_clip
         self.rank = dist.get_rank()
         self.steps = 0
         self.sent = 0.0
@@ -392,6 +445,8 @@ class _DecentDPArm(_Arm):
     def train_step(self, x: Tensor, y: Tensor) -> Tensor:
         loss = _loss(self.ddp(x), y)
         loss.backward()
+        if self.clip > 0:  # decent-dp steps lazily at the next forward: the clipped gradients are the ones it steps
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         # decent-dp's all-reduces of every parameter over a step's group, as its forward and backward
         # hooks launch them: none in iteration 1, edges 1 (second forward) and 3 in iteration 2, then i + 1
         self.steps += 1
@@ -483,7 +538,8 @@ class _TorchftDiLoCoArm(_Arm):
         self.opt = torch.optim.AdamW(_adamw_groups(list(model.named_parameters()), spec.weight_decay), lr=cfg.lr,
                                      betas=BETAS, eps=EPS)
         self.sched = _scheduler_fn(cfg.lr, sched)(self.opt)
-        self.outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        self.outer = _outer_sgd(*outer_settings(spec), model.parameters())
+        self.clip = spec.grad_clip
         self.manager = TorchftStandInManager()
         with torch.no_grad():  # one initial model (run_arm seeds every rank alike; torchft's Manager heals)
             for t in model.parameters():
@@ -495,6 +551,8 @@ class _TorchftDiLoCoArm(_Arm):
         self.opt.zero_grad(set_to_none=True)
         loss = _loss(self.model(x), y)
         loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.opt.step()  # every sync_every-th: torchft's outer step (its post-step hook)
         self.sched.step()
         return loss.detach()
@@ -591,6 +649,51 @@ def _eval_row(arm: _Arm, windows: Tensor, device: torch.device, row: Dict[str, A
     return {c: row.get(c) for c in COLUMNS}
 
 
+def measure_throughput(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None,
+                       steps: Optional[int] = None, skip: int = 4) -> Dict[str, float]:
+    """The arm's training throughput on this process group (a collective, every rank alike): ``steps``
+    timed steps after ``skip`` untimed ones (the layout trace, the first exchanges), the exchanges in
+    flight finished inside the time, the slowest rank's. Default ``steps``: at least 16 and two
+    windows of local steps (a multiple of ``local_steps``, so the outer steps' share is the run's).
+    Returns ``{"tokens_per_s", "s_per_step", "steps"}``: what a time-matched run sizes its token
+    budget from (``bench-lm --race``)."""
+    if not dist.is_initialized():
+        raise RuntimeError("measure_throughput needs torch.distributed: call init_process_group first")
+    device = device or torch.device("cpu")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    spec.check(n)
+    h = max(1, spec.local_steps)
+    if steps is None:
+        steps = max(16, 2 * h)
+        steps = -(-steps // h) * h
+    cfg = spec.model_config()
+    sched = schedule(spec)
+    torch.manual_seed(spec.seed)
+    model = ByteTransformer(cfg).to(device)
+    arm = _build_arm(model, spec, cfg, sched, device, min(spec.local_world_size or 2, n))
+    per_rank = cfg.global_batch // n
+    try:
+        t0 = time.perf_counter()
+        for step in range(skip + steps):
+            if step == skip:
+                arm.settle()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+            x, y = train_batch(corpus.train, spec.seed, rank, n, step, per_rank, cfg.context, spec.data_split)
+            arm.train_step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        arm.settle()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    finally:
+        arm.close()
+    s_per_step = float(took) / steps
+    return {"tokens_per_s": cfg.global_batch * cfg.context / s_per_step, "s_per_step": s_per_step,
+            "steps": float(steps)}
+
+
 def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None,
             on_eval: Optional[Callable[[Dict[str, Any]], None]] = None,
             on_log: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Dict[str, Any]]:
@@ -620,7 +723,9 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
         (f"powersgd-rank{POWERSGD_RANK}" if spec.mode == "ddp-powersgd" else "none"),
         intra_node=spec.intra_node if spec.mode == "decentpy" else None,
         local_steps=spec.local_steps if spec.mode in ("decentpy", "torchft-diloco") else 1, fragments=spec.fragments,
-        link_mbit=spec.link_mbit,
+        link_mbit=spec.link_mbit, data_split=spec.data_split, peak_lr=cfg.lr, grad_clip=spec.grad_clip,
+        warmup_steps=sched.warmup, budget_s=spec.budget_s,
+        **(dict(zip(("outer_lr", "outer_momentum"), outer_settings(spec))) if spec.local_steps > 1 else {}),
         workers=n,
         preset=spec.preset, seed=spec.seed, params=count_parameters(model), bytes_source=arm.bytes_source,
         corpus=corpus.name, corpus_bytes=corpus.n_bytes, corpus_hash=corpus.list_hash, device=str(device))
@@ -648,7 +753,7 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
                 t0 = time.perf_counter()
             if step == sched.steps:
                 break
-            x, y = train_batch(corpus.train, spec.seed, rank, n, step, per_rank, cfg.context)
+            x, y = train_batch(corpus.train, spec.seed, rank, n, step, per_rank, cfg.context, spec.data_split)
             loss = arm.train_step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             loss_sum += loss
             loss_steps += 1
