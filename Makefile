@@ -20,9 +20,11 @@
 #   make bench-faults       elastic gossip under SIGKILLs + replacements vs the same run without faults, torch DDP
 #                           with torchrun restarts + checkpoints, torchft if BENCH_TORCHFT_PATH=dir (CSV, plot)
 #   make bench-elastic      the per-step cost of ElasticGossip against plain DecentralizedDataParallel, no faults
-#   make bench-lm           a byte-level transformer LM on the stdlib's source: held-out loss against tokens, wall
-#                           time and bytes, for torch DDP, decent-dp and decentpy's modes, on loopback and behind
-#                           100 Mbit/s links (root; BENCH_ARGS="--arms ... --links loopback,1000,100 --seeds 0,1")
+#   make bench-lm           a byte-level transformer LM on the stdlib's source, the race users run: by default each
+#                           arm's final held-out loss in DDP's wall time for 1M tokens, on loopback and behind
+#                           100 Mbit/s links (root), torch DDP, decent-dp and decentpy at their best swept settings
+#                           (BENCH_ARGS="--race --arms ... --links loopback,1000,100 --seeds 0,1"; without --race:
+#                           equal tokens; --sweep: each arm's settings sweep)
 #   make runtime-model      analytic runtime model, calibrated on bench-train's CSV when present
 #   make build   create .venv, install the dependencies, build the extension (editable install)
 #   make wheel   build a wheel into dist/ (e.g. decentpy-0.1.0+cu130.torch213.sm80.sm90-...whl);
@@ -190,7 +192,7 @@ bench-elastic: $(BUILD_STAMP)
 
 bench-lm: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib
-	OMP_NUM_THREADS=1 $(PY) -m bench.bench_lm $(BENCH_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m bench.bench_lm $(if $(strip $(BENCH_ARGS)),$(BENCH_ARGS),--race)
 
 runtime-model: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 	$(PIP) install $(PIP_Q) matplotlib

@@ -106,3 +106,66 @@ def test_link_probe_derives_ddp_time_from_the_probe_and_the_loopback_curve() -> 
     assert row["arm"] == "diloco-32" and row["ddp_step_to_that_loss"] == 15.0
     assert row["ddp_wall_s_to_that_loss"] == 7.5 and row["speedup_vs_ddp"] == round(7.5 / 6.0, 2)
     assert row["ddp_full_budget_s"] == 15.0
+
+
+def test_quick_race_sizes_each_arm_to_the_budget(tmp_path) -> None:
+    """``--race --quick``: a 4-second budget on loopback; each arm probes its throughput, trains the
+    tokens that fill the budget (its rows carry budget_s and its own token count), and the race table
+    is written."""
+    stdout, rows = run_quick("bench_lm.py", ["--quick", "--race", "--no-plot"], tmp_path, "bench_lm.csv", COLUMNS,
+                             ("machine:", "race on loopback: T = 4.0 s", "equal wall time (the race)"), timeout=300)
+    finals = {}
+    for r in rows:
+        assert float(r["budget_s"]) == 4.0 and r["data_split"] == "shuffle" and float(r["grad_clip"]) == 1.0
+        finals[r["mode"]] = max(int(finals.get(r["mode"], 0)), int(r["tokens"]))
+    assert set(finals) == {"ddp", "decentpy"}
+    assert all(t > 0 and t % 4096 == 0 for t in finals.values()), finals  # whole steps of the preset's batch
+    assert (tmp_path / "bench_lm_race.csv").is_file()
+
+
+def test_race_summary_against_a_hand_computation() -> None:
+    """The race table: per link and arm the mean final loss over seeds at equal wall time, its range,
+    and its gap to DDP's and to decent-dp's on the same topology (rows without a budget are not in it)."""
+    from bench.bench_lm import race_summary
+
+    def run(mode: str, seed: int, final: float, tokens: int, **kw: Any) -> List[Dict[str, Any]]:
+        base = dict(mode=mode, topology=kw.get("topology", "allreduce"), compression=kw.get("compression", "none"),
+                    intra_node="gossip", link_mbit=100.0, seed=seed, budget_s=kw.get("budget_s", 60.0),
+                    bytes_sent_per_worker=1.0, wall_s=59.0)
+        return [dict(base, tokens=0, val_bits_per_byte=8.0), dict(base, tokens=tokens, val_bits_per_byte=final)]
+
+    rows = (run("ddp", 0, 3.6, 100) + run("ddp", 1, 3.4, 100)
+            + run("decentpy", 0, 3.2, 300, topology="alternating-exp-ring", compression="int8")
+            + run("decentpy", 1, 3.3, 320, topology="alternating-exp-ring", compression="int8")
+            + run("decent-dp", 0, 3.45, 150, topology="alternating-exp-ring")
+            + run("ddp", 2, 1.0, 999, budget_s=None))  # an equal-token run: not in the race
+    got = {r["arm"]: r for r in race_summary(rows)}
+    assert set(got) == {"ddp", "aer-int8", "decent-dp-aer"}
+    assert got["ddp"]["final_val_bits_per_byte"] == pytest.approx(3.5) and got["ddp"]["seeds"] == 2
+    a = got["aer-int8"]
+    assert a["final_val_bits_per_byte"] == pytest.approx(3.25) and (a["min"], a["max"]) == (3.2, 3.3)
+    assert a["vs_ddp"] == pytest.approx(3.25 / 3.5 - 1) and a["tokens"] == pytest.approx(310)
+    assert a["decent_dp_rival"] == "decent-dp-aer" and a["vs_decent_dp"] == pytest.approx(3.25 / 3.45 - 1)
+    assert got["decent-dp-aer"]["vs_decent_dp"] is None
+
+
+def test_best_settings_take_each_arms_lowest_mean_final_loss(tmp_path) -> None:
+    """--settings: from a sweep's rows, each arm's (lr, outer lr, outer momentum) with the lowest final
+    loss, mean over seeds."""
+    from bench.bench_lm import best_settings
+    from bench.common.tables import write_csv
+    from examples.lm.loop import COLUMNS
+
+    rows = []
+    for lr, olr, om, finals in ((1e-3, 0.7, 0.9, (3.6, 3.8)), (2e-3, 0.7, 0.9, (3.5, 3.9)), (2e-3, 1.0, 0.0, (3.4, 3.5))):
+        for seed, final in enumerate(finals):
+            rows.append(dict(mode="decentpy", topology="complete", compression="none", intra_node="gossip",
+                             local_steps=32, fragments=1, seed=seed, tokens=500, val_bits_per_byte=final,
+                             peak_lr=lr, outer_lr=olr, outer_momentum=om))
+    for lr, final in ((1e-3, 3.3), (4e-3, 3.1)):
+        rows.append(dict(mode="ddp", topology="allreduce", compression="none", seed=0, tokens=500,
+                         val_bits_per_byte=final, peak_lr=lr))
+    write_csv(tmp_path / "sweep.csv", list(COLUMNS), [{c: r.get(c) for c in COLUMNS} for r in rows])
+    got = best_settings(tmp_path / "sweep.csv")
+    assert got["diloco-32"] == {"lr": 2e-3, "outer_lr": 1.0, "outer_momentum": 0.0}
+    assert got["ddp"] == {"lr": 4e-3}
