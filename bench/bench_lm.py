@@ -89,6 +89,14 @@ ARMS: Dict[str, Dict[str, Any]] = {
     # and merged with alpha 0.5 (the Streaming DiLoCo paper's tau and alpha range)
     "diloco-32-streaming-4": dict(mode="decentpy", topology="complete", local_steps=32, fragments=4,
                                   fragment_sync_delay=2, fragment_update_alpha=0.5),
+    # remedies for the per-worker Adam gap (each worker's AdamW sees a quarter batch): average the
+    # second moment, or both moments, over the workers every k steps (decentpy.OptimizerStateAveraging);
+    # they take the plain arm's best settings
+    **{f"complete-avg-{tag}-{k}": dict(mode="decentpy", topology="complete", state_avg_every=k, state_avg=states)
+       for tag, states in (("v", "exp_avg_sq"), ("mv", "exp_avg,exp_avg_sq")) for k in (1, 16)},
+    # two replicas of two ranks (gradients all-reduced inside each simulated node, the replicas mixed
+    # by the pair): against four plain workers on 'complete' (the plain arm's settings)
+    "complete-2x2": dict(mode="decentpy", topology="complete", intra_node="allreduce"),
     # the anchor: torchft 0.2.0's own DiLoCo at the same H (a stand-in Manager, no Lighthouse)
     "torchft-diloco-32": dict(mode="torchft-diloco", local_steps=32),
 }
@@ -110,8 +118,9 @@ QUALITY = {"none": 0.02, "int8": 0.03}
 def arm_name(row: Dict[str, Any]) -> str:
     """The ``ARMS`` key of a result row."""
     for name, fields in ARMS.items():
-        if all(str(row.get(k) or ("none" if k == "compression" else "")) == str(v) for k, v in fields.items()
-               if k not in ("mode", "fragment_sync_delay", "fragment_update_alpha")) and fields["mode"] == row["mode"]:
+        if (all(str(row.get(k) or ("none" if k == "compression" else "")) == str(v) for k, v in fields.items()
+               if k not in ("mode", "fragment_sync_delay", "fragment_update_alpha", "state_avg_every", "state_avg"))
+                and fields["mode"] == row["mode"]):
             if int(row.get("fragments") or 1) != int(fields.get("fragments", 1)):
                 continue
             if row["mode"] == "decentpy" and row.get("intra_node", "gossip") != fields.get("intra_node", "gossip"):
@@ -119,6 +128,9 @@ def arm_name(row: Dict[str, Any]) -> str:
             if row["mode"] == "decentpy" and (row.get("compression") or "none") != fields.get("compression", "none"):
                 continue
             if int(row.get("local_steps") or 1) != int(fields.get("local_steps", 1)):
+                continue
+            if (row.get("state_averaging") or "") != (f"{fields['state_avg']}/{fields['state_avg_every']}"
+                                                      if fields.get("state_avg_every") else ""):
                 continue
             return name
     return f"{row['mode']}-{row.get('topology')}"
@@ -503,6 +515,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def settings_arm(arm: str) -> str:
+    """The arm whose swept settings ``arm`` takes when it has none of its own: a remedy arm, or two
+    replicas of two ranks, take the plain arm's (the same fields without the state averaging, or
+    without ``intra_node='allreduce'``)."""
+    fields = {k: v for k, v in ARMS[arm].items() if k not in ("state_avg_every", "state_avg")
+              and (k, v) != ("intra_node", "allreduce")}
+    return next((a for a, f in ARMS.items() if f == fields), arm)
+
+
 def _spec(arm: str, args: argparse.Namespace, seed: int, settings: Dict[str, Dict[str, Any]],
           **over: Any) -> Dict[str, Any]:
     """The RunSpec fields of ``arm``: its ARMS entry, the run's options, its best settings (a sweep's),
@@ -511,7 +532,7 @@ def _spec(arm: str, args: argparse.Namespace, seed: int, settings: Dict[str, Dic
                 data_split=args.data_split, grad_clip=args.grad_clip, warmup_steps=args.warmup_steps)
     if args.lr is not None:
         spec["lr"] = args.lr
-    spec.update(settings.get(arm, {}))
+    spec.update(settings.get(arm, settings.get(settings_arm(arm), {})))
     spec.update(over)
     return spec
 
@@ -669,11 +690,24 @@ def _sweep_report(rows: List[Dict[str, Any]], out: Path, args: argparse.Namespac
             and best[arm].get("outer_momentum") == _num(om) else ""
         outer = "-" if olr in (None, "", "None") else f"{float(olr):g}/{float(om):g}"
         print(f"{arm:22} {lr:8.2e} {outer:>11} {statistics.mean(vs):15.4f}{mark}")
-    print(f"wrote {out / 'bench_lm_sweep.csv'}")
+    summary = [dict(zip(SWEEP_DOCS_COLUMNS, (
+        arm, f"{lr:.2g}", "-" if olr in (None, "", "None") else f"{float(olr):g}",
+        "-" if om in (None, "", "None") else f"{float(om):g}", len(vs), f"{statistics.mean(vs):.4f}",
+        "best" if best.get(arm, {}).get("lr") == lr and best[arm].get("outer_lr") == _num(olr)
+        and best[arm].get("outer_momentum") == _num(om) else "")))
+        for (arm, lr, olr, om), vs in sorted(finals.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2:])))]
+    write_csv(out / "bench_lm_sweep_summary.csv", list(SWEEP_DOCS_COLUMNS), summary)
+    print(f"wrote {out / 'bench_lm_sweep.csv'}, {out / 'bench_lm_sweep_summary.csv'}")
     if args.docs:
         write_csv(SETTINGS, list(COLUMNS) + ["machine"], stamped(rows))
-        print(f"wrote {SETTINGS.relative_to(ROOT)} (every other mode's default settings)")
+        write_csv(SETTINGS.with_name("bench_lm_sweep_summary.csv"), list(SWEEP_DOCS_COLUMNS), summary)
+        print(f"wrote {SETTINGS.relative_to(ROOT)} (every other mode's default settings) and its summary")
     return 0
+
+
+#: the sweep as the Benchmarks page shows it: one row per arm and setting
+SWEEP_DOCS_COLUMNS = ("arm", "inner peak lr", "outer lr", "outer momentum", "seeds", "final held-out bits/byte",
+                      "chosen")
 
 
 #: the race as the Benchmarks page shows it (formatted), from race_summary()'s rows

@@ -81,6 +81,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "plain averaging)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="decentpy local steps: the outer SGD's Nesterov momentum (default DiLoCo's 0.9; 0: plain SGD)")
+    p.add_argument("--state-avg-every", type=int, default=0, metavar="K",
+                   help="decentpy: average the AdamW states over the workers every K steps "
+                        "(decentpy.OptimizerStateAveraging; 0: never)")
+    p.add_argument("--state-avg", default="exp_avg_sq", choices=list(loop.STATE_AVG), metavar="STATES",
+                   help="with --state-avg-every: exp_avg_sq (Adam's second moment) or exp_avg,exp_avg_sq (both)")
     p.add_argument("--data-split", default="shuffle", choices=list(lm_corpus.SPLITS),
                    help="shuffle: each step's global batch drawn from the whole text, split over the workers (as "
                         "DistributedSampler); shard: each worker its own contiguous part (heterogeneous data)")
@@ -136,7 +141,8 @@ def make_spec(args: argparse.Namespace) -> loop.RunSpec:
                         evals=args.evals, val_windows=args.val_windows, lr=args.lr, global_batch=args.global_batch,
                         context=args.context, local_world_size=args.local_world_size, log_every=args.log_every,
                         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, data_split=args.data_split,
-                        grad_clip=args.grad_clip, warmup_steps=args.warmup_steps)
+                        grad_clip=args.grad_clip, warmup_steps=args.warmup_steps,
+                        state_avg_every=args.state_avg_every, state_avg=args.state_avg)
     if args.eval_every is not None:
         spec.evals = max(1, loop.schedule(spec).steps // args.eval_every)
     return spec

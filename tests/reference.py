@@ -124,7 +124,8 @@ def simulate(n: int, mixing: Callable[[int], Tensor], opt_name: str, steps: int,
              grad_hook: Callable[[int, int, List[Tensor]], None] | None = None,
              micro_batches: int = 1,
              skip: Callable[[int, int], bool] | None = None,
-             data_ranks: Sequence[Any] | None = None) -> List[Dict[str, Tensor]]:
+             data_ranks: Sequence[Any] | None = None,
+             after_step: Callable[[int, List[Any]], None] | None = None) -> List[Dict[str, Tensor]]:
     """Final float64 parameters of every worker after ``steps`` iterations.
 
     ``mixing(k)`` is W(k); ``micro_batches`` > 1 sums the gradients of that many batches per
@@ -132,7 +133,8 @@ def simulate(n: int, mixing: Callable[[int], Tensor], opt_name: str, steps: int,
     ``skip(rank, k)`` true means that worker only mixes at step k (no optimizer step);
     ``data_ranks[i]`` is the rank whose batches worker i trains on (default: i), or the ranks (a
     list, or ``fn(k) -> list`` for iteration k) whose mean gradient it takes: a node of ranks that
-    averages its gradients exactly (intra_node).
+    averages its gradients exactly (intra_node). ``after_step(k, opts)`` runs once every worker has
+    stepped in iteration k (e.g. to edit the optimizers' states).
     """
     data_ranks = list(range(n)) if data_ranks is None else list(data_ranks)
     make = make_mlp if kind == "mlp" else make_cnn
@@ -161,6 +163,8 @@ def simulate(n: int, mixing: Callable[[int], Tensor], opt_name: str, steps: int,
         for i, o in enumerate(opts):
             if skip is None or not skip(i, k):
                 o.step()
+        if after_step is not None:
+            after_step(k, opts)
     return [{name: p.detach().clone() for name, p in m.named_parameters()} for m in models]
 
 

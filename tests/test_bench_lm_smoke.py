@@ -169,3 +169,19 @@ def test_best_settings_take_each_arms_lowest_mean_final_loss(tmp_path) -> None:
     got = best_settings(tmp_path / "sweep.csv")
     assert got["diloco-32"] == {"lr": 2e-3, "outer_lr": 1.0, "outer_momentum": 0.0}
     assert got["ddp"] == {"lr": 4e-3}
+
+
+def test_remedy_and_two_replica_arms_are_named_and_take_the_plain_arms_settings() -> None:
+    """A row of an Adam-state-averaging arm or of two replicas of two names its own arm (not the plain
+    'complete'), and those arms run at the plain arm's swept settings."""
+    from bench.bench_lm import ARMS, arm_name, settings_arm
+
+    base = dict(mode="decentpy", topology="complete", compression="none", intra_node="gossip", local_steps=1,
+                fragments=1)
+    assert arm_name(base) == "complete"
+    assert arm_name(dict(base, state_averaging="exp_avg_sq/16")) == "complete-avg-v-16"
+    assert arm_name(dict(base, state_averaging="exp_avg,exp_avg_sq/1")) == "complete-avg-mv-1"
+    assert arm_name(dict(base, intra_node="allreduce")) == "complete-2x2"
+    for arm in ("complete-avg-v-1", "complete-avg-v-16", "complete-avg-mv-1", "complete-avg-mv-16", "complete-2x2"):
+        assert arm in ARMS and settings_arm(arm) == "complete"
+    assert settings_arm("aer-int8") == "aer-int8"

@@ -215,6 +215,12 @@ class FusedOptimizer(Optimizer):
         self._flat_layout_key = key
         return [self._flat_state[n] for n in names]
 
+    def state_block(self, name: str) -> Optional[Tensor]:
+        """The flat fp32 block that holds state ``name`` of every parameter of the bucket (the
+        per-parameter entries of ``self.state`` are views into it), or ``None`` before the bucket
+        path set it up. Lets a caller communicate a state in one piece (OptimizerStateAveraging)."""
+        return self._flat_state.get(name) if self._flat_layout_key is not None else None
+
     def prepare_bucket_state(self, params: Sequence[Tensor], offsets: Sequence[int], total: int,
                              device: torch.device) -> None:
         """Allocate the bucket's flat state blocks ahead of the first step (zeros, step 0)."""

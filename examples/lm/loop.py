@@ -84,6 +84,9 @@ POWERSGD_RANK = 4
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 
+#: what ``state_avg`` may name: Adam's second moment, or both moments
+STATE_AVG = ("exp_avg_sq", "exp_avg,exp_avg_sq")
+
 #: the columns of a row, in order (the benchmark's CSV writes them so)
 COLUMNS = ("framework", "mode", "topology", "compression", "intra_node", "local_steps", "fragments", "link_mbit",
            "workers", "preset", "seed", "data_split", "peak_lr", "grad_clip", "warmup_steps", "outer_lr",
@@ -122,6 +125,8 @@ class RunSpec:
     data_split: str = "shuffle"  # examples.lm.corpus.SPLITS: the whole text shuffled, or a shard per rank
     outer_lr: Optional[float] = None  # local steps: the outer SGD's lr (None: DiLoCo's 0.7)
     outer_momentum: Optional[float] = None  # local steps: its Nesterov momentum (None: DiLoCo's 0.9; 0: plain)
+    state_avg_every: int = 0  # decentpy only: average the AdamW states over the workers every this many steps (0: never)
+    state_avg: str = "exp_avg_sq"  # which: 'exp_avg_sq' or 'exp_avg,exp_avg_sq' (decentpy.OptimizerStateAveraging)
     link_mbit: Optional[float] = None  # recorded in the rows only (the benchmark throttles the link)
     budget_s: Optional[float] = None  # recorded in the rows only: the wall-clock budget this token count fills
     log_every: int = 0  # on_log every this many steps (0: never)
@@ -171,6 +176,14 @@ class RunSpec:
             raise ValueError(f"outer_lr must be a finite number > 0, got {self.outer_lr}")
         if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if isinstance(self.state_avg_every, bool) or not isinstance(self.state_avg_every, int) or \
+                self.state_avg_every < 0:
+            raise ValueError(f"state_avg_every must be an int >= 0 (0: never), got {self.state_avg_every!r}")
+        if self.state_avg_every and self.mode != "decentpy":
+            raise ValueError(f"state_avg_every is decentpy's OptimizerStateAveraging: give mode 'decentpy' (got mode "
+                             f"{self.mode!r})")
+        if self.state_avg not in STATE_AVG:
+            raise ValueError(f"state_avg must be one of {', '.join(map(repr, STATE_AVG))}, got {self.state_avg!r}")
         cfg = self.model_config()
         if cfg.global_batch % world_size:
             raise ValueError(f"the global batch ({cfg.global_batch} sequences) must be a multiple of the number of "
@@ -377,10 +390,17 @@ class _DecentpyArm(_Arm):
                                              grad_clip_norm=spec.grad_clip,
                                              outer_optim=(functools.partial(_outer_sgd, *outer_settings(spec))
                                                           if spec.local_steps > 1 else None))
+        self.state_avg = None
+        if spec.state_avg_every:
+            from decentpy import OptimizerStateAveraging
+            self.state_avg = OptimizerStateAveraging(self.ddp, every=spec.state_avg_every,
+                                                     states=tuple(spec.state_avg.split(",")))
 
     def train_step(self, x: Tensor, y: Tensor) -> Tensor:
         loss = _loss(self.ddp(x), y)
         loss.backward()  # the wrapper steps and launches the exchanges inside backward
+        if self.state_avg is not None:
+            self.state_avg.step()
         return loss.detach()
 
     def _stats(self) -> Dict[str, Any]:
@@ -725,6 +745,7 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
         local_steps=spec.local_steps if spec.mode in ("decentpy", "torchft-diloco") else 1, fragments=spec.fragments,
         link_mbit=spec.link_mbit, data_split=spec.data_split, peak_lr=cfg.lr, grad_clip=spec.grad_clip,
         warmup_steps=sched.warmup, budget_s=spec.budget_s,
+        state_averaging=f"{spec.state_avg}/{spec.state_avg_every}" if spec.state_avg_every else None,
         **(dict(zip(("outer_lr", "outer_momentum"), outer_settings(spec))) if spec.local_steps > 1 else {}),
         workers=n,
         preset=spec.preset, seed=spec.seed, params=count_parameters(model), bytes_source=arm.bytes_source,
