@@ -208,6 +208,12 @@ def test_bad_presets_and_specs_name_the_value() -> None:
         L.RunSpec(mode="torchft-diloco").check(2)
     with pytest.raises(ValueError, match="fragments=4 .* stream decentpy's local steps"):
         L.RunSpec(mode="decentpy", fragments=4).check(2)
+    with pytest.raises(ValueError, match="state_avg_every must be an int >= 0"):
+        L.RunSpec(state_avg_every=-1).check(2)
+    with pytest.raises(ValueError, match="give mode 'decentpy'"):
+        L.RunSpec(mode="ddp", state_avg_every=4).check(2)
+    with pytest.raises(ValueError, match="state_avg must be one of"):
+        L.RunSpec(state_avg="exp_avg").check(2)
 
 
 def test_schedule_evaluates_at_least_eight_times_and_spends_the_budget() -> None:
@@ -349,7 +355,13 @@ def _recipe_arms(rank: int, world: int, small_dir: str) -> List[List[Dict[str, A
     return [L.run_arm(L.RunSpec(mode="ddp", **common), corpus),
             L.run_arm(L.RunSpec(mode="ddp", data_split="shard", **common), corpus),
             L.run_arm(L.RunSpec(mode="decentpy", topology="complete", local_steps=4, outer_lr=1.0, outer_momentum=0.0,
-                                **common), corpus)]
+                                **common), corpus),
+            # the clip reaches decent-dp's optimizer (it steps inside backward): the same loss as decentpy's
+            # same topology, and another one without the clip
+            L.run_arm(L.RunSpec(mode="decentpy", topology="ring", **common), corpus),
+            L.run_arm(L.RunSpec(mode="decent-dp", topology="ring", **common), corpus),
+            L.run_arm(L.RunSpec(mode="decent-dp", topology="ring", **dict(common, grad_clip=0.0)), corpus),
+            L.run_arm(L.RunSpec(mode="decentpy", topology="ring", state_avg_every=2, **common), corpus)]
 
 
 def _recipe_reference(corpus: C.Corpus, split: str, world: int = 2) -> float:
@@ -387,7 +399,7 @@ def test_the_recipe_is_ddp_on_the_global_batch(small_dir: str) -> None:
     on the DDP arm against a float64 re-computation on the global batch (both splits), and a local-steps
     arm's outer settings recorded in its rows."""
     ranks = run_workers(_recipe_arms, 2, small_dir, timeout=180)
-    shuffled, shard, diloco = ranks[0]
+    shuffled, shard, diloco, ring, decent_dp, decent_dp_unclipped, averaged = ranks[0]
     corpus = C.load_corpus(small_dir)
     for rows, split in ((shuffled, "shuffle"), (shard, "shard")):
         last = rows[-1]
@@ -396,3 +408,7 @@ def test_the_recipe_is_ddp_on_the_global_batch(small_dir: str) -> None:
     assert shuffled[-1]["val_bits_per_byte"] != shard[-1]["val_bits_per_byte"]
     assert diloco[-1]["outer_lr"] == 1.0 and diloco[-1]["outer_momentum"] == 0.0 and diloco[-1]["local_steps"] == 4
     assert shuffled[-1]["outer_lr"] is None and shuffled[-1]["budget_s"] is None
+    mine, theirs, unclipped = (r[-1]["val_bits_per_byte"] for r in (ring, decent_dp, decent_dp_unclipped))
+    assert abs(mine - theirs) < 2e-3 < abs(theirs - unclipped), (mine, theirs, unclipped)
+    assert averaged[-1]["state_averaging"] == "exp_avg_sq/2" and ring[-1]["state_averaging"] is None
+    assert averaged[-1]["val_bits_per_byte"] != ring[-1]["val_bits_per_byte"]

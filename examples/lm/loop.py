@@ -90,7 +90,7 @@ STATE_AVG = ("exp_avg_sq", "exp_avg,exp_avg_sq")
 #: the columns of a row, in order (the benchmark's CSV writes them so)
 COLUMNS = ("framework", "mode", "topology", "compression", "intra_node", "local_steps", "fragments", "link_mbit",
            "workers", "preset", "seed", "data_split", "peak_lr", "grad_clip", "warmup_steps", "outer_lr",
-           "outer_momentum", "budget_s",
+           "outer_momentum", "state_averaging", "budget_s",
            "step", "tokens", "wall_s", "bytes_sent_per_worker", "val_bits_per_byte",
            "val_bits_per_byte_workers_mean", "consensus_distance", "skipped_steps", "train_bits_per_byte",
            "tokens_per_s", "lr", "params", "bytes_source", "corpus", "corpus_bytes", "corpus_hash", "device")
@@ -454,10 +454,11 @@ class _DecentDPArm(_Arm):
             # torch's AdamW with decentpy's decay groups: the optimizer of every other arm
             return torch.optim.AdamW(_adamw_groups(named, spec.weight_decay), lr=cfg.lr, betas=BETAS, eps=EPS)
 
+        # decent-dp steps inside backward from its second iteration on (its first is lazy): its own
+        # per-bucket clip (grad_clip_norm, as decentpy's) is the only one that reaches its optimizer
         self.ddp = RefDDP(model, optim_fn=optim_fn, lr_scheduler_fn=_scheduler_fn(cfg.lr, sched),
-                          topology=spec.topology, _local_world_size=lws)
+                          topology=spec.topology, _local_world_size=lws, grad_clip_norm=spec.grad_clip)
         self.param_bytes = 4.0 * sum(p.numel() for p in model.parameters())
-        self.clip = spec.grad_clip
         self.rank = dist.get_rank()
         self.steps = 0
         self.sent = 0.0
@@ -465,8 +466,6 @@ class _DecentDPArm(_Arm):
     def train_step(self, x: Tensor, y: Tensor) -> Tensor:
         loss = _loss(self.ddp(x), y)
         loss.backward()
-        if self.clip > 0:  # decent-dp steps lazily at the next forward: the clipped gradients are the ones it steps
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         # decent-dp's all-reduces of every parameter over a step's group, as its forward and backward
         # hooks launch them: none in iteration 1, edges 1 (second forward) and 3 in iteration 2, then i + 1
         self.steps += 1
