@@ -393,7 +393,7 @@ def targets(summary: Sequence[Dict[str, Any]]) -> List[Tuple[str, Optional[bool]
         if ARMS.get(s["arm"], {}).get("mode") != "decentpy":
             continue
         lim = quality_limit(s["arm"])
-        out.append((f"{s['arm']}: final held-out loss within {100 * lim:.0f}% of DDP's (loopback, mean of "
+        out.append((f"{s['arm']}: final held-out loss within {100 * lim:g}% of DDP's (loopback, mean of "
                     f"{s['seeds']} seed(s))", s["vs_ddp_final"] <= lim, f"{100 * s['vs_ddp_final']:+.1f}%"))
     by_arm = {s["arm"]: s for s in loop}
     if "complete-2x2" in by_arm and "complete" in by_arm:
@@ -675,13 +675,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.docs:
         name = args.docs_name
         write_csv(ROOT / "docs" / "data" / f"{name}.csv", list(COLUMNS) + ["machine"], stamped(rows))
-        write_csv(ROOT / "docs" / "data" / f"{name}_summary.csv", list(DOCS_COLUMNS), docs_rows(summary))
+        # the summary page of the run: its equal-token table, or the race's when it is only a race
+        # (then NAME_summary.csv is the race table; a mixed run writes the race as NAME_race.csv)
+        race_name = f"{name}_race.csv" if summary else f"{name}_summary.csv"
+        if summary or not race:
+            write_csv(ROOT / "docs" / "data" / f"{name}_summary.csv", list(DOCS_COLUMNS), docs_rows(summary))
         if race:
-            write_csv(ROOT / "docs" / "data" / f"{name}_race.csv", list(RACE_DOCS_COLUMNS), race_docs_rows(race))
+            write_csv(ROOT / "docs" / "data" / race_name, list(RACE_DOCS_COLUMNS), race_docs_rows(race))
         if png is not None:
             shutil.copy(png, ROOT / "docs" / f"{name}.png")
-        print(f"wrote docs/data/{name}.csv, docs/data/{name}_summary.csv" + (", _race.csv" if race else "")
-              + (f", docs/{name}.png" if png else ""))
+        print(f"wrote docs/data/{name}.csv" + (f", docs/data/{name}_summary.csv" if summary or not race else "")
+              + (f", docs/data/{race_name} (the race)" if race else "") + (f", docs/{name}.png" if png else ""))
     return 0
 
 

@@ -37,6 +37,13 @@ TABLES: Dict[str, str] = {
                              "loopback` (then `--from-csv ... --docs --docs-name bench_lm_wide`): the `wide` preset "
                              "(9,094,272 parameters, context 64, global batch 16: 976 steps for 999,424 tokens), seed 0, "
                              "4 workers. AMD EPYC, 2 cores, torch 2.13.0+cpu, 2026-11-28.",
+    "bench_lm_sweep_summary": "`python -m bench.bench_lm --sweep --docs` (bench/bench_lm.py): each arm of the race "
+                              "at 500k tokens on loopback, seed 0, the `small` preset, 4 workers, the shuffled split, "
+                              "gradients clipped to 1.0, warm-up 5% of the steps: the inner peak lr x 0.5 / 1 / 2 of "
+                              "the preset's 2e-3, and for local steps the outer (lr, momentum) among DiLoCo's (0.7, "
+                              "0.9), plain averaging (1, 0) and (0.85, 0.5); 'best': the setting every other mode of "
+                              "bench-lm takes (`--settings`). Training is deterministic per seed: the machine sets only "
+                              "the time. AMD EPYC, 2 cores, torch 2.13.0+cpu, 2026-11-29.",
     "bench_straggler_summary": "`make bench-straggler` (bench/bench_straggler.py --docs): 4 workers, the byte-level "
                                "LM's small preset, DiLoCo on the complete topology, 12 outer steps per run, medians of "
                                "2 interleaved runs per arm (every evaluation: docs/data/bench_straggler.csv; "
