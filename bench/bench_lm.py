@@ -184,11 +184,6 @@ def probe_link(specs: Dict[str, Dict[str, Any]], mbit: Optional[float], corpus: 
     return dict(zip(specs, got))
 
 
-def race_tokens(budget_s: float, tokens_per_s: float, tokens_per_step: int) -> int:
-    """The token budget an arm of ``tokens_per_s`` trains in ``budget_s``: whole steps, at least 8."""
-    return max(8, int(budget_s * tokens_per_s // tokens_per_step)) * tokens_per_step
-
-
 def best_settings(path: Path) -> Dict[str, Dict[str, Any]]:
     """Each arm's best settings in a sweep's CSV (the lowest final held-out loss, mean over its seeds):
     ``{arm: {"lr", "outer_lr", "outer_momentum"}}`` (the outer ones for local-steps arms)."""
@@ -587,7 +582,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(load_corpus(args.corpus).describe())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from examples.lm.loop import COLUMNS, RunSpec, schedule
+    from examples.lm.loop import COLUMNS, RunSpec, schedule, tokens_for_budget
     stamp = {"machine": machine_line if args.from_csv else
              f"{machine.get('cpu', '')}, {machine.get('cores', '')} cores, torch {machine.get('torch', '')}"}
     csv_name = "bench_lm_sweep.csv" if args.sweep else "bench_lm.csv"
@@ -619,7 +614,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             plan.append((link, seed, arm, _spec(arm, args, seed, {}, **v),
                                          ", ".join(f"{k} {x:g}" for k, x in v.items())))
                     elif args.race:
-                        tokens = race_tokens(budget, tps[arm]["tokens_per_s"], per_step)
+                        tokens = tokens_for_budget(budget, tps[arm]["tokens_per_s"], per_step)
                         plan.append((link, seed, arm, _spec(arm, args, seed, settings, tokens=tokens, budget_s=budget),
                                      f"{tokens:,} tokens in T"))
                     else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import sys
 from typing import Any, Dict, List, Optional
@@ -95,6 +96,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--preset", default="small", choices=sorted(model.PRESETS), help="model size")
     p.add_argument("--tokens", type=_count, default=1_000_000,
                    help="token budget over all workers (steps = tokens / (global batch x context))")
+    p.add_argument("--budget-s", type=float, default=None, metavar="S",
+                   help="a wall-clock budget instead of --tokens: a short probe of this mode on this launch "
+                        "measures its throughput, and the run trains the tokens that fill S seconds, its "
+                        "schedule sized to them (bench-lm's race)")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--evals", type=int, default=8, help="evaluations after step 0, evenly spaced")
@@ -121,6 +126,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     if args.log_every < 0:
         p.error(f"--log-every must be >= 0, got {args.log_every}")
+    if args.budget_s is not None and not (args.budget_s > 0 and math.isfinite(args.budget_s)):
+        p.error(f"--budget-s must be a finite number of seconds > 0, got {args.budget_s}")
     if args.mode.startswith("ddp") and args.topology is not None:
         p.error(f"--topology {args.topology}: torch DDP all-reduces; --topology is for --mode decentpy or decent-dp")
     if args.mode != "decentpy" and (args.compression != "none" or args.intra_node != "gossip"):
@@ -180,6 +187,15 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         spec = make_spec(args)
         spec.check(world)
         corpus = lm_corpus.load_corpus(args.corpus)
+        if args.budget_s is not None:  # the race: the tokens this mode trains in the budget here
+            probe = loop.measure_throughput(spec, corpus, args.device_)
+            spec.tokens = loop.tokens_for_budget(args.budget_s, probe["tokens_per_s"],
+                                                 loop.schedule(spec).tokens_per_step)
+            spec.budget_s = args.budget_s
+            if args.eval_every is not None:
+                spec.evals = max(1, loop.schedule(spec).steps // args.eval_every)
+            out(f"time budget {args.budget_s:g} s: this mode trains {probe['tokens_per_s']:,.0f} tokens/s here "
+                f"(a {probe['steps']:.0f}-step probe), so {spec.tokens:,} tokens", flush=True)
         cfg, sched = spec.model_config(), loop.schedule(spec)
         out(f"decentpy {decentpy.__version__}, torch {torch.__version__}, {world} workers, backend "
             f"{dist.get_backend()}, device {args.device_}", flush=True)

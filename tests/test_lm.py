@@ -227,6 +227,7 @@ def test_schedule_evaluates_at_least_eight_times_and_spends_the_budget() -> None
     (["--mode", "decent-dp", "--compression", "int8"], "--mode decent-dp takes neither"),
     (["--tokens", "2x"], "'2x' is not a count"),
     (["--evals", "0"], "--evals must be >= 1, got 0"),
+    (["--budget-s", "0"], "--budget-s must be a finite number of seconds > 0, got 0.0"),
 ])
 def test_the_command_line_refuses_what_a_mode_cannot_do(argv: Any, message: str, capsys: Any) -> None:
     import examples.train_lm as T
@@ -282,13 +283,18 @@ def _every_mode(rank: int, world: int, small_dir: str) -> Dict[str, Any]:
     with contextlib.redirect_stdout(out):  # the example's CLI in this worker's process group: torch DDP
         cli_rows = run_example_main("train_lm.py", ["--mode", "ddp", "--corpus", small_dir, "--tokens", "7680",
                                                     "--evals", "2", *TINY])
+    budget_out = io.StringIO()
+    with contextlib.redirect_stdout(budget_out):  # the race from the command line: a probe sizes the tokens
+        budget_rows = run_example_main("train_lm.py", ["--mode", "decentpy", "--topology", "complete", "--corpus",
+                                                       small_dir, "--budget-s", "2", "--evals", "1", *TINY])
     corpus = C.load_corpus(small_dir)
     runs = []
     for mode, kw in (("ddp-powersgd", {}), ("decentpy", {"compression": "int8", "topology": "complete"}),
                      ("decent-dp", {"topology": "ring"}), ("decentpy", {"topology": "complete", "local_steps": 4})):
         spec = L.RunSpec(mode=mode, tokens=2048, evals=2, val_windows=16, context=32, global_batch=8, lr=3e-3, **kw)
         runs.append(L.run_arm(spec, corpus))
-    return {"stdout": out.getvalue(), "cli_rows": cli_rows, "runs": runs}
+    return {"stdout": out.getvalue(), "cli_rows": cli_rows, "runs": runs, "budget_rows": budget_rows,
+            "budget_stdout": budget_out.getvalue()}
 
 
 def test_every_mode_trains_from_the_same_model_and_reports_its_rows(small_dir: str) -> None:
@@ -320,6 +326,16 @@ def test_every_mode_trains_from_the_same_model_and_reports_its_rows(small_dir: s
     assert runs[3][-1]["local_steps"] == 4 and runs[0][-1]["local_steps"] == 1 and runs[3][-1]["fragments"] == 1
     assert params * 4 * 2 <= runs[3][-1]["bytes_sent_per_worker"] <= params * 4 * 2 * 1.05, (runs[3][-1], params)
     assert runs[0][-1]["topology"] == "allreduce" and runs[0][-1]["intra_node"] is None
+    # --budget-s: the tokens of the probed speed for 2 s, whole steps, recorded with the budget
+    budget = ranks[0]["budget_rows"]
+    per_step = budget[-1]["tokens"] // budget[-1]["step"]
+    assert budget[-1]["budget_s"] == 2.0 and budget[-1]["tokens"] % per_step == 0 and budget[-1]["step"] >= 8
+    probed = re.search(r"time budget 2 s: this mode trains ([\d,]+) tokens/s here .* so ([\d,]+) tokens",
+                       ranks[0]["budget_stdout"])
+    assert probed, ranks[0]["budget_stdout"]
+    tps, tokens = (int(g.replace(",", "")) for g in probed.groups())
+    assert tokens == budget[-1]["tokens"], (tokens, budget[-1])
+    assert tokens == 8 * per_step or -1 <= 2 * tps - tokens < per_step + 1, (tokens, tps, per_step)  # tps is rounded
 
 
 def _torchft_anchor(rank: int, world: int, small_dir: str) -> List[List[Dict[str, Any]]]:

@@ -73,7 +73,7 @@ from .corpus import Corpus, train_batch, val_windows
 from .model import ByteTransformer, ModelConfig, count_parameters, preset
 
 __all__ = ["MODES", "COLUMNS", "RunSpec", "Schedule", "schedule", "run_arm", "bits_per_byte", "TorchftStandInManager",
-           "DILOCO_OUTER", "outer_settings", "measure_throughput"]
+           "DILOCO_OUTER", "outer_settings", "measure_throughput", "tokens_for_budget"]
 
 MODES = ("ddp", "ddp-powersgd", "decentpy", "decent-dp", "torchft-diloco")
 FRAMEWORK = {"ddp": "torch", "ddp-powersgd": "torch", "decentpy": "decentpy", "decent-dp": "decent-dp",
@@ -711,6 +711,15 @@ def measure_throughput(spec: RunSpec, corpus: Corpus, device: Optional[torch.dev
     s_per_step = float(took) / steps
     return {"tokens_per_s": cfg.global_batch * cfg.context / s_per_step, "s_per_step": s_per_step,
             "steps": float(steps)}
+
+
+def tokens_for_budget(budget_s: float, tokens_per_s: float, tokens_per_step: int) -> int:
+    """The token budget an arm of ``tokens_per_s`` trains in ``budget_s`` (the race's rule): whole
+    steps, at least 8."""
+    if not (budget_s > 0 and math.isfinite(budget_s)) or not (tokens_per_s > 0 and math.isfinite(tokens_per_s)):
+        raise ValueError(f"a time budget needs budget_s > 0 and a measured throughput > 0, got budget_s={budget_s!r}, "
+                         f"tokens_per_s={tokens_per_s!r}")
+    return max(8, int(budget_s * tokens_per_s // tokens_per_step)) * tokens_per_step
 
 
 def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None,
