@@ -63,14 +63,25 @@ TABLES: Dict[str, str] = {
                            "(A/B: 30) iterations; 'torch iteration' keeps its gradients (autograd adds into them), "
                            "'with zero_grad()' is the usual loop. Two NVIDIA H200 machines, torch 2.11.0+cu130, "
                            "2026-11-27: bench 1 and 2 on the first, A/B on the second.",
-    "bench_lm_summary": "`make bench-lm` (bench/bench_lm.py), the full table run in parts and merged with "
-                        "`--from-csv`: every arm on loopback and behind 100 Mbit/s per node (two simulated nodes of 2) "
-                        "with seeds 0 and 1, every arm behind 1000 Mbit/s with seed 0, the local-steps arms with seed "
-                        "0; the `small` preset, 1,073,536 parameters, 999,424 tokens, 8 evaluations, 4 workers; corpus: "
+    "bench_lm_summary": "`python -m bench.bench_lm --arms ddp,complete,complete-avg-v-16,complete-avg-mv-1,complete-2x2,"
+                        "aer,aer-int8,diloco-32,diloco-32-streaming-4 --links loopback --seeds 0,1,2`, `--arms "
+                        "complete-avg-v-1,complete-avg-mv-16 --seeds 0` and `--arms complete-avg-v-1 --seeds 1,2` "
+                        "(merged with `--from-csv ... --docs`): equal tokens "
+                        "(999,424), each arm at its best settings in the sweep, the `small` preset, 1,073,536 "
+                        "parameters, 4 workers, the shuffled split, gradients clipped to 1.0, 8 evaluations; corpus: "
                         "CPython 3.11.7's standard library, 31,512,085 bytes, file-list hash 0d7e6025254fea8e. AMD "
-                        "EPYC, 2 cores shared by the 4 workers, torch 2.13.0+cpu, 2026-11-27 (seed 0 of the default "
-                        "arms) and 2026-11-28 (the rest). Times interpolated between evaluations; 'loss every arm "
-                        "reached': the worst mean final loss of the every-step arms of the link.",
+                        "EPYC, 2 cores shared by the 4 workers, torch 2.13.0+cpu, decent-dp 0.2.3, 2026-11-29. "
+                        "Times interpolated between evaluations; 'loss every arm reached': the worst mean final "
+                        "loss of the every-step arms.",
+    "bench_lm_race_summary": "`python -m bench.bench_lm --race --arms ddp,aer,aer-int8,diloco-32-streaming-4,"
+                             "decent-dp-aer --links 100 --seeds 0,1,2` and `--links loopback,1000 --seeds 0` (merged "
+                             "with `--from-csv ... --docs --docs-name bench_lm_race`): per link T = DDP's time for "
+                             "1M tokens from its probe on that link; each arm's tokens from its own probe there, its "
+                             "schedule sized to them; 4 workers as two simulated nodes of 2 (network namespaces, tbf "
+                             "on each node's link), each arm at its best settings in the sweep, the `small` preset, "
+                             "the shuffled split, clip 1.0; 'train wall': the arm's training time (evaluations "
+                             "excluded). AMD EPYC, 2 cores shared by the 4 workers, torch 2.13.0+cpu, decent-dp "
+                             "0.2.3, 2026-11-29.",
     "bench_train": "`make bench-train` (bench/bench_train.py): AdamW, gloo, 1 torch thread per worker, median step "
                    "time over 32 steps (CNN rows: 48), max over ranks; decent-dp 0.2.3 and torch DDP in the same "
                    "run. Intel Xeon, 2 cores shared by the 4 or 8 workers, torch 2.13.0+cpu.",
