@@ -153,35 +153,55 @@ def _worker(rank: int, world: int, plan: Dict[str, Any]) -> Any:
     return run_arm(RunSpec(**plan["spec"]), corpus, torch.device("cpu"))
 
 
+def _spawn_on_link(plan: Dict[str, Any], mbit: Optional[float], timeout: float) -> List[Any]:
+    """The four workers on one link (loopback, or two simulated nodes behind ``mbit`` per node), each
+    running :func:`_worker` with ``plan``; their results."""
+    if mbit is None:
+        return spawn_workers(_worker, WORKERS, plan, timeout, pg_timeout_s=timeout)
+    from bench.common.netlink import ThrottledNetwork
+    with ThrottledNetwork(WORKERS, mbit, "two-nodes") as net:
+        return spawn_workers(_worker, WORKERS, plan, timeout, pg_timeout_s=timeout, net=net)
+
+
 def run_one(spec: Dict[str, Any], mbit: Optional[float], corpus: Optional[str], timeout: float) -> List[Dict[str, Any]]:
     """One arm, one seed, on one link: the rows of its evaluations."""
-    net = None
-    if mbit is not None:
-        from bench.common.netlink import ThrottledNetwork
-        net = ThrottledNetwork(WORKERS, mbit, "two-nodes")
-    try:
-        return spawn_workers(_worker, WORKERS, {"spec": dict(spec, link_mbit=mbit), "corpus": corpus}, timeout,
-                             pg_timeout_s=timeout, net=net)
-    finally:
-        if net is not None:
-            net.close()
+    return _spawn_on_link({"spec": dict(spec, link_mbit=mbit), "corpus": corpus}, mbit, timeout)
 
 
 def probe_link(specs: Dict[str, Dict[str, Any]], mbit: Optional[float], corpus: Optional[str],
                timeout: float) -> Dict[str, Dict[str, float]]:
     """Every arm's throughput on one link (:func:`examples.lm.loop.measure_throughput`), measured one
     after the other by the same four workers: ``{arm: {"tokens_per_s", "s_per_step", "steps"}}``."""
-    net = None
-    if mbit is not None:
-        from bench.common.netlink import ThrottledNetwork
-        net = ThrottledNetwork(WORKERS, mbit, "two-nodes")
-    try:
-        got = spawn_workers(_worker, WORKERS, {"probes": [dict(s, link_mbit=mbit) for s in specs.values()],
-                                               "corpus": corpus}, timeout, pg_timeout_s=timeout, net=net)
-    finally:
-        if net is not None:
-            net.close()
+    got = _spawn_on_link({"probes": [dict(s, link_mbit=mbit) for s in specs.values()], "corpus": corpus}, mbit,
+                         timeout)
     return dict(zip(specs, got))
+
+
+#: a sweep's setting of an arm: (arm, inner peak lr, outer lr, outer momentum)
+SweepKey = Tuple[str, float, Optional[float], Optional[float]]
+
+
+def sweep_finals(rows: Sequence[Dict[str, Any]]) -> Dict[SweepKey, List[float]]:
+    """A sweep's final held-out loss per arm and setting, one per seed (each run's last evaluation)."""
+    last: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
+    for r in rows:
+        key = (arm_name(r), r["seed"], r.get("peak_lr"), r.get("outer_lr"), r.get("outer_momentum"))
+        if key not in last or r["tokens"] > last[key]["tokens"]:
+            last[key] = r
+    finals: Dict[SweepKey, List[float]] = defaultdict(list)
+    for (arm, _seed, lr, olr, om), r in last.items():
+        finals[(arm, float(lr), _num(olr), _num(om))].append(float(r["val_bits_per_byte"]))
+    return finals
+
+
+def best_of(finals: Dict[SweepKey, List[float]]) -> Dict[str, SweepKey]:
+    """Each arm's setting with the lowest final loss, mean over its seeds."""
+    best: Dict[str, Tuple[float, SweepKey]] = {}
+    for key, vs in finals.items():
+        score = statistics.mean(vs)
+        if key[0] not in best or score < best[key[0]][0]:
+            best[key[0]] = (score, key)
+    return {arm: v[1] for arm, v in best.items()}
 
 
 def best_settings(path: Path) -> Dict[str, Dict[str, Any]]:
@@ -189,23 +209,10 @@ def best_settings(path: Path) -> Dict[str, Dict[str, Any]]:
     ``{arm: {"lr", "outer_lr", "outer_momentum"}}`` (the outer ones for local-steps arms)."""
     if not path.is_file():
         return {}
-    finals: Dict[Tuple[str, float, Optional[float], Optional[float]], List[float]] = defaultdict(list)
-    last: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
-    for r in read_rows(path):
-        key = (arm_name(r), r["seed"], r.get("peak_lr"), r.get("outer_lr"), r.get("outer_momentum"))
-        if key not in last or r["tokens"] > last[key]["tokens"]:
-            last[key] = r
-    for (arm, _seed, lr, olr, om), r in last.items():
-        finals[(arm, float(lr), _num(olr), _num(om))].append(float(r["val_bits_per_byte"]))
-    best: Dict[str, Tuple[float, Dict[str, Any]]] = {}
-    for (arm, lr, olr, om), vs in finals.items():
-        score = statistics.mean(vs)
-        if arm not in best or score < best[arm][0]:
-            setting: Dict[str, Any] = {"lr": lr}
-            if olr is not None:
-                setting.update(outer_lr=olr, outer_momentum=om)
-            best[arm] = (score, setting)
-    return {arm: v[1] for arm, v in best.items()}
+    out: Dict[str, Dict[str, Any]] = {}
+    for arm, (_, lr, olr, om) in best_of(sweep_finals(read_rows(path))).items():
+        out[arm] = {"lr": lr} if olr is None else {"lr": lr, "outer_lr": olr, "outer_momentum": om}
+    return out
 
 
 def _num(v: Any) -> Optional[float]:
@@ -384,7 +391,6 @@ def targets(summary: Sequence[Dict[str, Any]]) -> List[Tuple[str, Optional[bool]
     out: List[Tuple[str, Optional[bool], str]] = []
     loop = [s for s in summary if s["link"] == "loopback" and s["arm"] != "ddp" and s["vs_ddp_final"] is not None]
     for s in loop:
-        comp = ARMS.get(s["arm"], {}).get("compression", "none")
         if ARMS.get(s["arm"], {}).get("mode") != "decentpy":
             continue
         lim = quality_limit(s["arm"])
@@ -688,28 +694,18 @@ def _sweep_report(rows: List[Dict[str, Any]], out: Path, args: argparse.Namespac
     """Print the sweep per arm and its best settings; with ``--docs`` publish its CSV (the settings
     every other mode takes by default)."""
     from examples.lm.loop import COLUMNS
-    finals: Dict[Tuple[str, float, Any, Any], List[float]] = defaultdict(list)
-    last: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
-    for r in rows:
-        key = (arm_name(r), r["seed"], r.get("peak_lr"), r.get("outer_lr"), r.get("outer_momentum"))
-        if key not in last or r["tokens"] > last[key]["tokens"]:
-            last[key] = r
-    for (arm, _, lr, olr, om), r in last.items():
-        finals[(arm, float(lr), olr, om)].append(float(r["val_bits_per_byte"]))
+    finals = sweep_finals(rows)
+    chosen = set(best_of(finals).values())
     write_csv(out / "bench_lm_sweep.csv", list(COLUMNS) + ["machine"], stamped(rows))
-    best = best_settings(out / "bench_lm_sweep.csv")
     print(f"\nsweep ({args.tokens:,} tokens, loopback, seeds {args.seeds}):\n{'arm':22} {'lr':>8} {'outer':>11} "
           f"{'final bits/byte':>15}")
-    for (arm, lr, olr, om), vs in sorted(finals.items(), key=lambda kv: (kv[0][0], statistics.mean(kv[1]))):
-        mark = " <- best" if best.get(arm, {}).get("lr") == lr and best[arm].get("outer_lr") == _num(olr) \
-            and best[arm].get("outer_momentum") == _num(om) else ""
-        outer = "-" if olr in (None, "", "None") else f"{float(olr):g}/{float(om):g}"
-        print(f"{arm:22} {lr:8.2e} {outer:>11} {statistics.mean(vs):15.4f}{mark}")
+    for key, vs in sorted(finals.items(), key=lambda kv: (kv[0][0], statistics.mean(kv[1]))):
+        arm, lr, olr, om = key
+        outer = "-" if olr is None else f"{olr:g}/{om:g}"
+        print(f"{arm:22} {lr:8.2e} {outer:>11} {statistics.mean(vs):15.4f}{' <- best' if key in chosen else ''}")
     summary = [dict(zip(SWEEP_DOCS_COLUMNS, (
-        arm, f"{lr:.2g}", "-" if olr in (None, "", "None") else f"{float(olr):g}",
-        "-" if om in (None, "", "None") else f"{float(om):g}", len(vs), f"{statistics.mean(vs):.4f}",
-        "best" if best.get(arm, {}).get("lr") == lr and best[arm].get("outer_lr") == _num(olr)
-        and best[arm].get("outer_momentum") == _num(om) else "")))
+        arm, f"{lr:.2g}", "-" if olr is None else f"{olr:g}", "-" if om is None else f"{om:g}", len(vs),
+        f"{statistics.mean(vs):.4f}", "best" if (arm, lr, olr, om) in chosen else "")))
         for (arm, lr, olr, om), vs in sorted(finals.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2:])))]
     write_csv(out / "bench_lm_sweep_summary.csv", list(SWEEP_DOCS_COLUMNS), summary)
     print(f"wrote {out / 'bench_lm_sweep.csv'}, {out / 'bench_lm_sweep_summary.csv'}")

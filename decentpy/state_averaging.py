@@ -14,7 +14,6 @@ state is not what the exchange carries).
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -24,8 +23,6 @@ from torch import Tensor
 from .comm.agreement import agree_across_ranks
 
 __all__ = ["OptimizerStateAveraging", "ADAM_STATES"]
-
-log = logging.getLogger(__name__)
 
 #: the state tensors of decentpy's and torch's Adam family
 ADAM_STATES = ("exp_avg", "exp_avg_sq")

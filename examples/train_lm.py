@@ -150,9 +150,14 @@ def make_spec(args: argparse.Namespace) -> loop.RunSpec:
                         outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, data_split=args.data_split,
                         grad_clip=args.grad_clip, warmup_steps=args.warmup_steps,
                         state_avg_every=args.state_avg_every, state_avg=args.state_avg)
+    _evals_from(spec, args)
+    return spec
+
+
+def _evals_from(spec: loop.RunSpec, args: argparse.Namespace) -> None:
+    """``--eval-every`` as a number of evaluations of the spec's schedule (redone when the tokens change)."""
     if args.eval_every is not None:
         spec.evals = max(1, loop.schedule(spec).steps // args.eval_every)
-    return spec
 
 
 def _tensorboard_writer(path: Optional[str], rank: int) -> Any:
@@ -192,8 +197,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
             spec.tokens = loop.tokens_for_budget(args.budget_s, probe["tokens_per_s"],
                                                  loop.schedule(spec).tokens_per_step)
             spec.budget_s = args.budget_s
-            if args.eval_every is not None:
-                spec.evals = max(1, loop.schedule(spec).steps // args.eval_every)
+            _evals_from(spec, args)
             out(f"time budget {args.budget_s:g} s: this mode trains {probe['tokens_per_s']:,.0f} tokens/s here "
                 f"(a {probe['steps']:.0f}-step probe), so {spec.tokens:,} tokens", flush=True)
         cfg, sched = spec.model_config(), loop.schedule(spec)

@@ -10,8 +10,8 @@ only, as ``decentpy.optim.split_decay_groups`` splits them), a linear warm-up fr
 rate over ``warmup_steps`` steps (default: 5% of the steps), then a cosine decay to 10% of it
 (``decentpy.optim.lr_scheduler_fn_cosine_with_warmup`` builds it for every framework), gradients
 clipped to the norm ``grad_clip`` (default 1.0; torch DDP and torchft clip over the model, decentpy
-per bucket -- one bucket for the presets' models unless fragments split them -- and decent-dp's
-gradients are clipped after its backward, before its lazy step). The global batch is fixed per
+per bucket -- one bucket for the presets' models unless fragments split them -- and decent-dp per
+bucket through its own ``grad_clip_norm``, since it steps inside the backward). The global batch is fixed per
 preset and split over the workers, so every arm sees the same tokens per step. Local-steps arms
 take DiLoCo's outer Nesterov SGD (lr 0.7, momentum 0.9) unless ``outer_lr`` / ``outer_momentum``
 say otherwise (momentum 0: plain SGD; lr 1, momentum 0: plain averaging of the replicas).
@@ -668,6 +668,11 @@ def _eval_row(arm: _Arm, windows: Tensor, device: torch.device, row: Dict[str, A
     return {c: row.get(c) for c in COLUMNS}
 
 
+def _local_world(spec: RunSpec, n: int) -> int:
+    """Workers per simulated node: the spec's, else 2 (two nodes at 4 workers), at most ``n``."""
+    return min(spec.local_world_size or 2, n)
+
+
 def measure_throughput(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None,
                        steps: Optional[int] = None, skip: int = 4) -> Dict[str, float]:
     """The arm's training throughput on this process group (a collective, every rank alike): ``steps``
@@ -689,7 +694,7 @@ def measure_throughput(spec: RunSpec, corpus: Corpus, device: Optional[torch.dev
     sched = schedule(spec)
     torch.manual_seed(spec.seed)
     model = ByteTransformer(cfg).to(device)
-    arm = _build_arm(model, spec, cfg, sched, device, min(spec.local_world_size or 2, n))
+    arm = _build_arm(model, spec, cfg, sched, device, _local_world(spec, n))
     per_rank = cfg.global_batch // n
     try:
         t0 = time.perf_counter()
@@ -736,7 +741,7 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
     spec.check(n)
     cfg = spec.model_config()
     sched = schedule(spec)
-    lws = min(spec.local_world_size or 2, n)
+    lws = _local_world(spec, n)
     per_rank = cfg.global_batch // n
     windows = val_windows(corpus.val, cfg.context, spec.val_windows)
 
