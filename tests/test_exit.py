@@ -99,6 +99,12 @@ def _finalizing(_open=open):  # registered first: runs last, right before the in
 atexit.register(_finalizing)
 
 
+def say(line):
+    """One line in one write(2): the ranks share torchrun's stdout pipe, and print() may write the text
+    and its newline apart (unbuffered stdout), letting another rank's line land between them."""
+    os.write(1, (line + "\\n").encode())
+
+
 def linger_until_finalizing(ranks, limit_s=60.0):
     """Stay alive (as a rank that handles its own error a while: a report, a checkpoint) until every
     rank of ``ranks`` is finalizing, then close every connection at once."""
@@ -127,7 +133,7 @@ work = dist.irecv(torch.zeros(1), src=0)  # never sent: given up on when rank 0'
 try:
     watch.wait(work, "the test's receive", [0])
 except PeerTimeoutError as exc:
-    print("raised", type(exc).__name__, flush=True)
+    say("raised " + type(exc).__name__)
 '''
 
 
@@ -182,10 +188,10 @@ try:
         x, y = batch(rank, k)
         loss = loss_fn(ddp(x), y)
         (loss * float("nan") if (rank, k) == (1, 1) else loss).backward()
-    print(f"rank {rank}: no error", flush=True)
+    say(f"rank {rank}: no error")
 except NonFiniteGradientError as exc:
     origin = type(exc) is NonFiniteGradientError  # its own (or its node's) gradient, not a peer's report
-    print(f"rank {rank}: raised {type(exc).__name__}: {str(exc).splitlines()[0][:300]}", flush=True)
+    say(f"rank {rank}: raised {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
 if origin:
     linger_until_finalizing([r for r in range(4) if r not in (rank, 0, 1)] if sys.argv[1] == "shard"
                             else [r for r in range(4) if r != rank])
