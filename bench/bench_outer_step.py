@@ -34,7 +34,8 @@ from bench.common.machine import report_machine
 from bench.common.plots import finish_axes, finish_figure, pyplot
 from bench.common.tables import write_outputs
 from decentpy.optim import kernels
-from decentpy.optim.outer import diloco_outer_optim, outer_step, pseudo_gradient
+from decentpy.local_steps import diloco_outer_optim
+from decentpy.optim.outer import outer_step, pseudo_gradient
 
 OUT = Path(__file__).resolve().parent / "out"
 BLOCK = kernels.INT8_BLOCK

@@ -24,8 +24,8 @@ from .arguments import check_bool, check_int, check_real, check_timedelta
 from .comm import CommGroup, agree_across_ranks, default_timeout, raise_if_any_rank_failed
 from .comm.arrival import Arrivals
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
-from .engine import (NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy, OuterOptimFn, check_intra_node,
-                     exchange_for, ownership)
+from .engine import NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, exchange_for, ownership
+from .local_steps import LocalSteps, resolve_local_steps
 from .optim.compression import Compression, resolve_compression
 from .engine.bucket import Bucket
 from .engine.layout import OptimFn, SchedulerFn
@@ -102,38 +102,26 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             node averages its gradients and every rank steps the whole model (replicated state) and
             gossips it with its counterparts on the peer nodes. With either, ``topology`` runs over
             the nodes (names with ``n`` = number of nodes).
-        local_steps: ``H`` (default 1: gossip every step). With ``H > 1`` every rank takes ``H`` inner
-            steps (the fused optimizer of ``optim_fn``, inside the backward) without exchanging, then
-            an outer step: its pseudo-gradient (global copy minus parameters) is exchanged over
-            ``topology`` -- ``'complete'`` averages it, DiLoCo; any other topology mixes the global copy
-            and the pseudo-gradient with its group of that outer step, a gossip outer step -- while the
-            backward finishes, and before the next forward ``outer_optim`` steps from the (mixed) global
-            copy. With ``intra_node='allreduce'`` every node is a replica (its ranks all-reduce the gradients
+        local_steps: ``H`` (default 1: gossip every step), or a :class:`~decentpy.LocalSteps` with every
+            local-steps setting (``LocalSteps(sync_every=H, outer_optim=..., sync_every_s=..., fragments=...,
+            fragment_sync_delay=..., fragment_update_alpha=...)``, the fields documented there; the same
+            names are accepted as keywords of this constructor, the earlier spelling). With ``H > 1``
+            every rank takes ``H`` inner steps (the fused optimizer of ``optim_fn``, inside the backward)
+            without exchanging, then an outer step: its pseudo-gradient (global copy minus parameters)
+            is exchanged over ``topology`` -- ``'complete'`` averages it, DiLoCo; any other topology
+            mixes the global copy and the pseudo-gradient with its group of that outer step, a gossip
+            outer step -- while the backward finishes, and before the next forward the outer optimizer
+            (default DiLoCo's ``SGD(lr=0.7, momentum=0.9, nesterov=True)`` over a bucket's float32 global
+            copy) steps from the (mixed) global copy. With ``sync_every_s`` a window is a time budget,
+            the pseudo-gradients weighted by the inner steps behind them; with ``fragments`` the
+            buckets (bucket ``i`` in fragment ``i % fragments``) take their outer steps in turn
+            (Streaming DiLoCo; fewer buckets than fragments leaves fragments empty, with a warning).
+            With ``intra_node='allreduce'`` every node is a replica (its ranks all-reduce the gradients
             every inner step; the outer step runs between the nodes); with ``intra_node='shard'`` too,
             each rank then keeping the global copy and outer state of its ``1/L`` shard only and
             exchanging it with the same shard's ranks on the other nodes. With ``compression`` the outer
             exchange is compressed: on ``'complete'`` the pseudo-gradients with error feedback, on a
             gossip topology the global copy and pseudo-gradient by compressed gossip (CHOCO).
-        outer_optim: a bucket's float32 global copy (a one-tensor list) -> its outer optimizer (any
-            torch optimizer); default DiLoCo's ``SGD(lr=0.7, momentum=0.9, nesterov=True)``.
-        sync_every_s: a time budget instead of ``local_steps``: each rank takes as many inner steps as
-            fit in this many seconds, then the outer step, whose pseudo-gradients are weighted by the
-            inner steps behind them (``sum s_j delta_j / sum s_j`` over the group), so replicas of
-            different speeds need no per-replica tuning and nobody waits for a slow one longer than its
-            last inner step. With ``compression`` the weighted pseudo-gradients travel
-            compressed and the weights apart, uncompressed.
-        fragments: Streaming DiLoCo (with ``local_steps``): the buckets in ``fragments`` groups
-            (bucket ``i`` in fragment ``i % fragments``, strided through the model), synchronised in
-            turn, one every ``local_steps / fragments`` iterations, so each fragment still takes one
-            outer step per ``local_steps`` and a step's traffic is ``1 / fragments`` of the model.
-            Fewer buckets than fragments leaves fragments empty (a warning; use a smaller
-            ``bucket_size_in_mb``).
-        fragment_sync_delay: inner steps that run while a fragment's outer exchange is in flight (it
-            starts that many iterations before its outer step is applied; ``< local_steps /
-            fragments``), hiding a slow link behind compute (Streaming DiLoCo's ``tau``).
-        fragment_update_alpha: with a delay, the fragment's parameters after its outer step keep
-            this fraction of the inner steps taken during the exchange: ``theta + alpha (x - theta)``
-            (0: the new global copy, as DiLoCo).
         peer_check: what arrives from a peer is checked before it is mixed: that it is finite, and
             that its distance from this replica is within ``bound`` times the median of the last
             ``window`` accepted distances (until a window is kept, within this replica's norm; a change
@@ -170,7 +158,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         sync_buffer_in_global_avg: bool = False,
         bucket_size_in_mb: float = 25,
         local_world_size: Optional[int] = None,
-        _local_world_size: Optional[int] = None,
         timeout: Optional[datetime.timedelta] = None,
         comm: str = "auto",
         process_group: Optional[dist.ProcessGroup] = None,
@@ -179,13 +166,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         nonfinite: str = "skip",
         compression: Union[None, str, Compression] = None,
         broadcast_parameters: bool = True,
-        local_steps: int = 1,
-        outer_optim: Optional[OuterOptimFn] = None,
-        sync_every_s: Optional[float] = None,
-        fragments: int = 1,
-        fragment_sync_delay: int = 0,
-        fragment_update_alpha: float = 0.0,
+        local_steps: Union[int, LocalSteps] = 1,
         peer_check: Union[str, PeerCheck] = DEFAULT_PEER_CHECK,
+        **keywords: Any,
     ) -> None:
         nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -210,7 +193,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         # failed anywhere is the subject of the first collective, so a bad input on one rank raises on
         # every rank (a rank raising alone would leave the others in that collective) and none hangs.
         failure: Optional[BaseException] = None
+        self._local_steps: Optional[LocalSteps] = None
         try:
+            # decent-dp's spelling of local_world_size; the rest are LocalSteps' fields (the earlier spelling)
+            _local_world_size = keywords.pop("_local_world_size", None)
+            self._local_steps = resolve_local_steps(local_steps, **keywords)
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
             if not callable(optim_fn):
@@ -234,7 +221,6 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                                  "differ; give one of them")
             check_timedelta("timeout", timeout, none_means="the process group's timeout")
             check_timedelta("peer_liveness_timeout", peer_liveness_timeout, none_means="no heartbeats: only timeout")
-            check_int("local_steps", local_steps, 1)
             check_comm(comm if isinstance(comm, str) else repr(comm))
             check_intra_node(intra_node if isinstance(intra_node, str) else repr(intra_node))
             self._compression = resolve_compression(compression)
@@ -273,25 +259,21 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             if comm == "nccl":  # libnccl and the GPU, checked here: the agreement below raises on every rank
                 resolve_comm(comm, self._params[0].device, self._group)
             self._check_dense_gradients()
-            if outer_optim is not None and not callable(outer_optim):
-                raise TypeError(f"outer_optim must be callable ([a bucket's float32 global copy] -> Optimizer), got "
-                                f"{type(outer_optim).__name__}")
-            exchange = exchange_for(self._compression, local_steps, outer_optim, sync_every_s, fragments=fragments,
-                                    fragment_sync_delay=fragment_sync_delay,
-                                    fragment_update_alpha=fragment_update_alpha)
+            exchange = exchange_for(self._compression, self._local_steps)
             self._grad_scaling = BucketGradScaling(scaler, self._grad_clip_norm, nonfinite)
             self._peer_check = resolve_peer_check(peer_check)
             self._strategy: GossipStrategy = GossipStrategy(
                 self._params, self._param_names, optim_fn, lr_scheduler_fn, setup, self._grad_scaling,
                 self._bucket_size, self._param_as_bucket_view, self._timeout, self._group,
                 node=node_mode, exchange=exchange, failure=self._failure_policy, peer_check=self._peer_check)
-            if self._compression is not None and local_steps == 1 and outer_optim is None and sync_every_s is None:
+            if self._compression is not None and self._local_steps is None:
                 self._check_compressible()  # (local steps compress the outer exchange: any parameter dtype)
             for b in self._strategy.buckets:  # (fused optimizers checked theirs; torch's others accept NaN)
                 check_hyperparameters(b.optimizer, f"the optimizer optim_fn returned for bucket {b.index} "
                                                    f"({type(b.optimizer).__name__})")
-            if outer_optim is not None:
-                check_hyperparameters(outer_optim([torch.zeros(1)]), "the optimizer outer_optim returned")
+            if self._local_steps is not None and self._local_steps.outer_optim is not None:
+                check_hyperparameters(self._local_steps.outer_optimizer([torch.zeros(1)]),
+                                      "the optimizer outer_optim returned")
             self._driver = BackwardDriver()
             self._driver.attach(self._params, self._strategy)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank just below
@@ -302,9 +284,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             "bucket_size_in_mb": bucket_size_in_mb, "comm": comm, "grad_clip_norm": self._grad_clip_norm,
             "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
             "sync_buffer_in_global_avg": self._sync_buffer_in_global_avg, "nonfinite": nonfinite,
-            "compression": repr(self._compression), "local_steps": local_steps, "outer_optim": outer_optim,
-            "sync_every_s": sync_every_s, "fragments": fragments, "fragment_sync_delay": fragment_sync_delay,
-            "fragment_update_alpha": fragment_update_alpha,
+            "compression": repr(self._compression),
+            **(self._local_steps.settings("local_steps") if self._local_steps is not None else {"local_steps": 1}),
             "peer_check": repr(getattr(self, "_peer_check", peer_check)),  # resolved: 'skip' == PeerCheck('skip')
         }
         wants_edges = False

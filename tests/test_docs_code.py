@@ -104,6 +104,29 @@ def test_readme_quickstart_is_the_example() -> None:
     assert len(readme.splitlines()) <= 210
 
 
+def test_the_ddp_guide_lists_the_constructor_as_it_is() -> None:
+    """docs/guide/ddp.md's signature line and argument table name every parameter of
+    ``DecentralizedDataParallel.__init__``, in order, with its default (they drifted once: eight
+    arguments were missing)."""
+    import inspect
+
+    import decentpy
+
+    page = (ROOT / "docs" / "guide" / "ddp.md").read_text()
+    sig = inspect.signature(decentpy.DecentralizedDataParallel.__init__)
+    params = [p for p in sig.parameters.values() if p.name != "self"]
+    line = re.search(r"`DecentralizedDataParallel\((model, .*?)\)`\n", page, re.S)
+    assert line, "docs/guide/ddp.md: no signature line"
+    written = [a.strip() for a in re.split(r",(?![^(]*\))", line.group(1).replace("\n", " "))]
+    names = [w.split("=")[0] for w in written]
+    assert names == [("**" if p.kind is p.VAR_KEYWORD else "") + p.name for p in params], names
+    for w, p in zip(written, params):
+        if p.default is not inspect.Parameter.empty and p.name not in ("peer_liveness_timeout", "peer_check"):
+            assert w.split("=", 1)[1] == (f'"{p.default}"' if isinstance(p.default, str) else repr(p.default)), (w, p)
+    table = re.findall(r"^\| `(\*{0,2}\w+)` \|", page, re.M)
+    assert table == [n for n in names if n != "model"], table
+
+
 def test_topology_pictures_are_committed_and_current() -> None:
     """The pictures show where the Markdown is read (committed files, not the docs build's), one per
     case the drawing tool knows, each drawn from the schedule decentpy builds today."""

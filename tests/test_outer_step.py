@@ -7,7 +7,7 @@ process, against plain torch:
   float32 re-computation gives, and the error feedback telescopes: the wires' sum is the true sum
   plus the last excess, which stays within half a quantisation step;
 - bad inputs raise with the name of the argument, and a custom optimizer takes torch's step; the
-  window and compression rules (``check_outer_options``) of both faces of local steps;
+  window and compression rules (``LocalSteps.check``) of both faces of local steps;
 - a weighted mean's buffer (``weigh`` / ``unweigh``) gives ``sum w d / sum w`` under a mix;
 - on a GPU, the CUDA passes equal their CPU twins (skipped without one).
 """
@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from decentpy.optim import kernels
-from decentpy.comm.plans import unweigh, weigh
-from decentpy.optim.outer import check_outer_options, diloco_outer_optim, fused_outer_reason, outer_step, pseudo_gradient
+from decentpy.local_steps import LocalSteps, diloco_outer_optim
+from decentpy.local_steps.exchange import unweigh, weigh
+from decentpy.optim.outer import fused_outer_reason, outer_step, pseudo_gradient
 
 C = kernels.Compressor
 N = 3 * 256 + 37  # an odd tail block
@@ -189,22 +190,30 @@ def test_bad_inputs_name_the_argument() -> None:
 
 
 @pytest.mark.parametrize("kw, text", [
-    (dict(steps_name="local_steps", steps=4, steps_given=True, sync_every_s=2.0),
-     "give local_steps (inner steps) or sync_every_s (seconds), not both"),
-    (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=0.0), "number of seconds > 0, got 0.0"),
-    (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=True), "got True"),
-    (dict(steps_name="sync_every", steps=None, steps_given=False, sync_every_s=float("nan")), "got nan"),
+    (dict(sync_every=4, sync_every_s=2.0), "give local_steps (inner steps) or sync_every_s (seconds), not both"),
+    (dict(sync_every_s=0.0), "number of seconds > 0, got 0.0"),
+    (dict(sync_every_s=True), "got True"),
+    (dict(sync_every_s=float("nan")), "got nan"),
+    (dict(), "local_steps must be an int >= 1 (inner steps per outer step), got None (or give sync_every_s"),
+    (dict(sync_every=True), "got True"),
+    (dict(sync_every=8, fragments=3), "local_steps=8 must be a multiple of the number of fragments (3)"),
+    (dict(sync_every=8, fragments=2, fragment_sync_delay=4), "fragment_sync_delay must be an int in [0, 4)"),
+    (dict(sync_every=8, fragment_update_alpha=1.5), "fragment_update_alpha must be in [0, 1], got 1.5"),
+    (dict(sync_every_s=3.0, fragments=2), "sync_every_s (a time budget) runs one fragment"),
+    (dict(sync_every=8, fragments=0), "fragments must be an int >= 1, got 0"),
 ])
 def test_window_rules(kw: dict, text: str) -> None:
     with pytest.raises(ValueError) as info:
-        check_outer_options(**kw)
+        LocalSteps(**kw).check("local_steps")
     assert text in str(info.value), str(info.value)
 
 
 def test_window_rules_accept_what_is_valid() -> None:
-    assert check_outer_options("local_steps", 8, True, None) is None
-    assert check_outer_options("local_steps", 1, False, 3) == 3.0
-    assert isinstance(check_outer_options("sync_every", None, False, 3), float)
+    assert LocalSteps(sync_every=8).check("local_steps") == 8
+    assert LocalSteps(sync_every=8, fragments=4, fragment_sync_delay=1).check() == 2
+    assert LocalSteps(sync_every_s=3).check() == 0
+    with pytest.raises(TypeError, match="outer_optim must be callable"):
+        LocalSteps(sync_every=2, outer_optim=3).check()  # type: ignore[arg-type]
 
 
 def test_a_weighted_buffer_mixes_to_the_weighted_mean() -> None:

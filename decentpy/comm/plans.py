@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .protocol import Communicator, Work
 
 __all__ = ["ExchangePlan", "NoExchange", "PairExchange", "GroupAllReduce", "plan_exchange", "ExchangeSchedule",
-           "communication_needs", "BufferMix", "weigh", "unweigh", "WEIGHT_TAG", "weight_mix"]
+           "communication_needs", "BufferMix"]
 
 
 class ExchangePlan(abc.ABC):
@@ -187,37 +187,3 @@ class BufferMix:
             self.buf.mul_(a).add_(self.recv, alpha=b)
             self.recv = None
         return self.buf
-
-
-# A weighted mean ``sum_j w_j d_j / sum_j w_j`` over a group (local steps with a time budget: the
-# pseudo-gradients weighted by the inner steps behind them) travels in one buffer: the body ``w d``,
-# then ``w`` as its last element; any plan's mix then leaves ``sum W_j w_j d_j`` and ``sum W_j w_j``,
-# whose ratio is the weighted mean under the mixing weights ``W``. With compression the weights mix
-# apart, one uncompressed element under its own tag, with the compressed exchange's coefficients.
-
-#: the communicator tag of a time budget's weight exchange (apart from the buffers' tags)
-WEIGHT_TAG = 1 << 20
-
-
-def weigh(body: Tensor, slot: Tensor, weight: float) -> None:
-    """Write this rank's share of a weighted mean: ``body *= weight`` and ``slot`` (the buffer's last
-    element, after the body) ``= weight``."""
-    body.mul_(weight)
-    slot.fill_(weight)
-
-
-def unweigh(mixed: Tensor, n: int) -> Tensor:
-    """The mixed buffer without its weight element, its last ``n`` elements (the weighted body)
-    divided by the mixed weight. No host sync: a zero total weight means every body was zero."""
-    total, out = mixed[-1], mixed[:-1]
-    out[-n:].div_(total.clamp(min=torch.finfo(out.dtype).tiny))
-    return out
-
-
-def weight_mix(plan: ExchangePlan, comm: "Communicator", weight: float, device: torch.device,
-               timeout: datetime.timedelta, exact: bool, gamma: float) -> BufferMix:
-    """A time budget with compression: start mixing this rank's inner-step ``weight`` (one element,
-    uncompressed, under :data:`WEIGHT_TAG`) with the coefficients of the compressed exchange beside it:
-    the exact mean on an exact-average topology, else compressed gossip's ``gamma``."""
-    w = torch.full((1,), float(weight), dtype=torch.float32, device=device)
-    return BufferMix(plan, comm, WEIGHT_TAG, w, timeout, adaptive_factor=1.0 if exact else gamma)

@@ -15,11 +15,12 @@ here; ``ShardedDataParallel``'s reduce to the owners in :mod:`decentpy.sharding.
 """
 
 import functools
-from typing import Any, Callable, Dict, Optional, Type
+from typing import Callable, Dict, Optional, Type
 
+from ..local_steps import LocalSteps
 from ..optim.compression import Compression
 from .choco import CompressedExchange
-from .local_steps import LocalStepsExchange, OuterOptimFn, diloco_outer_optim
+from .local_steps import LocalStepsExchange
 
 from .driver import BackwardDriver, BoundedWait, DriverJoinHook
 from .exchanges import Exchange
@@ -39,23 +40,13 @@ NODE_MODES: Dict[str, Type[NodeMode]] = {cls.name: cls for cls in (NodeMode, Nod
 EXCHANGES: Dict[str, Type[Exchange]] = {cls.name: cls for cls in (Exchange, CompressedExchange, LocalStepsExchange)}
 
 
-#: Streaming DiLoCo's arguments of local steps and their defaults (one fragment, no delay, no merge)
-STREAMING_DEFAULTS: Dict[str, Any] = {"fragments": 1, "fragment_sync_delay": 0, "fragment_update_alpha": 0.0}
-
-
-def exchange_for(compression: Optional[Compression], local_steps: int = 1,
-                 outer_optim: Optional[OuterOptimFn] = None,
-                 sync_every_s: Optional[float] = None, **streaming: Any) -> Callable[[GossipStrategy], Exchange]:
-    """The exchange a wrapper's ``compression=`` / ``local_steps=`` / ``sync_every_s=`` arguments
-    select (a factory taking the strategy); ``streaming``: ``fragments``, ``fragment_sync_delay``,
-    ``fragment_update_alpha`` of local steps."""
-    if outer_optim is not None or local_steps != 1 or sync_every_s is not None:
-        return functools.partial(EXCHANGES["local-steps"], local_steps=local_steps, outer_optim=outer_optim,
-                                 compression=compression, sync_every_s=sync_every_s, **streaming)
-    if any(v != d for v, d in zip((streaming.get(k, d) for k, d in STREAMING_DEFAULTS.items()),
-                                  STREAMING_DEFAULTS.values())):
-        raise ValueError(f"{', '.join(f'{k}={v!r}' for k, v in streaming.items())} streams the outer steps of "
-                         "local steps: give local_steps=H (> 1) as well")
+def exchange_for(compression: Optional[Compression],
+                 local_steps: Optional[LocalSteps] = None) -> Callable[[GossipStrategy], Exchange]:
+    """The exchange a wrapper's ``compression=`` / ``local_steps=`` select (a factory taking the
+    strategy); ``local_steps``: checked settings (:func:`decentpy.local_steps.resolve_local_steps`),
+    None for every-step gossip."""
+    if local_steps is not None:
+        return functools.partial(EXCHANGES["local-steps"], options=local_steps, compression=compression)
     if compression is None:
         return EXCHANGES["plain"]
     return functools.partial(EXCHANGES["compressed"], compression=compression)
@@ -69,6 +60,6 @@ def check_intra_node(mode: str) -> None:
 
 __all__ = ["check_intra_node", "BackwardDriver", "BoundedWait", "DriverJoinHook", "BucketStrategy", "Readiness", "GossipSetup",
            "GossipStrategy", "NodeMode", "NodeReduction", "NodeAllReduce", "NodeShard", "NODE_MODES", "Exchange",
-           "CompressedExchange", "LocalStepsExchange", "OuterOptimFn", "diloco_outer_optim",
+           "CompressedExchange", "LocalStepsExchange",
            "EXCHANGES", "exchange_for", "FailurePolicy", "ElasticPolicy", "FAILURE_POLICIES", "PeerCheck", "PeerChecker",
            "CheckedPeers", "PEER_POLICIES", "make_peer_check"]

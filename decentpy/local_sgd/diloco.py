@@ -28,7 +28,7 @@ from ..comm import CommGroup, agree_across_ranks, check_comm, default_timeout, o
 from ..engine.step_checks import check_before_step
 from ..optim.hyperparams import check_hyperparameters, hyperparameters_of
 from ..optim.compression import Compression, resolve_compression
-from ..optim.outer import check_fragments, check_outer_options
+from ..local_steps import LocalSteps, WindowClock
 from ..topology import Topology, make_topology
 from .outer import Fragment, TopologyMixer
 
@@ -54,10 +54,9 @@ class _LocalSteps:
     """What DiLoCo and LocalSGD share: the group, the topology's mixer, the inner-optimizer hook,
     the context protocol and the initial broadcast."""
 
-    def __init__(self, modules: Sequence[nn.Module], inner_optimizer: Optimizer, sync_every: Optional[int],
+    def __init__(self, modules: Sequence[nn.Module], inner_optimizer: Optimizer, options: LocalSteps,
                  topology: TopologyLike, group: Optional[dist.ProcessGroup], comm: str,
-                 broadcast_parameters: bool, check: Any, sync_every_s: Optional[float] = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 broadcast_parameters: bool, check: Any, clock: Callable[[], float] = time.monotonic) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed: call "
                                "torch.distributed.init_process_group(...) first")
@@ -74,10 +73,7 @@ class _LocalSteps:
             if not isinstance(inner_optimizer, Optimizer):
                 raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
             check_hyperparameters(inner_optimizer, f"the inner optimizer ({type(inner_optimizer).__name__})")
-            if sync_every_s is not None:
-                check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s)
-            elif isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-                raise ValueError(f"sync_every must be an int >= 1 (inner steps between outer steps), got {sync_every!r}")
+            options.check("sync_every")
             check_comm(comm if isinstance(comm, str) else repr(comm))
             check_bool("broadcast_parameters", broadcast_parameters)
             found.append(_topology(topology, self._group.size))
@@ -86,7 +82,7 @@ class _LocalSteps:
             settings.update({
                 "model (parameter shapes and dtypes per module)": [
                     [(tuple(p.shape), str(p.dtype)) for p in m.parameters()] for m in modules],
-                "sync_every": sync_every, "sync_every_s": sync_every_s, "topology": found[0].name, "comm": comm,
+                **options.settings(), "topology": found[0].name, "comm": comm,
                 "broadcast_parameters": broadcast_parameters, "compression": repr(comp),
                 "inner_optimizer (class and hyper-parameters)": (type(inner_optimizer),
                                                                  hyperparameters_of(inner_optimizer)),
@@ -102,13 +98,10 @@ class _LocalSteps:
         agree_across_ranks(failure, settings if failure is None else {}, f"{type(self).__name__}(...)", pg)
         self.topology = found[0]
         self._inner = inner_optimizer
-        self._sync_every = sync_every
-        self._sync_every_s = None if sync_every_s is None else float(sync_every_s)
-        self._clock = clock
-        self._window_start = clock()
-        self._local_step = 0
-        #: outer steps completed (the index of the topology's schedule for the next one)
-        self.outer_steps = 0
+        self.options = options
+        #: the window and fragment clock (ticked by the inner optimizer's post-step hook)
+        self.clock = WindowClock(options, clock)
+        self.clock.start()
         self._hooks: List[Any] = []
         self._closed = False
         if broadcast_parameters:
@@ -126,7 +119,7 @@ class _LocalSteps:
             raise RuntimeError(f"this {type(self).__name__} was closed (its context ended); build a new one")
         self._hooks.append(self._inner.register_step_pre_hook(self._step_pre_hook))
         self._hooks.append(self._inner.register_step_post_hook(self._step_post_hook))
-        self._window_start = self._clock()  # a time budget counts from the start of training
+        self.clock.start()  # a time budget counts from the start of training
         return self
 
     def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
@@ -146,7 +139,12 @@ class _LocalSteps:
     @property
     def local_step(self) -> int:
         """Inner steps since the last outer step."""
-        return self._local_step
+        return self.clock.inner_steps
+
+    @property
+    def outer_steps(self) -> int:
+        """Outer steps completed (the index of the topology's schedule for the next one)."""
+        return self.clock.outer_steps
 
     def _step_pre_hook(self, _optim: Optimizer, _args: Tuple[Any, ...], _kwargs: Dict[str, Any]) -> None:
         """Before each inner step: its hyper-parameters (a scheduler's NaN would turn the model NaN, and
@@ -157,10 +155,10 @@ class _LocalSteps:
         check_before_step(optimizers, self._group.to_global(self._group.rank), self.outer_steps)
 
     def _step_post_hook(self, _optim: Optimizer, _args: Tuple[Any, ...], _kwargs: Dict[str, Any]) -> None:
-        self._local_step += 1
-        self._after_inner_step()
+        self._after_inner_step(self.clock.tick())
 
-    def _after_inner_step(self) -> None:
+    def _after_inner_step(self, launching: Optional[int]) -> None:
+        """After an inner step: ``launching``, the fragment whose outer exchange starts now (None: none)."""
         raise NotImplementedError
 
 
@@ -234,8 +232,7 @@ class DiLoCo(_LocalSteps):
                                  "per fragment")
             for i, o in enumerate(outers):
                 check_hyperparameters(o, f"outer optimizer {i} ({type(o).__name__})")
-            extra = {"fragments": len(fragments), "fragment_sync_delay": fragment_sync_delay,
-                     "fragment_update_alpha": fragment_update_alpha, "should_quantize": should_quantize,
+            extra = {"should_quantize": should_quantize,
                      "outer_optimizer (class and hyper-parameters)": [(type(o), hyperparameters_of(o)) for o in outers]}
             comp = resolve_compression(compression)
             if should_quantize and comp is None:
@@ -244,15 +241,9 @@ class DiLoCo(_LocalSteps):
                 raise ValueError(f"should_quantize=True asks for int8, compression={comp.kind!r} for another "
                                  "compressor: give one of them")
             if comp is not None:
-                check_outer_options("sync_every", sync_every, sync_every is not None, sync_every_s)
                 if comm != "torch":
                     raise ValueError(f"compression={comp.kind!r} runs over comm='torch' (point to point), got "
                                      f"comm={comm!r}")
-            if sync_every_s is None and (isinstance(sync_every, bool) or not isinstance(sync_every, int)
-                                         or sync_every < 1):
-                return comp, extra  # (the common check names it)
-            check_fragments("sync_every", sync_every or 0, len(fragments), fragment_sync_delay,
-                            fragment_update_alpha, sync_every_s is not None)
             seen: Dict[int, int] = {}
             for i, f in enumerate(fragments):
                 for p in f.parameters():
@@ -269,19 +260,20 @@ class DiLoCo(_LocalSteps):
                                      "those parameters (the outer step sets their .grad and steps them)")
             return comp, extra
 
-        super().__init__(fragments, inner_optimizer, sync_every, topology, group, comm, broadcast_parameters, check,
-                         sync_every_s, clock)
-        self._period = sync_every // len(fragments) if sync_every is not None else 0
-        self._delay = fragment_sync_delay
-        self._send_globals = not self._mixer.complete
+        options = LocalSteps(sync_every=sync_every, sync_every_s=sync_every_s, fragments=len(fragments),
+                             fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=fragment_update_alpha)
+        super().__init__(fragments, inner_optimizer, options, topology, group, comm, broadcast_parameters, check,
+                         clock)
+        self._send_globals = not self._mixer.exact
         self._fragments = [Fragment(i, [p for p in f.parameters() if p.requires_grad],
                                     outers[i] if len(outers) > 1 else outers[0], backup_device, pin_memory,
-                                    fragment_update_alpha) for i, f in enumerate(fragments)]
+                                    fragment_update_alpha, self._mixer, weighted=self.clock.timed)
+                           for i, f in enumerate(fragments)]
         for f in self._fragments:
             f.save()
         logger.info("DiLoCo: %d fragment(s), one outer step every %s over %s (%s)", len(fragments),
-                    f"{self._sync_every_s:g} s" if self._sync_every_s is not None else f"{self._period} inner steps",
-                    self.topology.name, "exact mean" if self._mixer.complete else "gossip")
+                    f"{self.options.sync_every_s:g} s" if self.clock.timed else f"{self.clock.period} inner steps",
+                    self.topology.name, "exact mean" if self._mixer.exact else "gossip")
 
     @property
     def fragments(self) -> int:
@@ -294,55 +286,43 @@ class DiLoCo(_LocalSteps):
     def _current(self) -> Fragment:
         return self._fragments[self.outer_steps % len(self._fragments)]
 
-    def _after_inner_step(self) -> None:
-        if self._sync_every_s is not None:
-            # A time budget: as many inner steps as fit, then the outer step, the pseudo-gradients
-            # weighted by the inner steps behind them. A slow replica reaches the exchange at most one
-            # of its inner steps after the budget: the others wait for no more than that.
-            if self._clock() - self._window_start >= self._sync_every_s:
-                f = self._fragments[0]
-                self._check_outer(f)
-                f.prepare(self._mixer, self.outer_steps, 0, self._send_globals, weight=float(self._local_step))
-                f.perform(self._send_globals)
-                self.outer_steps += 1
-                self._local_step = 0
-                self._window_start = self._clock()
-            return
-        if self._local_step == self._period - self._delay:
-            # Same fragment and tag on every rank, in the same order: every pair of peers matches.
-            f = self._current()
+    def _after_inner_step(self, launching: Optional[int]) -> None:
+        # A time budget: as many inner steps as fit, then the outer step, the pseudo-gradients weighted
+        # by the inner steps behind them; a slow replica reaches the exchange at most one of its inner
+        # steps after the budget. A step count: a fragment's exchange starts fragment_sync_delay inner
+        # steps before its outer step; the same fragment and tag on every rank, in the same order.
+        if launching is not None:
+            f = self._fragments[launching]
             self._check_outer(f)
-            f.prepare(self._mixer, self.outer_steps, 16 * f.index, self._send_globals)
-        if self._local_step == self._period:
-            self._current().perform(self._send_globals)
-            self.outer_steps += 1
-            self._local_step = 0
+            f.prepare(self.outer_steps, 16 * f.index, self._send_globals,
+                      weight=float(self.clock.inner_steps) if self.clock.timed else None)
+        if self.clock.apply_due and self._current().in_flight:
+            self._current().perform()
+            self.clock.applied()
 
     def sync(self) -> None:
         """Run the due fragment's outer step now (its exchange started if it was not yet)."""
         f = self._current()
         if not f.in_flight:
             self._check_outer(f)
-            f.prepare(self._mixer, self.outer_steps, 16 * f.index, self._send_globals)
-        f.perform(self._send_globals)
-        self.outer_steps += 1
-        self._local_step = 0
+            f.prepare(self.outer_steps, 16 * f.index, self._send_globals)
+        f.perform()
+        self.clock.applied()
 
     def state_dict(self) -> Dict[str, Any]:
         """The step counters, and per fragment its global copy, outer optimizer state and any
         exchange in flight: with the model's and the inner optimizer's state dicts, a resume
         continues bit for bit."""
-        return {"local_step": self._local_step, "outer_steps": self.outer_steps, "sync_every": self._sync_every,
-                "topology": self.topology.name, "fragments": [f.state_dict() for f in self._fragments]}
+        return {"local_step": self.clock.inner_steps, "outer_steps": self.clock.outer_steps,
+                "sync_every": self.options.sync_every, "topology": self.topology.name, "fragments": [f.state_dict() for f in self._fragments]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        if len(state["fragments"]) != len(self._fragments) or state["sync_every"] != self._sync_every:
+        if len(state["fragments"]) != len(self._fragments) or state["sync_every"] != self.options.sync_every:
             raise ValueError(f"the checkpoint has {len(state['fragments'])} fragment(s) and sync_every="
-                             f"{state['sync_every']}; this DiLoCo has {len(self._fragments)} and {self._sync_every}")
+                             f"{state['sync_every']}; this DiLoCo has {len(self._fragments)} and {self.options.sync_every}")
         for f, s in zip(self._fragments, state["fragments"]):
             f.load_state_dict(s)
-        self._local_step = int(state["local_step"])
-        self.outer_steps = int(state["outer_steps"])
+        self.clock.load_state_dict({"outer_steps": state["outer_steps"], "inner_steps": state["local_step"]})
 
 
 class LocalSGD(_LocalSteps):
@@ -358,23 +338,22 @@ class LocalSGD(_LocalSteps):
                 raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
             return None, {}
 
-        super().__init__([model], optimizer, sync_every, topology, group, comm, broadcast_parameters, check)
+        super().__init__([model], optimizer, LocalSteps(sync_every=sync_every), topology, group, comm,
+                         broadcast_parameters, check)
         self._fragment = Fragment(0, [p for p in model.parameters() if p.requires_grad], None, None, False, 0.0)
 
-    def _after_inner_step(self) -> None:
-        if self._local_step >= self._sync_every:
+    def _after_inner_step(self, launching: Optional[int]) -> None:
+        if launching is not None:
             self.sync()
 
     def sync(self) -> None:
         """Mix the parameters now."""
         self._fragment.average_params(self._mixer, self.outer_steps, 0)
-        self.outer_steps += 1
-        self._local_step = 0
+        self.clock.applied()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"local_step": self._local_step, "outer_steps": self.outer_steps}
+        return {"local_step": self.clock.inner_steps, "outer_steps": self.clock.outer_steps}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        self._local_step = int(state["local_step"])
-        self.outer_steps = int(state["outer_steps"])
+        self.clock.load_state_dict({"outer_steps": state["outer_steps"], "inner_steps": state["local_step"]})
 

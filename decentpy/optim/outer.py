@@ -23,7 +23,6 @@ error feedback (int8 / int4 / bf16: the wire formats of compressed gossip).
 from __future__ import annotations
 
 import logging
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -34,57 +33,11 @@ from . import kernels
 from .fused import mark_stepped
 from .kernels import KERNEL_DTYPES, OptKind, flat_alias
 
-__all__ = ["check_fragments", "check_outer_options", "diloco_outer_optim", "fused_outer_reason", "outer_step", "pseudo_gradient"]
+__all__ = ["fused_outer_reason", "fusable_here", "outer_step", "pseudo_gradient"]
 
 logger = logging.getLogger(__name__)
 
 _FUSABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-
-
-def diloco_outer_optim(params: List[Tensor]) -> Optimizer:
-    """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
-
-
-def check_outer_options(steps_name: str, steps: object, steps_given: bool, sync_every_s: object) -> Optional[float]:
-    """The rules of a window, for every face of local steps (the engine's ``local_steps=`` and
-    :class:`decentpy.DiLoCo`'s ``sync_every=``): raises ``ValueError`` naming the bad value; returns
-    the time budget in seconds (None: a step count). ``steps``: the step count, ``steps_given``
-    whether the caller gave it (not its default)."""
-    if sync_every_s is not None:
-        if steps_given:
-            raise ValueError(f"give {steps_name} (inner steps) or sync_every_s (seconds), not both: got "
-                             f"{steps_name}={steps!r}, sync_every_s={sync_every_s!r}")
-        if isinstance(sync_every_s, bool) or not isinstance(sync_every_s, (int, float)) or \
-                not (math.isfinite(sync_every_s) and sync_every_s > 0):
-            raise ValueError(f"sync_every_s must be a number of seconds > 0, got {sync_every_s!r}")
-    return None if sync_every_s is None else float(sync_every_s)
-
-
-def check_fragments(steps_name: str, steps: int, fragments: int, delay: object, alpha: object,
-                    time_budget: bool) -> int:
-    """Streaming DiLoCo's rules, for every face of local steps: ``fragments`` synchronised at
-    staggered steps, one every ``steps / fragments`` inner steps, each exchange in flight for
-    ``delay`` inner steps and merged with ``alpha``. Raises ``ValueError`` naming the bad value;
-    returns the period ``steps // fragments`` (0 with a time budget)."""
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
-    if time_budget:
-        if fragments > 1 or delay:
-            raise ValueError(f"sync_every_s (a time budget) runs one fragment without fragment_sync_delay; "
-                             f"streaming fragments take {steps_name} (inner steps)")
-        period = 0
-    else:
-        if steps < fragments or steps % fragments:
-            raise ValueError(f"{steps_name}={steps} must be a multiple of the number of fragments "
-                             f"({fragments}): one fragment is synchronised every {steps_name} / fragments steps")
-        period = steps // fragments
-        if isinstance(delay, bool) or not isinstance(delay, int) or not 0 <= delay < period:
-            raise ValueError(f"fragment_sync_delay must be an int in [0, {period}) ({steps_name} / fragments = "
-                             f"{period}: a fragment's exchange must complete before its next one), got {delay!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-        raise ValueError(f"fragment_update_alpha must be in [0, 1], got {alpha!r}")
-    return period
 
 
 def fused_outer_reason(optimizer: Optimizer) -> Optional[str]:
@@ -108,7 +61,11 @@ def pseudo_gradient(param: Tensor, theta: Tensor, out: Tensor, compressor: Optio
                     excess: Optional[Tensor] = None) -> None:
     """``out = theta - param`` (flat buffers; ``theta`` float32), or with ``compressor`` its wire
     bytes ``Q(theta - param - excess)`` with ``excess`` (float32, the error feedback) updated to what
-    the wire sends beyond the true value (csrc/kernels/outer_step.h)."""
+    the wire sends beyond the true value (csrc/kernels/outer_step.h). Without compression a float64
+    ``out`` (float64 parameters: their precision kept) is computed with torch's ops."""
+    if compressor is None and (out.dtype != torch.float32 or param.dtype not in KERNEL_DTYPES):
+        torch.sub(theta.to(out.dtype), param.to(out.dtype), out=out)
+        return
     kernels.outer_pack(param, theta, out, compressor, excess)
 
 
@@ -119,7 +76,7 @@ def _group_of(optimizer: Optimizer, t: Tensor) -> Optional[dict]:
     return None
 
 
-def _fusable_here(optimizer: Optimizer, stepped: Sequence[Tensor], params: Sequence[Tensor],
+def fusable_here(optimizer: Optimizer, stepped: Sequence[Tensor], params: Sequence[Tensor],
                   thetas: Sequence[Tensor], deltas: Sequence[Tensor]) -> Optional[str]:
     """Why these tensors cannot take the fused pass (None: they can)."""
     why = fused_outer_reason(optimizer)
@@ -238,7 +195,7 @@ def outer_step(optimizer: Optimizer, params: Sequence[Tensor], thetas: Sequence[
                          f"pseudo-gradients, {len(stepped)} stepped tensors: one of each per parameter")
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"outer_step: alpha must be in [0, 1], got {alpha!r}")
-    why = _fusable_here(optimizer, stepped, params, thetas, deltas)
+    why = fusable_here(optimizer, stepped, params, thetas, deltas)
     if why is None:
         _fused(optimizer, stepped, params, thetas, deltas, theta_mix, compressor, alpha)
         return True
