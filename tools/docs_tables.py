@@ -82,6 +82,14 @@ TABLES: Dict[str, str] = {
                              "the shuffled split, clip 1.0; 'train wall': the arm's training time (evaluations "
                              "excluded). AMD EPYC, 2 cores shared by the 4 workers, torch 2.13.0+cpu, decent-dp "
                              "0.2.3, 2026-11-29.",
+    "bench_lm_wide_race_summary": "`python -m bench.bench_lm --race --preset wide --budget-s 600 --links 100 --seeds 0 "
+                                  "--arms ddp,aer,aer-int8,diloco-32-streaming-4,decent-dp-aer --settings none` (then "
+                                  "`--from-csv ... --docs --docs-name bench_lm_wide_race`): T = 600 s behind 100 Mbit/s "
+                                  "per node, each arm's tokens from its own probe on the link; the `wide` preset "
+                                  "(9,094,272 parameters), every arm at the preset's settings (lr 1e-3; Streaming "
+                                  "DiLoCo's outer Nesterov SGD 0.7 / 0.9: the sweep ran on the small preset only), the "
+                                  "shuffled split, clip 1.0, seed 0, 4 workers as two simulated nodes of 2. AMD EPYC, 2 "
+                                  "cores shared by the 4 workers, torch 2.13.0+cpu, decent-dp 0.2.3, 2026-11-29.",
     "bench_train": "`make bench-train` (bench/bench_train.py): AdamW, gloo, 1 torch thread per worker, median step "
                    "time over 32 steps (CNN rows: 48), max over ranks; decent-dp 0.2.3 and torch DDP in the same "
                    "run. Intel Xeon, 2 cores shared by the 4 or 8 workers, torch 2.13.0+cpu.",
