@@ -158,6 +158,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         sync_buffer_in_global_avg: bool = False,
         bucket_size_in_mb: float = 25,
         local_world_size: Optional[int] = None,
+        _local_world_size: Optional[int] = None,
         timeout: Optional[datetime.timedelta] = None,
         comm: str = "auto",
         process_group: Optional[dist.ProcessGroup] = None,
@@ -195,8 +196,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         failure: Optional[BaseException] = None
         self._local_steps: Optional[LocalSteps] = None
         try:
-            # decent-dp's spelling of local_world_size; the rest are LocalSteps' fields (the earlier spelling)
-            _local_world_size = keywords.pop("_local_world_size", None)
+            # LocalSteps' fields as keywords (the earlier spelling)
             self._local_steps = resolve_local_steps(local_steps, **keywords)
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

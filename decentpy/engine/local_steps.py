@@ -36,10 +36,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..comm.group_exchange import GroupExchanger, compressed_needs
-from ..comm.plans import BufferMix, ExchangePlan, communication_needs
+from ..comm.group_exchange import GroupExchanger
+from ..comm.plans import BufferMix, ExchangePlan
 from ..local_steps import LocalSteps, WindowClock
-from ..local_steps.exchange import OuterBuffer, OuterLink
+from ..local_steps.exchange import OuterBuffer, OuterLink, outer_needs
 from ..optim.compression import Compression
 from ..optim.outer import fused_outer_reason
 from .bucket import Bucket
@@ -133,13 +133,8 @@ class LocalStepsExchange(Exchange):
         return self.clock.outer_steps
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
-        """A compressed outer exchange runs point to point (pairs, the two rounds of the group
-        exchange), beside the plans' all-reduces (the full-precision exchange after a re-formation)."""
-        if self.compression is None:
-            return None
-        p2p, _ = compressed_needs(self.strategy.topology)
-        _, collective = communication_needs(self.strategy.topology)
-        return p2p, collective
+        """What the outer exchanges need of the communicator (:func:`~decentpy.local_steps.exchange.outer_needs`)."""
+        return outer_needs(self.strategy.topology, self.compression)
 
     def close(self) -> None:
         self._exchanger.close()

@@ -23,9 +23,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..comm import CommGroup, select_communicator
-from ..comm.group_exchange import GroupExchanger, compressed_needs
-from ..comm.plans import BufferMix, ExchangeSchedule, communication_needs
-from ..local_steps.exchange import OuterBuffer, OuterLink, split
+from ..comm.group_exchange import GroupExchanger
+from ..comm.plans import BufferMix, ExchangeSchedule
+from ..local_steps.exchange import OuterBuffer, OuterLink, outer_needs, split
 from ..optim.compression import Compression
 from ..topology import Topology
 
@@ -40,10 +40,8 @@ class TopologyMixer(OuterLink):
     def __init__(self, topology: Topology, group: CommGroup, timeout: datetime.timedelta, comm: str = "torch",
                  device: Optional[torch.device] = None, compression: Optional[Compression] = None,
                  replicas_equal: bool = True) -> None:
-        # a compressed exchange runs point to point (the two rounds of the group exchange); a time
-        # budget's weights mix through the plans (pairs, all-reduces)
-        needs = None if compression is None else (compressed_needs(topology)[0], communication_needs(topology)[1])
-        communicator = select_communicator(comm, topology, timeout, device=device, group=group, needs=needs)
+        communicator = select_communicator(comm, topology, timeout, device=device, group=group,
+                                           needs=outer_needs(topology, compression))
         super().__init__(ExchangeSchedule(topology, group.rank), communicator, GroupExchanger(), topology,
                          group.rank, timeout, compression, replicas_equal)
 

@@ -30,14 +30,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..comm.compressed_mix import CompressedMix, GossipCopies
-from ..comm.group_exchange import GroupExchange, GroupExchanger, start_compressed_mean
-from ..comm.plans import BufferMix, ExchangePlan
+from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
+from ..comm.plans import BufferMix, ExchangePlan, communication_needs
 from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import fusable_here, outer_step, pseudo_gradient
 from ..topology import Topology
 
-__all__ = ["OuterLink", "OuterBuffer", "split", "weigh", "unweigh", "WEIGHT_TAG"]
+__all__ = ["OuterLink", "OuterBuffer", "outer_needs", "split", "weigh", "unweigh", "WEIGHT_TAG"]
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -64,6 +64,16 @@ def unweigh(mixed: Tensor, n: int) -> Tensor:
     total, out = mixed[-1], mixed[:-1]
     out[-n:].div_(total.clamp(min=torch.finfo(out.dtype).tiny))
     return out
+
+
+def outer_needs(topology: Topology, compression: Optional[Compression]) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
+    """What a communicator must set up for the outer exchanges over ``topology`` (None: what the
+    plans need, the default): a compressed exchange runs point to point (pairs, the two rounds of the
+    group exchange), beside the plans' all-reduces (a time budget's weights, the full-precision
+    exchange that re-synchronises the global copies after an elastic re-formation)."""
+    if compression is None:
+        return None
+    return compressed_needs(topology)[0], communication_needs(topology)[1]
 
 
 class OuterLink:
