@@ -75,6 +75,9 @@ ARMS: Dict[str, Dict[str, Any]] = {
     "diloco-128": dict(mode="decentpy", topology="complete", local_steps=128),
     "diloco-128-int8": dict(mode="decentpy", topology="complete", local_steps=128, compression="int8"),
     "diloco-32-random-pairs": dict(mode="decentpy", topology="random-pairs", local_steps=32),
+    # NoLoCo (Kolehmainen et al. 2025): one random peer per outer step, heavy-ball momentum 0.5 pulling
+    # each replica's own global copy towards its peer's (decentpy.LocalSteps.noloco), at DiLoCo's H
+    "noloco-32": dict(mode="decentpy", topology="random-pairs", local_steps=32, outer_rule="noloco"),
     # compressed gossip outer steps (CHOCO on [theta; delta], int8) and H=128 on the gossip topologies
     "diloco-32-aer-int8": dict(mode="decentpy", topology="alternating-exp-ring", local_steps=32, compression="int8"),
     "diloco-32-random-pairs-int8": dict(mode="decentpy", topology="random-pairs", local_steps=32,
@@ -128,6 +131,8 @@ def arm_name(row: Dict[str, Any]) -> str:
             if row["mode"] == "decentpy" and (row.get("compression") or "none") != fields.get("compression", "none"):
                 continue
             if int(row.get("local_steps") or 1) != int(fields.get("local_steps", 1)):
+                continue
+            if (row.get("outer_rule") or "diloco") != fields.get("outer_rule", "diloco"):
                 continue
             if (row.get("state_averaging") or "") != (f"{fields['state_avg']}/{fields['state_avg_every']}"
                                                       if fields.get("state_avg_every") else ""):

@@ -82,6 +82,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         "plain averaging)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="decentpy local steps: the outer SGD's Nesterov momentum (default DiLoCo's 0.9; 0: plain SGD)")
+    p.add_argument("--outer-rule", choices=loop.OUTER_RULES, default="diloco",
+                   help="decentpy local steps: DiLoCo's outer step, or NoLoCo's (with --topology random-pairs: "
+                        "heavy-ball momentum pulling each replica towards its peer; outer lr 0.7, momentum 0.5 "
+                        "unless given)")
     p.add_argument("--state-avg-every", type=int, default=0, metavar="K",
                    help="decentpy: average the AdamW states over the workers every K steps "
                         "(decentpy.OptimizerStateAveraging; 0: never)")
@@ -147,7 +151,8 @@ def make_spec(args: argparse.Namespace) -> loop.RunSpec:
                         seed=args.seed,
                         evals=args.evals, val_windows=args.val_windows, lr=args.lr, global_batch=args.global_batch,
                         context=args.context, local_world_size=args.local_world_size, log_every=args.log_every,
-                        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, data_split=args.data_split,
+                        outer_lr=args.outer_lr, outer_momentum=args.outer_momentum, outer_rule=args.outer_rule,
+                        data_split=args.data_split,
                         grad_clip=args.grad_clip, warmup_steps=args.warmup_steps,
                         state_avg_every=args.state_avg_every, state_avg=args.state_avg)
     _evals_from(spec, args)

@@ -185,3 +185,7 @@ def test_remedy_and_two_replica_arms_are_named_and_take_the_plain_arms_settings(
     for arm in ("complete-avg-v-1", "complete-avg-v-16", "complete-avg-mv-1", "complete-avg-mv-16", "complete-2x2"):
         assert arm in ARMS and settings_arm(arm) == "complete"
     assert settings_arm("aer-int8") == "aer-int8"
+    # NoLoCo's row is its own arm, not DiLoCo's gossip outer step on the same topology and H
+    pairs = dict(base, topology="random-pairs", local_steps=32)
+    assert arm_name(pairs) == arm_name(dict(pairs, outer_rule="diloco")) == "diloco-32-random-pairs"
+    assert arm_name(dict(pairs, outer_rule="noloco")) == "noloco-32"

@@ -214,6 +214,11 @@ def test_bad_presets_and_specs_name_the_value() -> None:
         L.RunSpec(mode="ddp", state_avg_every=4).check(2)
     with pytest.raises(ValueError, match="state_avg must be one of"):
         L.RunSpec(state_avg="exp_avg").check(2)
+    with pytest.raises(ValueError, match="outer_rule must be one of 'diloco', 'noloco'"):
+        L.RunSpec(mode="decentpy", local_steps=4, outer_rule="sparse").check(2)
+    with pytest.raises(ValueError, match="outer_rule='noloco' is decentpy's local steps"):
+        L.RunSpec(mode="decentpy", outer_rule="noloco").check(2)
+    assert L.outer_settings(L.RunSpec(mode="decentpy", local_steps=4, outer_rule="noloco")) == L.NOLOCO_OUTER
 
 
 def test_schedule_evaluates_at_least_eight_times_and_spends_the_budget() -> None:

@@ -575,6 +575,35 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     out["face_int8_resumed"] = _flat(model)
     out["engine_ring"], saved = engine("ring", steps, param_as_bucket_view=False)
     out["engine_ring_resumed"], _ = engine("ring", steps, state=saved, start=5, param_as_bucket_view=False)
+    # -- NoLoCo's outer step on random pairs: both faces, the engine's resumed mid-exchange ------------
+    model = make_mlp(0)
+    inner = _inner(model)
+    with decentpy.DiLoCo(model, inner, _noloco_outer(model.parameters()), sync_every=H, topology="random-pairs",
+                         outer_pull=NOLOCO_PULL):
+        _train(model, inner, rank, range(steps))
+    out["noloco_face"] = _flat(model)
+
+    def noloco_engine(state: Optional[Dict[str, Any]] = None, start: int = 0) -> Tuple[torch.Tensor, Any]:
+        m = make_mlp(0)
+        ddp = decentpy.DecentralizedDataParallel(
+            m, decentpy_optim_fn("adamw"), topology="random-pairs",
+            local_steps=decentpy.LocalSteps(sync_every=H, outer_optim=_noloco_outer, outer_pull=NOLOCO_PULL))
+        if state is not None:
+            ddp.load_training_state_dict(state)
+        saved = None
+        for k in range(start, steps):
+            if k == H and state is None:  # the first outer exchange is in flight (applied at this forward)
+                saved = copy.deepcopy(ddp.training_state_dict())
+            x, y = batch(rank, k)
+            loss_fn(ddp(x), y).backward()
+        ddp.wait()
+        got = _flat(m)
+        ddp.close()
+        return got, saved
+
+    out["noloco_engine"], saved = noloco_engine()
+    out["noloco_engine_resumed"], _ = noloco_engine(saved, H)
+
     errors = {}
     for name, kw in {"zero": dict(local_steps=0),
                      "fragments": dict(local_steps=4, fragments=3),
@@ -629,6 +658,16 @@ def test_equals_torchft_diloco(results: List[Dict[str, Any]], kind: str) -> None
                                    msg=lambda m: f"rank {rank}: {m}")
 
 
+def _float64_window(models: List[nn.Module], inners: List[torch.optim.Optimizer], o: int) -> None:
+    """Window ``o``'s H inner steps of each float64 replica on its own batches."""
+    for i, m in enumerate(models):
+        for k in range(o * H, (o + 1) * H):
+            x, y = batch(i, k)
+            inners[i].zero_grad()
+            loss_fn(m(x.double()), y.double()).backward()
+            inners[i].step()
+
+
 def _float64_ring(inner: Any = None) -> Tuple[List[torch.Tensor], List[List[torch.Tensor]]]:
     """The four replicas in one process, float64: torch's AdamW inner steps, at each outer step the
     ring's mixing matrix W(k) applied to the global copies and to the pseudo-gradients, torch's
@@ -642,12 +681,7 @@ def _float64_ring(inner: Any = None) -> Tuple[List[torch.Tensor], List[List[torc
     globals_ = [[p.detach().clone() for p in m.parameters()] for m in models]
     history = [[torch.cat([g.reshape(-1) for g in gl]) for gl in globals_]]
     for o in range(OUTER):
-        for i, m in enumerate(models):
-            for k in range(o * H, (o + 1) * H):
-                x, y = batch(i, k)
-                inners[i].zero_grad()
-                loss_fn(m(x.double()), y.double()).backward()
-                inners[i].step()
+        _float64_window(models, inners, o)
         w = topo.mixing_matrix(o).double()
         deltas = [[g - p.detach() for g, p in zip(globals_[i], models[i].parameters())] for i in range(N)]
         new = []
@@ -662,6 +696,66 @@ def _float64_ring(inner: Any = None) -> Tuple[List[torch.Tensor], List[List[torc
         globals_ = new
         history.append([torch.cat([g.reshape(-1) for g in gl]) for gl in globals_])
     return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models], history
+
+
+NOLOCO_PULL = 0.5  # gamma = 0.35 with the outer lr 0.7: the pull's weight apart from the lr's
+
+
+def _noloco_outer(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.7, momentum=0.5)
+
+
+def _float64_noloco(inner: Any = None, gamma: float = 0.7 * NOLOCO_PULL) -> List[torch.Tensor]:
+    """NoLoCo's rule as its authors' code writes it (jkolehm/noloco, src/noloco/sparse_optimizer_c.py),
+    float64, the four replicas in one process: after H inner steps each replica ``i`` averages with
+    its group ``G`` of this outer step (random-pairs' mixing matrix), ``m_i <- beta m_i + lr
+    mean_G(x - phi) + gamma (mean_G(phi) - phi_i)``, ``phi_i <- phi_i + m_i``, ``x_i <- phi_i``."""
+    from decentpy.topology import make_topology
+
+    topo = make_topology("random-pairs", N, 1)
+    lr, beta = 0.7, 0.5
+    models = [make_mlp(0).double() for _ in range(N)]
+    inners = [(inner or _inner)(m) for m in models]
+    phi = [[p.detach().clone() for p in m.parameters()] for m in models]
+    mom = [[torch.zeros_like(p) for p in m.parameters()] for m in models]
+    for o in range(OUTER):
+        _float64_window(models, inners, o)
+        w = topo.mixing_matrix(o).double()
+        xs = [[p.detach().clone() for p in m.parameters()] for m in models]
+        assert all(int((w[i] > 0).sum()) == 2 for i in range(N)), "random-pairs: one peer per outer step"
+        new = []
+        for i in range(N):
+            row = []
+            for j in range(len(phi[i])):
+                mean_x = sum(w[i, q] * xs[q][j] for q in range(N))
+                mean_phi = sum(w[i, q] * phi[q][j] for q in range(N))
+                mom[i][j] = beta * mom[i][j] + lr * (mean_x - mean_phi) + gamma * (mean_phi - phi[i][j])
+                row.append(phi[i][j] + mom[i][j])
+            new.append(row)
+        phi = new
+        with torch.no_grad():
+            for m, ph in zip(models, phi):
+                for p, t in zip(m.parameters(), ph):
+                    p.copy_(t)
+    return [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in models]
+
+
+@pytest.mark.parametrize("face", ["noloco_face", "noloco_engine"])
+def test_noloco_matches_its_authors_rule_in_float64(results: List[Dict[str, Any]], face: str) -> None:
+    """NoLoCo's outer step (``outer_pull``, heavy-ball SGD, random pairs) through both faces against
+    the float64 re-computation of the authors' rule; the engine's run resumed from a checkpoint taken
+    while its first outer exchange was in flight is bit-equal to the uninterrupted one."""
+    final = _float64_noloco(REF_OPTIMIZERS["adamw"] if face == "noloco_engine" else None)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r[face].double(), final[rank], rtol=1e-4, atol=2e-5,
+                                   msg=lambda m: f"rank {rank}: {m}")
+    if face == "noloco_engine":
+        for rank, r in enumerate(results):
+            assert torch.equal(r["noloco_engine"], r["noloco_engine_resumed"]), f"rank {rank}: the resumed run differs"
+    # the pull is what the comparison resolves: the same rule without it lands measurably elsewhere
+    unpulled = _float64_noloco(REF_OPTIMIZERS["adamw"] if face == "noloco_engine" else None, gamma=0.0)
+    assert float((results[0][face].double() - unpulled[0]).abs().max()) > 1e-3
+    assert not torch.allclose(results[0][face], results[1][face]), "gossip replicas should differ"
 
 
 def test_gossip_outer_steps_match_float64_reference(results: List[Dict[str, Any]]) -> None:

@@ -217,3 +217,21 @@ def test_one_configuration_through_both_faces_is_bit_equal() -> None:
             diffs = [float((a - b).abs().max()) for a, b in zip(e, f)]
             assert all(torch.equal(a, b) for a, b in zip(e, f)), (rank, name, diffs, got["model_order"])
             assert not all(torch.equal(a, b) for a, b in zip(e, got["start"])), (rank, name)  # it trained
+
+
+def test_settings_compare_partial_outer_optimizers_by_their_arguments() -> None:
+    """The cross-rank agreement sees an outer optimizer given as ``functools.partial`` by its
+    arguments (lr 0.7 on one rank and 0.5 on another must not pass as equal), as LocalSteps.noloco
+    builds it."""
+    from decentpy.comm.agreement import comparable
+
+    a = decentpy.LocalSteps.noloco(sync_every=8)
+    b = decentpy.LocalSteps.noloco(sync_every=8, outer_lr=0.5)
+    assert comparable(a.settings()) == comparable(decentpy.LocalSteps.noloco(sync_every=8).settings())
+    assert comparable(a.settings()) != comparable(b.settings())
+    assert a.check() == 8 and a.outer_pull == 1.0
+    opt = a.outer_optimizer([torch.zeros(3, requires_grad=True)])
+    g = opt.param_groups[0]
+    assert (type(opt), g["lr"], g["momentum"], g["nesterov"]) == (torch.optim.SGD, 0.7, 0.5, False)
+    with pytest.raises(ValueError, match="outer_pull must be a number >= 0"):
+        decentpy.LocalSteps(sync_every=4, outer_pull=float("nan")).check()

@@ -6,6 +6,7 @@ objects: a message from a faulty or foreign process can only raise a named error
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -82,6 +83,8 @@ def comparable(value: Any) -> Any:
         return [comparable(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if isinstance(value, functools.partial):  # (its arguments are settings too: lr=0.7 here, 0.5 there)
+        return ["partial", comparable(value.func), comparable(list(value.args)), comparable(value.keywords)]
     if callable(value):
         return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__qualname__)}"
     return repr(value)

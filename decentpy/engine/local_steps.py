@@ -249,7 +249,8 @@ class LocalStepsExchange(Exchange):
                 st.outer.drop()
                 done = True  # the peer check dropped this outer step (not finite): theta and the parameters stay
                 continue
-            st.outer.apply(st.optimizer, [b.param], [st.theta], stepped=[st.theta], alpha=self.alpha)
+            st.outer.apply(st.optimizer, [b.param], [st.theta], stepped=[st.theta], alpha=self.alpha,
+                           pull=self.options.outer_pull)
             self.strategy.node_mode.part_changed(b)  # (intra_node='shard': the node all-gathers the shards)
             self._resync.discard(b.index % self.fragments)
             done = True

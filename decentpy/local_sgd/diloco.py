@@ -196,6 +196,11 @@ class DiLoCo(_LocalSteps):
             s_j`` over the group), so replicas of different speeds need no per-replica tuning; a slow
             replica reaches the exchange at most one of its inner steps late. One fragment.
         clock: the time source of ``sync_every_s`` (seconds; ``time.monotonic``).
+        outer_pull: NoLoCo's outer step (see :class:`decentpy.LocalSteps`): on a gossip topology each
+            replica's outer optimizer steps its own global copy with the mixed pseudo-gradient plus
+            ``outer_pull`` times (its copy - the group's mean copy). NoLoCo as its authors run it:
+            ``topology="random-pairs"``, ``sync_every=50``, ``outer_pull=1.0`` and
+            ``torch.optim.SGD(params, lr=0.7, momentum=0.5)``.
 
     ``use_bucketization`` and ``bucket_cap_mb`` are accepted for torchft scripts: each fragment
     already travels as one buffer per dtype. ``should_quantize=True`` is ``compression="int8"`` (on
@@ -218,7 +223,7 @@ class DiLoCo(_LocalSteps):
                  topology: TopologyLike = "complete", group: Optional[dist.ProcessGroup] = None, comm: str = "torch",
                  broadcast_parameters: bool = True, sync_every_s: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic,
-                 compression: Union[None, str, Compression] = None) -> None:
+                 compression: Union[None, str, Compression] = None, outer_pull: Optional[float] = None) -> None:
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer]
 
@@ -261,13 +266,15 @@ class DiLoCo(_LocalSteps):
             return comp, extra
 
         options = LocalSteps(sync_every=sync_every, sync_every_s=sync_every_s, fragments=len(fragments),
-                             fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=fragment_update_alpha)
+                             fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=fragment_update_alpha,
+                             outer_pull=outer_pull)
         super().__init__(fragments, inner_optimizer, options, topology, group, comm, broadcast_parameters, check,
                          clock)
         self._send_globals = not self._mixer.exact
         self._fragments = [Fragment(i, [p for p in f.parameters() if p.requires_grad],
                                     outers[i] if len(outers) > 1 else outers[0], backup_device, pin_memory,
-                                    fragment_update_alpha, self._mixer, weighted=self.clock.timed)
+                                    fragment_update_alpha, self._mixer, weighted=self.clock.timed,
+                                    pull=outer_pull)
                            for i, f in enumerate(fragments)]
         for f in self._fragments:
             f.save()

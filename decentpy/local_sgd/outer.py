@@ -61,8 +61,10 @@ class Fragment:
 
     def __init__(self, index: int, params: Sequence[Tensor], outer_optimizer: Optional[Optimizer],
                  backup_device: Optional[torch.device], pin_memory: bool, alpha: float,
-                 link: Optional[OuterLink] = None, weighted: bool = False) -> None:
+                 link: Optional[OuterLink] = None, weighted: bool = False, pull: Optional[float] = None) -> None:
         self.index = index
+        #: NoLoCo's pull towards the group's global copies (None: start from the mixed copy)
+        self.pull = pull
         self.params = list(params)
         self.outer = outer_optimizer
         self.alpha = float(alpha)
@@ -123,7 +125,8 @@ class Fragment:
         restart from it or merge with it (:func:`decentpy.optim.outer.outer_step`, the one outer step)."""
         assert self.outer is not None
         for idx, buf in zip(self.groups, self.buffers):
-            buf.apply(self.outer, [self.params[i] for i in idx], [self.backup[i] for i in idx], alpha=self.alpha)
+            buf.apply(self.outer, [self.params[i] for i in idx], [self.backup[i] for i in idx], alpha=self.alpha,
+                      pull=self.pull)
 
     @torch.no_grad()
     def average_params(self, mixer: TopologyMixer, step: int, tag: int) -> None:

@@ -274,13 +274,18 @@ class OuterBuffer:
 
     @torch.no_grad()
     def apply(self, optimizer: Optimizer, params: Sequence[Tensor], thetas: Sequence[Tensor], *,
-              stepped: Optional[Sequence[Tensor]] = None, alpha: float = 0.0) -> None:
+              stepped: Optional[Sequence[Tensor]] = None, alpha: float = 0.0, pull: Optional[float] = None) -> None:
         """The outer step with the received exchange (:func:`~decentpy.optim.outer.outer_step`):
         ``params`` the tensors this buffer packed, in order, ``thetas`` their global copies,
         ``stepped`` what the outer optimizer holds (default ``params``). One tensor whose outer step
-        runs fused takes a compressed mean's wire into the kernel pass; otherwise it is decoded first."""
+        runs fused takes a compressed mean's wire into the kernel pass; otherwise it is decoded first.
+        ``pull`` (NoLoCo, a gossip outer step): the step starts from this rank's own global copy with
+        ``delta + pull (theta - theta_mix)`` instead of from ``theta_mix`` with ``delta``."""
         stepped = list(params) if stepped is None else list(stepped)
         delta, mix, comp = self.inputs()
+        if pull is not None and mix is not None:
+            own = torch.cat([t.detach().reshape(-1).to(delta.dtype) for t in thetas]).sub_(mix)
+            delta, mix = own.mul_(float(pull)).add_(delta), None
         if len(params) == 1 and (comp is None or fusable_here(optimizer, stepped, params, thetas, [delta]) is None):
             deltas, mixes = [delta], None if mix is None else [mix]
         else:

@@ -13,6 +13,7 @@ raises on every rank before any collective, not on the one rank that built it.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -30,6 +31,12 @@ OuterOptimFn = Callable[[List[Tensor]], Optimizer]
 def diloco_outer_optim(params: List[Tensor]) -> Optimizer:
     """DiLoCo's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _heavy_ball(params: List[Tensor], lr: float, momentum: float) -> Optimizer:
+    """NoLoCo's outer optimizer: SGD with heavy-ball momentum (its authors' ``m = beta m - lr g;
+    phi += m``)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
 def _is_int(v: object) -> bool:
@@ -54,6 +61,13 @@ class LocalSteps:
             (``< sync_every / fragments``).
         fragment_update_alpha: after the outer step, the fragment's parameters move this fraction of
             the way back to the local ones of the delayed steps (in [0, 1]).
+        outer_pull: NoLoCo's outer step (Kolehmainen et al. 2025) on a gossip topology: each replica
+            steps its *own* global copy (not the group's mixed one) with the mixed pseudo-gradient
+            plus ``outer_pull`` times (its global copy - the group's mean global copy), so the outer
+            optimizer's momentum, not an average, pulls the replicas together. ``outer_pull = gamma /
+            lr`` for the paper's ``gamma`` and the outer optimizer's ``lr``: 1.0 is the authors' code
+            (:meth:`noloco`). None: the gossip outer step starts from the mixed copy. Exact-average
+            topologies (every global copy equal) are unaffected.
     """
 
     sync_every: Optional[int] = None
@@ -62,6 +76,16 @@ class LocalSteps:
     fragments: int = 1
     fragment_sync_delay: int = 0
     fragment_update_alpha: float = 0.0
+    outer_pull: Optional[float] = None
+
+    @classmethod
+    def noloco(cls, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.5,
+               pull: float = 1.0) -> "LocalSteps":
+        """NoLoCo's outer step as its authors run it (arXiv 2506.10911, code jkolehm/noloco: H = 50,
+        heavy-ball momentum 0.5, lr 0.7, the pull's weight equal to the lr): use it with
+        ``topology="random-pairs"`` (each replica averages with one random peer per outer step)."""
+        return cls(sync_every=sync_every, outer_pull=pull,
+                   outer_optim=functools.partial(_heavy_ball, lr=outer_lr, momentum=outer_momentum))
 
     def check(self, steps_name: str = "sync_every") -> int:
         """Raise ``ValueError`` / ``TypeError`` naming the bad value (``steps_name``: what the caller
@@ -99,6 +123,11 @@ class LocalSteps:
                                  f"{period}: a fragment's exchange must complete before its next one), got {delay!r}")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
             raise ValueError(f"fragment_update_alpha must be in [0, 1], got {alpha!r}")
+        pull = self.outer_pull
+        if pull is not None and (isinstance(pull, bool) or not isinstance(pull, (int, float))
+                                 or not (math.isfinite(pull) and pull >= 0)):
+            raise ValueError(f"outer_pull must be a number >= 0 (NoLoCo's gamma / the outer lr; 1.0 in its "
+                             f"authors' code) or None, got {pull!r}")
         return period
 
     @property
@@ -116,14 +145,16 @@ class LocalSteps:
         return {"local_steps": self.sync_every if self.sync_every is not None else 1,
                 "sync_every_s": None if self.sync_every_s is None else float(self.sync_every_s),
                 "fragments": self.fragments, "fragment_sync_delay": self.fragment_sync_delay,
-                "fragment_update_alpha": float(self.fragment_update_alpha)}
+                "fragment_update_alpha": float(self.fragment_update_alpha),
+                "outer_pull": None if self.outer_pull is None else float(self.outer_pull)}
 
     def check_checkpoint(self, state: Dict[str, Any]) -> None:
         """Raise ``ValueError`` naming both sides when ``state`` (a checkpoint's) was saved with other
         settings."""
         mine = self.checkpoint_fields()
         theirs = {k: state.get(k, d) for k, d in (("local_steps", None), ("sync_every_s", None), ("fragments", 1),
-                                                  ("fragment_sync_delay", 0), ("fragment_update_alpha", 0.0))}
+                                                  ("fragment_sync_delay", 0), ("fragment_update_alpha", 0.0),
+                                                  ("outer_pull", None))}
         if theirs != mine:
             raise ValueError("the checkpoint was saved with " + ", ".join(f"{k}={v}" for k, v in theirs.items())
                              + "; this run has " + ", ".join(f"{k}={v}" for k, v in mine.items()))
@@ -137,7 +168,7 @@ class LocalSteps:
 
 #: the wrapper's keywords that are fields of :class:`LocalSteps` (its ``local_steps`` is ``sync_every``)
 KEYWORDS: Tuple[str, ...] = ("outer_optim", "sync_every_s", "fragments", "fragment_sync_delay",
-                             "fragment_update_alpha")
+                             "fragment_update_alpha")  # (outer_pull, newer: in LocalSteps only)
 
 
 def resolve_local_steps(local_steps: Union[int, LocalSteps], **keywords: Any) -> Optional[LocalSteps]:

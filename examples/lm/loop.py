@@ -73,7 +73,7 @@ from .corpus import Corpus, train_batch, val_windows
 from .model import ByteTransformer, ModelConfig, count_parameters, preset
 
 __all__ = ["MODES", "COLUMNS", "RunSpec", "Schedule", "schedule", "run_arm", "bits_per_byte", "TorchftStandInManager",
-           "DILOCO_OUTER", "outer_settings", "measure_throughput", "tokens_for_budget"]
+           "DILOCO_OUTER", "NOLOCO_OUTER", "OUTER_RULES", "outer_settings", "measure_throughput", "tokens_for_budget"]
 
 MODES = ("ddp", "ddp-powersgd", "decentpy", "decent-dp", "torchft-diloco")
 FRAMEWORK = {"ddp": "torch", "ddp-powersgd": "torch", "decentpy": "decentpy", "decent-dp": "decent-dp",
@@ -86,11 +86,13 @@ EPS = 1e-8
 
 #: what ``state_avg`` may name: Adam's second moment, or both moments
 STATE_AVG = ("exp_avg_sq", "exp_avg,exp_avg_sq")
+#: the outer step of local steps: DiLoCo's (from the mixed global copy) or NoLoCo's (decentpy.LocalSteps.noloco)
+OUTER_RULES = ("diloco", "noloco")
 
 #: the columns of a row, in order (the benchmark's CSV writes them so)
 COLUMNS = ("framework", "mode", "topology", "compression", "intra_node", "local_steps", "fragments", "link_mbit",
-           "workers", "preset", "seed", "data_split", "peak_lr", "grad_clip", "warmup_steps", "outer_lr",
-           "outer_momentum", "state_averaging", "budget_s",
+           "workers", "preset", "seed", "data_split", "peak_lr", "grad_clip", "warmup_steps", "outer_rule",
+           "outer_lr", "outer_momentum", "state_averaging", "budget_s",
            "step", "tokens", "wall_s", "bytes_sent_per_worker", "val_bits_per_byte",
            "val_bits_per_byte_workers_mean", "consensus_distance", "skipped_steps", "train_bits_per_byte",
            "tokens_per_s", "lr", "params", "bytes_source", "corpus", "corpus_bytes", "corpus_hash", "device")
@@ -125,6 +127,7 @@ class RunSpec:
     data_split: str = "shuffle"  # examples.lm.corpus.SPLITS: the whole text shuffled, or a shard per rank
     outer_lr: Optional[float] = None  # local steps: the outer SGD's lr (None: DiLoCo's 0.7)
     outer_momentum: Optional[float] = None  # local steps: its Nesterov momentum (None: DiLoCo's 0.9; 0: plain)
+    outer_rule: str = "diloco"  # local steps: OUTER_RULES ('noloco': heavy-ball, pulled to the peers' copies)
     state_avg_every: int = 0  # decentpy only: average the AdamW states over the workers every this many steps (0: never)
     state_avg: str = "exp_avg_sq"  # which: 'exp_avg_sq' or 'exp_avg,exp_avg_sq' (decentpy.OptimizerStateAveraging)
     link_mbit: Optional[float] = None  # recorded in the rows only (the benchmark throttles the link)
@@ -172,6 +175,11 @@ class RunSpec:
         if (self.outer_lr is not None or self.outer_momentum is not None) and self.local_steps < 2:
             raise ValueError(f"outer_lr / outer_momentum are the outer step's, with local_steps >= 2 (got local_steps="
                              f"{self.local_steps})")
+        if self.outer_rule not in OUTER_RULES:
+            raise ValueError(f"outer_rule must be one of {', '.join(map(repr, OUTER_RULES))}, got {self.outer_rule!r}")
+        if self.outer_rule != "diloco" and (self.mode != "decentpy" or self.local_steps < 2):
+            raise ValueError(f"outer_rule={self.outer_rule!r} is decentpy's local steps: give mode 'decentpy' and "
+                             f"local_steps >= 2 (got mode {self.mode!r}, local_steps={self.local_steps})")
         if self.outer_lr is not None and not (self.outer_lr > 0 and math.isfinite(self.outer_lr)):
             raise ValueError(f"outer_lr must be a finite number > 0, got {self.outer_lr}")
         if self.outer_momentum is not None and not 0 <= self.outer_momentum < 1:
@@ -358,17 +366,35 @@ def _bucket_mb(model: nn.Module, fragments: int) -> float:
 
 #: DiLoCo's outer optimizer (Douillard et al. 2023): Nesterov SGD, lr 0.7, momentum 0.9
 DILOCO_OUTER = (0.7, 0.9)
+#: NoLoCo's (Kolehmainen et al. 2025, its authors' code): heavy-ball SGD, lr 0.7, momentum 0.5
+NOLOCO_OUTER = (0.7, 0.5)
 
 
 def outer_settings(spec: RunSpec) -> Tuple[float, float]:
-    """The outer SGD's (lr, momentum) of a local-steps arm: the spec's, else DiLoCo's."""
-    lr = spec.outer_lr if spec.outer_lr is not None else DILOCO_OUTER[0]
-    momentum = spec.outer_momentum if spec.outer_momentum is not None else DILOCO_OUTER[1]
+    """The outer SGD's (lr, momentum) of a local-steps arm: the spec's, else its rule's (DiLoCo's or
+    NoLoCo's)."""
+    lr0, m0 = NOLOCO_OUTER if spec.outer_rule == "noloco" else DILOCO_OUTER
+    lr = spec.outer_lr if spec.outer_lr is not None else lr0
+    momentum = spec.outer_momentum if spec.outer_momentum is not None else m0
     return lr, momentum
 
 
-def _outer_sgd(lr: float, momentum: float, params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+def _outer_sgd(lr: float, momentum: float, params: Any, nesterov: bool = True) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+
+def _local_steps(spec: RunSpec) -> Any:
+    """The wrapper's ``local_steps=``: 1, or the spec's settings as one decentpy.LocalSteps (NoLoCo:
+    heavy-ball momentum and the pull of weight lr, as its authors' code)."""
+    from decentpy import LocalSteps
+
+    if spec.local_steps < 2:
+        return 1
+    noloco = spec.outer_rule == "noloco"
+    return LocalSteps(sync_every=spec.local_steps, fragments=spec.fragments,
+                      fragment_sync_delay=spec.fragment_sync_delay, fragment_update_alpha=spec.fragment_update_alpha,
+                      outer_optim=functools.partial(_outer_sgd, *outer_settings(spec), nesterov=not noloco),
+                      outer_pull=1.0 if noloco else None)
 
 
 class _DecentpyArm(_Arm):
@@ -383,13 +409,9 @@ class _DecentpyArm(_Arm):
                                      weight_decay=spec.weight_decay, eps=EPS)
         self.ddp = DecentralizedDataParallel(model, optim_fn, _scheduler_fn(cfg.lr, sched), topology=spec.topology,
                                              local_world_size=lws, intra_node=spec.intra_node,
-                                             compression=spec.compression, local_steps=spec.local_steps,
-                                             fragments=spec.fragments, fragment_sync_delay=spec.fragment_sync_delay,
-                                             fragment_update_alpha=spec.fragment_update_alpha,
+                                             compression=spec.compression, local_steps=_local_steps(spec),
                                              bucket_size_in_mb=_bucket_mb(model, spec.fragments),
-                                             grad_clip_norm=spec.grad_clip,
-                                             outer_optim=(functools.partial(_outer_sgd, *outer_settings(spec))
-                                                          if spec.local_steps > 1 else None))
+                                             grad_clip_norm=spec.grad_clip)
         self.state_avg = None
         if spec.state_avg_every:
             from decentpy import OptimizerStateAveraging
@@ -759,7 +781,8 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
         link_mbit=spec.link_mbit, data_split=spec.data_split, peak_lr=cfg.lr, grad_clip=spec.grad_clip,
         warmup_steps=sched.warmup, budget_s=spec.budget_s,
         state_averaging=f"{spec.state_avg}/{spec.state_avg_every}" if spec.state_avg_every else None,
-        **(dict(zip(("outer_lr", "outer_momentum"), outer_settings(spec))) if spec.local_steps > 1 else {}),
+        **(dict(outer_rule=spec.outer_rule, **dict(zip(("outer_lr", "outer_momentum"), outer_settings(spec))))
+           if spec.local_steps > 1 else {}),
         workers=n,
         preset=spec.preset, seed=spec.seed, params=count_parameters(model), bytes_source=arm.bytes_source,
         corpus=corpus.name, corpus_bytes=corpus.n_bytes, corpus_hash=corpus.list_hash, device=str(device))
