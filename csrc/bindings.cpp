@@ -134,6 +134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .value("INT8", decentpy::Compressor::Int8)
       .value("INT4", decentpy::Compressor::Int4);
   m.attr("INT8_BLOCK") = decentpy::kInt8Block;  // also the int4 scale block
+  m.attr("SPARSE_MAX_CHUNK") = decentpy::kSparseMaxChunk;  // a SparseLoCo chunk's most elements
   m.def("compressed_bytes",
         [](decentpy::Compressor c, int64_t n) { return decentpy::compressed_bytes(c, n); },
         py::arg("compressor"), py::arg("numel"), "Wire bytes of numel elements compressed with compressor.");
@@ -222,6 +223,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("outer_decode", &decentpy::outer_decode, py::kw_only(), py::arg("compressor"), py::arg("wire"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>(),
         "out = D(wire): the float32 values of a compressed pseudo-gradient (the values outer_apply reads).");
+  m.def("sparse_pack", &decentpy::sparse_pack, py::kw_only(), py::arg("param"), py::arg("theta"), py::arg("error"),
+        py::arg("wire"), py::arg("chunk"), py::arg("k"), py::arg("decay"), py::call_guard<py::gil_scoped_release>(),
+        "SparseLoCo's pack: error = decay * error + (theta - param); the chunk-wise top-k of error in 2 bits into "
+        "wire; what it sends taken out of error. See csrc/kernels/sparse.h.");
+  m.def("sparse_mean", &decentpy::sparse_mean, py::kw_only(), py::arg("inputs"), py::arg("out"), py::arg("chunk"),
+        py::arg("k"), py::call_guard<py::gil_scoped_release>(),
+        "out = the mean of the members' SparseLoCo messages (decoded, added in their order, times 1/m).");
+  m.def("sparse_wire_bytes", &decentpy::sparse_wire_bytes, py::kw_only(), py::arg("numel"), py::arg("chunk"),
+        py::arg("k"), "Bytes of one SparseLoCo message of numel elements.");
   m.def("compressed_wire_regions", &decentpy::compressed_wire_regions, py::kw_only(), py::arg("compressor"),
         py::arg("numel"), py::arg("lo"), py::arg("hi"),
         "The byte ranges [start, stop) of elements [lo, hi) (lo a multiple of INT8_BLOCK) in the wire of numel "

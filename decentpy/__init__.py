@@ -40,7 +40,7 @@ else:
     from .ddp import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE, DecentralizedDataParallel  # noqa: E402
     from .join import Join, Joinable, JoinHook  # noqa: E402
     from .local_sgd import DiLoCo, LocalSGD  # noqa: E402
-    from .local_steps import LocalSteps  # noqa: E402
+    from .local_steps import LocalSteps, SparseOuter  # noqa: E402
     from .pipeline import AsyncPipe, PipelineError  # noqa: E402
     from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
     from .preemption import CheckpointError, PreemptionCheckpointer  # noqa: E402
@@ -80,6 +80,7 @@ else:
         "DiLoCo",
         "LocalSGD",
         "LocalSteps",
+        "SparseOuter",
         "Joinable",
         "JoinHook",
         "ReduceScatterBucketer",

@@ -14,7 +14,12 @@ import math
 import numbers
 from typing import Any, Optional
 
-__all__ = ["check_bool", "check_int", "check_real", "check_timedelta"]
+__all__ = ["is_int", "check_bool", "check_int", "check_real", "check_timedelta"]
+
+
+def is_int(value: Any) -> bool:
+    """An int, not a bool (``True == 1`` would pass for a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_bool(name: str, value: Any) -> bool:

@@ -250,6 +250,11 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                                        self._timeout)
             self._topology = setup.topology
             exchange_topology = setup.exchange_topology
+            if self._local_steps is not None:  # (SparseLoCo's exchange: an exact average, uncompressed)
+                self._local_steps.check_exchange(exchange_topology.is_exact_average(), exchange_topology.name,
+                                                 self._compression, comm if isinstance(comm, str) else repr(comm))
+                if self._local_steps.sparse is not None:
+                    comm = "torch"
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             if not named:
                 raise ValueError("the model has no parameter that requires a gradient: nothing to train")

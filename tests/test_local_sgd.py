@@ -25,6 +25,7 @@ import pytest
 import torch
 from torch import nn
 
+from decentpy.local_steps.sparse import SparseOuter
 from dist_harness import run_workers
 from examples.lm.loop import TorchftStandInManager
 from reference import REF_OPTIMIZERS, batch, decentpy_optim_fn, loss_fn, make_mlp
@@ -583,11 +584,10 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         _train(model, inner, rank, range(steps))
     out["noloco_face"] = _flat(model)
 
-    def noloco_engine(state: Optional[Dict[str, Any]] = None, start: int = 0) -> Tuple[torch.Tensor, Any]:
+    def steps_engine(topology: str, options: Any, state: Optional[Dict[str, Any]] = None,
+                     start: int = 0) -> Tuple[torch.Tensor, Any]:
         m = make_mlp(0)
-        ddp = decentpy.DecentralizedDataParallel(
-            m, decentpy_optim_fn("adamw"), topology="random-pairs",
-            local_steps=decentpy.LocalSteps(sync_every=H, outer_optim=_noloco_outer, outer_pull=NOLOCO_PULL))
+        ddp = decentpy.DecentralizedDataParallel(m, decentpy_optim_fn("adamw"), topology=topology, local_steps=options)
         if state is not None:
             ddp.load_training_state_dict(state)
         saved = None
@@ -601,8 +601,23 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
         ddp.close()
         return got, saved
 
-    out["noloco_engine"], saved = noloco_engine()
-    out["noloco_engine_resumed"], _ = noloco_engine(saved, H)
+    noloco = decentpy.LocalSteps(sync_every=H, outer_optim=_noloco_outer, outer_pull=NOLOCO_PULL)
+    out["noloco_engine"], saved = steps_engine("random-pairs", noloco)
+    out["noloco_engine_resumed"], _ = steps_engine("random-pairs", noloco, saved, H)
+
+    # -- SparseLoCo's exchange: the DiLoCo face against the rule re-computed, the engine resumed --------
+    model = make_mlp(0)
+    inner = _inner(model)
+    with decentpy.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=SPARSE_LR), sync_every=H,
+                         sparse=SPARSE) as d:
+        _train(model, inner, rank, range(steps))
+        out["sparse_face_state"] = {k: v for k, v in d.state_dict()["fragments"][0].items() if k == "error"}
+    out["sparse_face"] = _flat(model)
+    sparse = decentpy.LocalSteps(sync_every=H, sparse=SPARSE,
+                                 outer_optim=lambda p: torch.optim.SGD(p, lr=SPARSE_LR))
+    out["sparse_engine"], saved = steps_engine("complete", sparse)
+    out["sparse_engine_resumed"], _ = steps_engine("complete", sparse, saved, H)
+    out["sparse_engine_bytes"] = saved is not None and "error" in saved["compression"]["buckets"][0]
 
     errors = {}
     for name, kw in {"zero": dict(local_steps=0),
@@ -610,7 +625,11 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                      "delay": dict(local_steps=4, fragments=2, fragment_sync_delay=2),
                      "alpha": dict(local_steps=4, fragment_update_alpha=-0.1),
                      "streaming_without_local_steps": dict(fragments=2),
-                     "streaming_with_budget": dict(sync_every_s=2.0, fragments=2)}.items():
+                     "streaming_with_budget": dict(sync_every_s=2.0, fragments=2),
+                     "sparse_on_a_ring": dict(topology="ring", local_steps=decentpy.LocalSteps(sync_every=4,
+                                                                                               sparse=SPARSE)),
+                     "sparse_compressed": dict(local_steps=decentpy.LocalSteps(sync_every=4, sparse=SPARSE),
+                                               compression="int8")}.items():
         try:
             decentpy.DecentralizedDataParallel(make_mlp(0), decentpy_optim_fn("adamw"), **kw)
             errors[name] = None
@@ -699,6 +718,53 @@ def _float64_ring(inner: Any = None) -> Tuple[List[torch.Tensor], List[List[torc
 
 
 NOLOCO_PULL = 0.5  # gamma = 0.35 with the outer lr 0.7: the pull's weight apart from the lr's
+SPARSE = SparseOuter(k=8, chunk=64, decay=0.5)  # 5 chunks of the MLP's 275 (the last of 19)
+SPARSE_LR = 1.0  # SparseLoCo's theta <- theta - alpha mean; (decay 0.5 and lr 1: exact in float32)
+
+
+def _sparse_reference() -> List[torch.Tensor]:
+    """SparseLoCo on the four replicas in one process, float32, the rule written out
+    (tests/sparse_reference.py: e <- beta e + delta, the chunk-wise top-k of e in 2 bits, e minus what
+    was sent; the members' mean; theta <- theta - alpha mean; the parameters restart from theta),
+    torch's AdamW inner steps as the DiLoCo face's."""
+    import sparse_reference as R
+
+    models = [make_mlp(0) for _ in range(N)]
+    inners = [_inner(m) for m in models]
+    theta = [_flat(m) for m in models]
+    errors = [torch.zeros_like(theta[0]) for _ in range(N)]
+    for o in range(OUTER):
+        for i, m in enumerate(models):
+            _train(m, inners[i], i, range(o * H, (o + 1) * H))
+        wires = []
+        for i, m in enumerate(models):
+            w, errors[i] = R.pack(_flat(m), theta[i], errors[i], SPARSE.chunk, SPARSE.k, SPARSE.decay)
+            wires.append(w)
+        mean = R.mean(wires, theta[0].numel(), SPARSE.chunk, SPARSE.k)
+        for i, m in enumerate(models):
+            theta[i] = theta[i] - SPARSE_LR * mean
+            with torch.no_grad():
+                at = 0
+                for p in m.parameters():
+                    p.copy_(theta[i][at:at + p.numel()].view_as(p))
+                    at += p.numel()
+    return [_flat(m) for m in models]
+
+
+def test_sparseloco_matches_the_rule_and_resumes(results: List[Dict[str, Any]]) -> None:
+    """SparseLoCo's exchange on the complete topology: the DiLoCo face equals the rule re-computed in
+    float32 element by element (its top-k, 2-bit codes and error feedback: tests/sparse_reference.py)
+    to float32 rounding; the engine's face, resumed from a checkpoint taken while its first exchange
+    was in flight (the error buffers in it), is bit-equal to its uninterrupted run; every replica
+    ends on the same model (the mean is exact)."""
+    want = _sparse_reference()
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["sparse_face"], want[rank], rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert torch.equal(r["sparse_face"], results[0]["sparse_face"])
+        assert torch.equal(r["sparse_engine"], results[0]["sparse_engine"])
+        assert torch.equal(r["sparse_engine"], r["sparse_engine_resumed"]), f"rank {rank}: the resumed run differs"
+        assert r["sparse_engine_bytes"] and r["sparse_face_state"]["error"][0].abs().sum() > 0
 
 
 def _noloco_outer(params: Any) -> torch.optim.Optimizer:
@@ -948,7 +1014,9 @@ def test_engine_local_steps_bad_input(results: List[Dict[str, Any]]) -> None:
             "delay": "fragment_sync_delay must be an int in [0, 2)",
             "alpha": "fragment_update_alpha must be in [0, 1], got -0.1",
             "streaming_without_local_steps": "give local_steps=H (> 1) as well",
-            "streaming_with_budget": "sync_every_s (a time budget) runs one fragment"}
+            "streaming_with_budget": "sync_every_s (a time budget) runs one fragment",
+            "sparse_on_a_ring": "averages over an exact-average topology ('complete'), got topology 'ring'",
+            "sparse_compressed": "give sparse= or compression='int8', not both"}
     for rank, r in enumerate(results):
         for name, text in want.items():
             msg = r["engine_errors"][name]

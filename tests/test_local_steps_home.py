@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
@@ -99,11 +100,28 @@ def test_the_wrapper_takes_the_settings_as_one_object() -> None:
     ((LocalSteps(sync_every=4, fragments=3),), {}, ValueError, "local_steps=4 must be a multiple of the number of fragments"),
     ((4,), {"sync_every_s": 2.0}, ValueError, "give local_steps (inner steps) or sync_every_s (seconds), not both"),
     ((1,), {"fragment": 2}, TypeError, "unexpected keyword argument 'fragment' (did you mean 'fragments'?)"),
+    ((LocalSteps(sync_every_s=2.0, sparse=decentpy.SparseOuter()),), {}, ValueError,
+     "sparse (SparseLoCo's outer exchange) takes neither sync_every_s"),
+    ((LocalSteps(sync_every=4, sparse=decentpy.SparseOuter(k=6)),), {}, ValueError, "k must be a multiple of 4"),
+    ((LocalSteps(sync_every=4, sparse=64),), {}, TypeError, "sparse must be a decentpy.SparseOuter or None, got int"),
 ])
 def test_bad_settings_are_named(args: tuple, kw: dict, exc: type, text: str) -> None:
     with pytest.raises(exc) as info:
         resolve_local_steps(*args, **kw)
     assert text in str(info.value), str(info.value)
+
+
+def test_the_sparse_exchange_needs_an_exact_average_uncompressed_over_torch() -> None:
+    opts = LocalSteps.sparseloco(sync_every=8)
+    opts.check_exchange(True, "complete", None)  # fine
+    LocalSteps(sync_every=8).check_exchange(False, "ring", "int8", "nccl")  # (no sparse: no rule here)
+    for args, text in [((False, "ring", None), "exact-average topology ('complete'), got topology 'ring'"),
+                       ((True, "complete", "int8"), "give sparse= or compression='int8', not both"),
+                       ((True, "complete", None, "nccl"), "use comm='torch' or 'auto', got comm='nccl'")]:
+        with pytest.raises(ValueError, match=re.escape(text)):
+            opts.check_exchange(*args)
+    g = opts.outer_optimizer([torch.zeros(2, requires_grad=True)]).param_groups[0]
+    assert (g["lr"], g["momentum"]) == (1.0, 0.0) and opts.sparse == decentpy.SparseOuter(k=64, chunk=4096, decay=0.95)
 
 
 def test_every_combination_of_the_rules_agrees_with_the_period() -> None:
@@ -133,6 +151,8 @@ FACE_CASES: Dict[str, Dict[str, Any]] = {
     "timed": dict(topology="complete", sync_every_s=2.5),
     "int8": dict(topology="complete", compression="int8"),
     "int8-gossip": dict(topology="ring", compression="int8"),
+    # SparseLoCo's exchange: 3 chunks of 32 elements, 4 entries sent per chunk
+    "sparse": dict(topology="complete", sparse=decentpy.SparseOuter(k=4, chunk=32, decay=0.95)),
 }
 FACE_H = 3
 FACE_STEPS = 11
@@ -143,6 +163,23 @@ def _one_parameter() -> torch.nn.Module:
 
     torch.manual_seed(0)
     return torch.nn.Linear(IN, OUT, bias=False)
+
+
+class _WideHead(torch.nn.Module):
+    """One parameter of 96 elements (no padding in a bucket: a sparse buffer's chunks are then the
+    same on both faces), of which the output reads 18."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from reference import IN
+
+        torch.manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(IN, 16) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from reference import OUT
+
+        return x @ self.weight[:, :OUT]
 
 
 def _rmsprop(params: Any) -> torch.optim.Optimizer:
@@ -165,7 +202,9 @@ def _faces_worker(rank: int, world: int) -> Dict[str, Any]:
         # a time budget of 2.5 s: windows of 3 inner steps on rank 0 (1 s each), 2 on rank 1 (2 s each);
         # each rank stops after its third outer step (the pair exchanges the same number of times)
         steps = (3 * (3 if rank == 0 else 2)) if timed else FACE_STEPS
-        model = _one_parameter if "compression" in kw else functools.partial(make_mlp, 0)
+        # (one parameter where the layout matters: a compressed or sparse buffer is cut into blocks or chunks)
+        model = (_WideHead if "sparse" in kw else _one_parameter if "compression" in kw
+                 else functools.partial(make_mlp, 0))
         # the engine's face
         now[0] = 0.0
         m = model()

@@ -4,17 +4,20 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "cpu/mix_and_step_cpu.h"
+#include "cpu/sparse_cpu.h"
 #include "kernels/compress.h"
 #include "kernels/mix_and_step.h"
 #include "kernels/peer_check.h"
 #ifdef DECENTPY_WITH_CUDA
 #include "cuda/mix_and_step_cuda.h"
+#include "cuda/sparse_cuda.h"
 #endif
 
 namespace decentpy {
@@ -632,6 +635,108 @@ void outer_decode(Compressor compressor, const at::Tensor& wire, const at::Tenso
                                         cuda_stream_of(out));
 #else
     no_cuda_kernels(out.device(), "outer_decode");
+#endif
+  }
+  bump(out);
+}
+
+namespace {
+
+// A SparseLoCo buffer's layout: chunk a power of two in [4, kSparseMaxChunk], k a multiple of 4 in [4, chunk].
+void check_sparse_layout(int64_t chunk, int64_t k, const char* who) {
+  TORCH_CHECK(chunk >= 4 && chunk <= kSparseMaxChunk && (chunk & (chunk - 1)) == 0, who,
+              ": chunk must be a power of two in [4, ", kSparseMaxChunk, "], got ", chunk);
+  TORCH_CHECK(k >= 4 && k <= chunk && k % 4 == 0, who, ": k must be a multiple of 4 in [4, chunk=", chunk, "], got ", k);
+}
+
+// A flat contiguous float32 tensor of n elements on `like`'s device.
+void check_sparse_f32(const at::Tensor& t, const at::Tensor& like, int64_t n, const char* what) {
+  TORCH_CHECK(t.defined() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.numel() == n &&
+                  t.device() == like.device(),
+              what, " must be a contiguous float32 tensor of ", n, " elements on ", like.device(), ", got ",
+              t.defined() ? t.toString() : std::string("undefined"), " of ", t.defined() ? t.numel() : 0,
+              " elements on ", t.defined() ? t.device().str() : std::string("-"));
+}
+
+void check_sparse_wire(const at::Tensor& w, const at::Tensor& like, int64_t n, int64_t chunk, int64_t k,
+                       const char* what) {
+  const int64_t bytes = sparse_wire_bytes(n, chunk, k);
+  TORCH_CHECK(w.defined() && w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == bytes &&
+                  w.device() == like.device(),
+              what, " must be a contiguous uint8 tensor of sparse_wire_bytes(", n, ", ", chunk, ", ", k, ") = ", bytes,
+              " bytes on ", like.device(), ", got ", w.defined() ? w.toString() : std::string("undefined"), " of ",
+              w.defined() ? w.numel() : 0, " bytes");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(w.data_ptr()) % 4 == 0, what, " must be 4-byte aligned (its scales are fp32)");
+}
+
+}  // namespace
+
+void sparse_pack(const at::Tensor& param, const at::Tensor& theta, const at::Tensor& error, const at::Tensor& wire,
+                 int64_t chunk, int64_t k, double decay) {
+  TORCH_CHECK(param.defined(), "sparse_pack: param is undefined");
+  check_device_supported(param, "sparse_pack: param");
+  const int64_t n = param.numel();
+  check_sparse_layout(chunk, k, "sparse_pack");
+  TORCH_CHECK(std::isfinite(decay) && decay >= 0.0 && decay <= 1.0, "sparse_pack: decay must be in [0, 1], got ", decay);
+  check_sparse_f32(param, param, n, "sparse_pack: param");
+  check_sparse_f32(theta, param, n, "sparse_pack: theta");
+  check_sparse_f32(error, param, n, "sparse_pack: error");
+  check_sparse_wire(wire, param, n, chunk, k, "sparse_pack: wire");
+  check_no_overlap(error, "sparse_pack: error", theta, "theta");
+  check_no_overlap(error, "sparse_pack: error", param, "param");
+  check_no_overlap(wire, "sparse_pack: wire", error, "error");
+  SparsePackArgs a;
+  a.numel = n;
+  a.chunk = static_cast<int32_t>(chunk);
+  a.k = static_cast<int32_t>(k);
+  a.decay = static_cast<float>(decay);
+  a.param = param.data_ptr<float>();
+  a.theta = theta.data_ptr<float>();
+  a.error = error.data_ptr<float>();
+  a.wire = wire.data_ptr();
+  if (n == 0) return;
+  if (param.device().is_cpu()) {
+    sparse_pack_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(param.device());
+    decentpy::cuda::launch_sparse_pack(a, cuda_stream_of(param));
+#else
+    no_cuda_kernels(param.device(), "sparse_pack");
+#endif
+  }
+  bump(error);
+  bump(wire);
+}
+
+void sparse_mean(const std::vector<at::Tensor>& inputs, const at::Tensor& out, int64_t chunk, int64_t k) {
+  TORCH_CHECK(out.defined(), "sparse_mean: out is undefined");
+  check_device_supported(out, "sparse_mean: out");
+  check_sparse_layout(chunk, k, "sparse_mean");
+  const int64_t n = out.numel();
+  check_sparse_f32(out, out, n, "sparse_mean: out");
+  TORCH_CHECK(!inputs.empty() && static_cast<int64_t>(inputs.size()) <= kSparseMaxMembers,
+              "sparse_mean: 1 to ", kSparseMaxMembers, " input messages, got ", inputs.size());
+  SparseMeanArgs a;
+  a.numel = n;
+  a.chunk = static_cast<int32_t>(chunk);
+  a.k = static_cast<int32_t>(k);
+  a.num_inputs = static_cast<int32_t>(inputs.size());
+  for (size_t t = 0; t < inputs.size(); ++t) {
+    check_sparse_wire(inputs[t], out, n, chunk, k, "sparse_mean: an input message");
+    check_no_overlap(inputs[t], "sparse_mean: an input message", out, "out");
+    a.inputs[t] = inputs[t].data_ptr();
+  }
+  a.out = out.data_ptr<float>();
+  if (n == 0) return;
+  if (out.device().is_cpu()) {
+    sparse_mean_cpu(a);
+  } else {
+#ifdef DECENTPY_WITH_CUDA
+    c10::DeviceGuard guard(out.device());
+    decentpy::cuda::launch_sparse_mean(a, cuda_stream_of(out));
+#else
+    no_cuda_kernels(out.device(), "sparse_mean");
 #endif
   }
   bump(out);

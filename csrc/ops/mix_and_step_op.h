@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/mix_and_step.h"
+#include "kernels/sparse.h"
 
 namespace decentpy {
 
@@ -96,6 +97,13 @@ void outer_apply(const at::Tensor& param, const at::Tensor& theta, const c10::op
 
 // out = D(wire): a compressed pseudo-gradient's values (float32, out.numel() elements).
 void outer_decode(Compressor compressor, const at::Tensor& wire, const at::Tensor& out);
+
+// SparseLoCo's outer exchange (kernels/sparse.h): the error-fed chunk-wise top-k of theta - param in
+// 2 bits into wire (uint8, sparse_wire_bytes), what it sends taken out of error; and out = the mean of
+// the members' messages (inputs: their wires, this rank's own included, in the group's order).
+void sparse_pack(const at::Tensor& param, const at::Tensor& theta, const at::Tensor& error, const at::Tensor& wire,
+                 int64_t chunk, int64_t k, double decay);
+void sparse_mean(const std::vector<at::Tensor>& inputs, const at::Tensor& out, int64_t chunk, int64_t k);
 
 // The byte ranges [start, stop) of elements [lo, hi) in the wire of n elements (kernels/compress.h).
 std::vector<std::pair<int64_t, int64_t>> compressed_wire_regions(Compressor compressor, int64_t n, int64_t lo,

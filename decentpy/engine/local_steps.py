@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 
 from ..comm.group_exchange import GroupExchanger
 from ..comm.plans import BufferMix, ExchangePlan
-from ..local_steps import LocalSteps, WindowClock
+from ..local_steps import LocalSteps, SparseOuter, WindowClock
 from ..local_steps.exchange import OuterBuffer, OuterLink, outer_needs
 from ..optim.compression import Compression
 from ..optim.outer import fused_outer_reason
@@ -73,10 +73,12 @@ class _StrategyLink(OuterLink):
     re-formation replaces them)."""
 
     def __init__(self, strategy: "GossipStrategy", exchanger: GroupExchanger,
-                 compression: Optional[Compression]) -> None:  # (no super().__init__: properties below)
+                 compression: Optional[Compression], sparse: Optional[SparseOuter] = None) -> None:
+        # (no super().__init__: properties below)
         self._s = strategy
         self.exchanger = exchanger
         self.compression = compression
+        self.sparse = sparse
 
     plans = property(lambda self: self._s.plans)
     comm = property(lambda self: self._s.comm)
@@ -116,7 +118,7 @@ class LocalStepsExchange(Exchange):
                 raise ValueError(f"local_steps with compression={compression.kind!r} runs the fused outer step, and "
                                  f"the outer optimizer is not fusable: {why}; use torch's SGD, Adam or AdamW")
         self._exchanger = GroupExchanger()
-        self._link = _StrategyLink(strategy, self._exchanger, compression)
+        self._link = _StrategyLink(strategy, self._exchanger, compression, options.sparse)
         # The parameters at the start of the first window, by parameter, while the bucket layout is
         # provisional: a bucket built later (the layout rebuilt after the first backward) takes its
         # global copy from here, not from parameters that already took inner steps.
@@ -134,7 +136,7 @@ class LocalStepsExchange(Exchange):
 
     def communication_needs(self) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
         """What the outer exchanges need of the communicator (:func:`~decentpy.local_steps.exchange.outer_needs`)."""
-        return outer_needs(self.strategy.topology, self.compression)
+        return outer_needs(self.strategy.topology, self.compression, self.options.sparse)
 
     def close(self) -> None:
         self._exchanger.close()

@@ -28,7 +28,7 @@ from ..comm import CommGroup, agree_across_ranks, check_comm, default_timeout, o
 from ..engine.step_checks import check_before_step
 from ..optim.hyperparams import check_hyperparameters, hyperparameters_of
 from ..optim.compression import Compression, resolve_compression
-from ..local_steps import LocalSteps, WindowClock
+from ..local_steps import LocalSteps, SparseOuter, WindowClock
 from ..topology import Topology, make_topology
 from .outer import Fragment, TopologyMixer
 
@@ -78,6 +78,7 @@ class _LocalSteps:
             check_bool("broadcast_parameters", broadcast_parameters)
             found.append(_topology(topology, self._group.size))
             comp, extra = check(found[0])
+            options.check_exchange(found[0].is_exact_average(), found[0].name, comp, comm)
             compression.append(comp)
             settings.update({
                 "model (parameter shapes and dtypes per module)": [
@@ -112,7 +113,8 @@ class _LocalSteps:
                         dist.broadcast(t.data, src=src, group=pg)
         device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
         self._mixer = TopologyMixer(self.topology, self._group, default_timeout(), comm, device=device,
-                                    compression=compression[0], replicas_equal=broadcast_parameters)
+                                    compression=compression[0], replicas_equal=broadcast_parameters,
+                                    sparse=options.sparse)
 
     def __enter__(self) -> "_LocalSteps":
         if self._closed:
@@ -201,6 +203,9 @@ class DiLoCo(_LocalSteps):
             ``outer_pull`` times (its copy - the group's mean copy). NoLoCo as its authors run it:
             ``topology="random-pairs"``, ``sync_every=50``, ``outer_pull=1.0`` and
             ``torch.optim.SGD(params, lr=0.7, momentum=0.5)``.
+        sparse: SparseLoCo's outer exchange (:class:`decentpy.SparseOuter`): the error-fed chunk-wise
+            top-k of the pseudo-gradient in 2 bits, averaged over ``topology="complete"``; give an
+            outer ``torch.optim.SGD(params, lr=1.0)`` without momentum (the error buffer replaces it).
 
     ``use_bucketization`` and ``bucket_cap_mb`` are accepted for torchft scripts: each fragment
     already travels as one buffer per dtype. ``should_quantize=True`` is ``compression="int8"`` (on
@@ -223,7 +228,8 @@ class DiLoCo(_LocalSteps):
                  topology: TopologyLike = "complete", group: Optional[dist.ProcessGroup] = None, comm: str = "torch",
                  broadcast_parameters: bool = True, sync_every_s: Optional[float] = None,
                  clock: Callable[[], float] = time.monotonic,
-                 compression: Union[None, str, Compression] = None, outer_pull: Optional[float] = None) -> None:
+                 compression: Union[None, str, Compression] = None, outer_pull: Optional[float] = None,
+                 sparse: Optional[SparseOuter] = None) -> None:
         fragments = [model_fragments] if isinstance(model_fragments, nn.Module) else list(model_fragments)
         outers = list(outer_optimizer) if isinstance(outer_optimizer, (list, tuple)) else [outer_optimizer]
 
@@ -267,7 +273,7 @@ class DiLoCo(_LocalSteps):
 
         options = LocalSteps(sync_every=sync_every, sync_every_s=sync_every_s, fragments=len(fragments),
                              fragment_sync_delay=fragment_sync_delay, fragment_update_alpha=fragment_update_alpha,
-                             outer_pull=outer_pull)
+                             outer_pull=outer_pull, sparse=sparse)
         super().__init__(fragments, inner_optimizer, options, topology, group, comm, broadcast_parameters, check,
                          clock)
         self._send_globals = not self._mixer.exact

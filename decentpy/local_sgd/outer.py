@@ -26,6 +26,7 @@ from ..comm import CommGroup, select_communicator
 from ..comm.group_exchange import GroupExchanger
 from ..comm.plans import BufferMix, ExchangeSchedule
 from ..local_steps.exchange import OuterBuffer, OuterLink, outer_needs, split
+from ..local_steps.sparse import SparseOuter
 from ..optim.compression import Compression
 from ..topology import Topology
 
@@ -39,11 +40,11 @@ class TopologyMixer(OuterLink):
 
     def __init__(self, topology: Topology, group: CommGroup, timeout: datetime.timedelta, comm: str = "torch",
                  device: Optional[torch.device] = None, compression: Optional[Compression] = None,
-                 replicas_equal: bool = True) -> None:
+                 replicas_equal: bool = True, sparse: Optional[SparseOuter] = None) -> None:
         communicator = select_communicator(comm, topology, timeout, device=device, group=group,
-                                           needs=outer_needs(topology, compression))
+                                           needs=outer_needs(topology, compression, sparse))
         super().__init__(ExchangeSchedule(topology, group.rank), communicator, GroupExchanger(), topology,
-                         group.rank, timeout, compression, replicas_equal)
+                         group.rank, timeout, compression, replicas_equal, sparse)
 
     def launch(self, step: int, tag: int, buf: Tensor) -> BufferMix:
         """Start mixing ``buf`` with this rank's group at outer step ``step`` (LocalSGD's average of
@@ -145,7 +146,8 @@ class Fragment:
         return {"backup": [b.clone() for b in self.backup],
                 "outer_optimizer": self.outer.state_dict() if self.outer is not None else None,
                 "in_flight": [st["in_flight"] for st in states] if self.in_flight else None,
-                "excess": [st["excess"] for st in states], "copies": [st["copies"] for st in states]}
+                "excess": [st["excess"] for st in states], "copies": [st["copies"] for st in states],
+                **({"error": [st["error"] for st in states]} if any("error" in st for st in states) else {})}
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, object]) -> None:
@@ -162,8 +164,10 @@ class Fragment:
         flights = state.get("in_flight") or [None] * len(self.buffers)
         excess = state.get("excess") or [None] * len(self.buffers)
         copies = state.get("copies") or [None] * len(self.buffers)
+        errors = state.get("error") or [None] * len(self.buffers)
         for k, buf in enumerate(self.buffers):
-            saved = {"excess": excess[k], "in_flight": flights[k], "copies": copies[k]}  # type: ignore[index]
+            saved = {"excess": excess[k], "in_flight": flights[k], "copies": copies[k],  # type: ignore[index]
+                     "error": errors[k]}  # type: ignore[index]
             if saved["excess"] is None and buf.excess is not None:
                 saved["excess"] = torch.zeros_like(buf.excess)  # (saved before its first compressed exchange)
             # (copies never saved: the checkpoint precedes the first compressed gossip exchange; they

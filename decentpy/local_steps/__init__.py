@@ -6,9 +6,12 @@ The wrapper's ``DecentralizedDataParallel(local_steps=...)`` (an exchange part o
 
 - :mod:`.options`: :class:`LocalSteps`, the settings and every rule between them.
 - :mod:`.clock`: :class:`WindowClock`, when each fragment's outer exchange starts and applies.
+- :mod:`.exchange`: one outer exchange of a flat buffer (:class:`~.exchange.OuterBuffer`).
+- :mod:`.sparse`: SparseLoCo's exchange (:class:`SparseOuter`).
 """
 
 from .clock import WindowClock
 from .options import KEYWORDS, LocalSteps, OuterOptimFn, diloco_outer_optim, resolve_local_steps
+from .sparse import SparseOuter
 
-__all__ = ["LocalSteps", "WindowClock", "OuterOptimFn", "diloco_outer_optim", "resolve_local_steps", "KEYWORDS"]
+__all__ = ["LocalSteps", "SparseOuter", "WindowClock", "OuterOptimFn", "diloco_outer_optim", "resolve_local_steps", "KEYWORDS"]

@@ -14,6 +14,8 @@ The exchange is chosen by three facts:
 - otherwise the buffer ``[theta; delta]`` is mixed (a gossip outer step, or once after an elastic
   re-formation on ``complete``: the members' global copies agree again); with ``compression`` on a
   gossip topology by compressed gossip against public copies (CHOCO, the replicas' mean unchanged);
+- ``sparse`` (SparseLoCo, an exact-average group): the error-fed chunk-wise top-k of ``delta`` in
+  2 bits travels, gathered from every member and averaged on arrival (:mod:`.sparse`);
 - a time budget weights the pseudo-gradients by the inner steps behind them: the weight travels as
   one more element of the buffer (:func:`~decentpy.comm.plans.weigh`), or with compression in its
   own uncompressed mix, shared by the outer step's buffers (:meth:`OuterLink.weight_mix`).
@@ -30,12 +32,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..comm.compressed_mix import CompressedMix, GossipCopies
-from ..comm.group_exchange import GroupExchange, GroupExchanger, compressed_needs, start_compressed_mean
+from ..comm.group_exchange import (GroupExchange, GroupExchanger, compressed_needs, other_members,
+                                   start_compressed_mean)
 from ..comm.plans import BufferMix, ExchangePlan, communication_needs
 from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import fusable_here, outer_step, pseudo_gradient
 from ..topology import Topology
+from .sparse import SparseGather, SparseOuter
 
 __all__ = ["OuterLink", "OuterBuffer", "outer_needs", "split", "weigh", "unweigh", "WEIGHT_TAG"]
 
@@ -66,12 +70,14 @@ def unweigh(mixed: Tensor, n: int) -> Tensor:
     return out
 
 
-def outer_needs(topology: Topology, compression: Optional[Compression]) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
+def outer_needs(topology: Topology, compression: Optional[Compression],
+                sparse: Optional[SparseOuter] = None) -> Optional[Tuple[bool, List[Tuple[int, ...]]]]:
     """What a communicator must set up for the outer exchanges over ``topology`` (None: what the
-    plans need, the default): a compressed exchange runs point to point (pairs, the two rounds of the
-    group exchange), beside the plans' all-reduces (a time budget's weights, the full-precision
-    exchange that re-synchronises the global copies after an elastic re-formation)."""
-    if compression is None:
+    plans need, the default): a compressed or sparse exchange runs point to point (pairs, the two
+    rounds of the group exchange, the sparse messages' all-gather), beside the plans' all-reduces (a
+    time budget's weights, the full-precision exchange that re-synchronises the global copies after an
+    elastic re-formation)."""
+    if compression is None and sparse is None:
         return None
     return compressed_needs(topology)[0], communication_needs(topology)[1]
 
@@ -82,9 +88,10 @@ class OuterLink:
     reads them from its strategy at each use (an elastic re-formation replaces them)."""
 
     def __init__(self, plans: Any, comm: Any, exchanger: GroupExchanger, topology: Topology, rank: int,
-                 timeout: datetime.timedelta, compression: Optional[Compression], replicas_equal: bool = True) -> None:
+                 timeout: datetime.timedelta, compression: Optional[Compression], replicas_equal: bool = True,
+                 sparse: Optional[SparseOuter] = None) -> None:
         self.plans, self.comm, self.exchanger, self.topology, self.rank = plans, comm, exchanger, topology, rank
-        self.timeout, self.compression = timeout, compression
+        self.timeout, self.compression, self.sparse = timeout, compression, sparse
         #: every replica started from the same parameters (compressed gossip's public copies start from them)
         self.replicas_equal = replicas_equal
 
@@ -114,7 +121,7 @@ class InFlight:
     due: int
     #: the exchange (None once received); ``result``: where its result lands -- the mixed buffer
     #: ``[theta;] delta [; weight]``, or with a compressed mean its wire bytes
-    work: Union[None, BufferMix, CompressedMix, GroupExchange]
+    work: Union[None, BufferMix, CompressedMix, GroupExchange, SparseGather]
     result: Tensor
     compressed: bool
     #: a time budget with compression: the inner-step weights' own mix (shared by the outer step's
@@ -129,8 +136,8 @@ class InFlight:
     def receive(self, timeout: datetime.timedelta) -> Tensor:
         """The exchange's result (waits for it, bounded by ``timeout``)."""
         work, self.work = self.work, None
-        if isinstance(work, (BufferMix, CompressedMix)):
-            self.result = work.wait()
+        if isinstance(work, (BufferMix, CompressedMix, SparseGather)):
+            self.result = work.wait() if not isinstance(work, SparseGather) else work.wait(timeout)
         elif work is not None:
             work.wait(timeout)
         if self.weight is not None:
@@ -163,6 +170,17 @@ class OuterBuffer:
         self.copies: Optional[GossipCopies] = None
         self._buf: Optional[Tensor] = None
         self._scratch: Optional[Tensor] = None  # a time budget with a compressed mean: w delta, then zeros
+        #: SparseLoCo: the error-feedback buffer, this rank's message and one slot per other member, the mean
+        self.error: Optional[Tensor] = None
+        self._sparse_wires: List[Tensor] = []
+        self._sparse_mean: Optional[Tensor] = None
+        sp = link.sparse
+        if sp is not None:
+            self.error = torch.zeros(numel, dtype=torch.float32, device=device)
+            size = sp.wire_bytes(numel)
+            self._sparse_wires = [torch.empty(size, dtype=torch.uint8, device=device)
+                                  for _ in range(max(1, link.topology.world_size))]
+            self._sparse_mean = torch.empty(numel, dtype=torch.float32, device=device)
         comp = link.compression
         if comp is not None and link.exact:
             self.excess = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -193,6 +211,9 @@ class OuterBuffer:
         time budget), with ``weight_mix`` its own mix when compressed; ``step``: for messages."""
         link, comp, n = self.link, self.link.compression, self.numel
         plan = link.plan(outer_step)
+        if link.sparse is not None and not send_globals:  # SparseLoCo: the error-fed sparse messages' mean
+            self._launch_sparse(x, theta, plan, tag, due, step)
+            return
         if comp is not None and not send_globals:  # the error-fed compressed mean
             assert self.excess is not None
             if weight is None:
@@ -230,6 +251,25 @@ class OuterBuffer:
         else:
             mix = BufferMix(plan, link.comm, tag, buf, link.timeout)
         self.pending = InFlight(due, mix, buf, compressed=False, weight=weight_mix, weight_inside=inside)
+
+    def _launch_sparse(self, x: Tensor, theta: Tensor, plan: ExchangePlan, tag: int, due: int,
+                       step: Optional[int]) -> None:
+        sp, link = self.link.sparse, self.link
+        assert sp is not None and self.error is not None and self._sparse_mean is not None
+        x32 = x.reshape(-1) if x.dtype == torch.float32 else x.reshape(-1).float()
+        t32 = theta.reshape(-1) if theta.dtype == torch.float32 else theta.reshape(-1).float()
+        others = other_members(plan, link.rank)
+        while len(self._sparse_wires) < 1 + len(others):  # (an elastic re-formation into a larger group)
+            self._sparse_wires.append(torch.empty_like(self._sparse_wires[0]))
+        mine = self._sparse_wires[0]
+        kernels.sparse_pack(x32, t32, self.error, mine, sp.chunk, sp.k, sp.decay)
+        work = None
+        if others:
+            work = SparseGather(link.comm, tag, plan.group.ranks, link.rank, sp, mine,
+                                self._sparse_wires[1:1 + len(others)], self._sparse_mean, step)
+        else:  # alone: the mean of one message
+            kernels.sparse_mean([mine], self._sparse_mean, sp.chunk, sp.k)
+        self.pending = InFlight(due, work, self._sparse_mean, compressed=False)
 
     def receive(self) -> Tensor:
         """The raw result of the exchange in flight (waits for it): what a peer check inspects."""
@@ -313,13 +353,19 @@ class OuterBuffer:
                 flight = {"due": self.pending.due, "compressed": self.pending.compressed, "result": result,
                           "total": None if total is None else total.clone()}
         return {"excess": None if self.excess is None else self.excess.clone(), "in_flight": flight,
-                "copies": None if self.copies is None else self.copies.state_dict()}
+                "copies": None if self.copies is None else self.copies.state_dict(),
+                **({} if self.error is None else {"error": self.error.clone()})}
 
     @torch.no_grad()
     def load_state_dict(self, state: Dict[str, Any], copies: bool = True, what: str = "") -> None:
         """What :meth:`state_dict` saved (either layout); ``copies=False`` (an elastic re-formation:
         new partners) starts the public copies afresh instead."""
         comp = self.link.compression
+        if self.error is not None:
+            if state.get("error") is None:
+                raise ValueError(f"{what}the checkpoint was saved without SparseLoCo's error-feedback buffer; this run "
+                                 f"sends the outer exchange sparse ({self.link.sparse!r})")
+            self.error.copy_(state["error"])
         if self.excess is not None:
             if state.get("excess") is None:
                 raise ValueError(f"{what}the checkpoint was saved without compression's error feedback; this run "

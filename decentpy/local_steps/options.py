@@ -22,6 +22,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..arguments import is_int
+from .sparse import SparseOuter
+
 __all__ = ["LocalSteps", "OuterOptimFn", "diloco_outer_optim", "resolve_local_steps", "KEYWORDS"]
 
 #: a bucket's flat float32 global copy (a one-tensor list) -> its outer optimizer
@@ -37,10 +40,6 @@ def _heavy_ball(params: List[Tensor], lr: float, momentum: float) -> Optimizer:
     """NoLoCo's outer optimizer: SGD with heavy-ball momentum (its authors' ``m = beta m - lr g;
     phi += m``)."""
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,10 @@ class LocalSteps:
             lr`` for the paper's ``gamma`` and the outer optimizer's ``lr``: 1.0 is the authors' code
             (:meth:`noloco`). None: the gossip outer step starts from the mixed copy. Exact-average
             topologies (every global copy equal) are unaffected.
+        sparse: SparseLoCo's outer exchange (:class:`~decentpy.local_steps.sparse.SparseOuter`): the
+            error-fed chunk-wise top-k of the pseudo-gradient in 2 bits, averaged over an
+            exact-average topology (an all-gather of the messages); use an outer SGD without momentum
+            (:meth:`sparseloco`). Not with ``compression``, a time budget or ``outer_pull``.
     """
 
     sync_every: Optional[int] = None
@@ -77,6 +80,7 @@ class LocalSteps:
     fragment_sync_delay: int = 0
     fragment_update_alpha: float = 0.0
     outer_pull: Optional[float] = None
+    sparse: Optional[SparseOuter] = None
 
     @classmethod
     def noloco(cls, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.5,
@@ -86,6 +90,15 @@ class LocalSteps:
         ``topology="random-pairs"`` (each replica averages with one random peer per outer step)."""
         return cls(sync_every=sync_every, outer_pull=pull,
                    outer_optim=functools.partial(_heavy_ball, lr=outer_lr, momentum=outer_momentum))
+
+    @classmethod
+    def sparseloco(cls, sync_every: int = 30, k: int = 64, chunk: int = 4096, decay: float = 0.95,
+                   outer_lr: float = 1.0) -> "LocalSteps":
+        """SparseLoCo (arXiv 2508.15706): the error-fed sparse exchange (:class:`SparseOuter`) and its
+        outer step ``theta <- theta - outer_lr * mean``, an SGD without momentum (the error buffer
+        replaces the outer momentum); on ``topology="complete"``."""
+        return cls(sync_every=sync_every, sparse=SparseOuter(k=k, chunk=chunk, decay=decay),
+                   outer_optim=functools.partial(_heavy_ball, lr=outer_lr, momentum=0.0))
 
     def check(self, steps_name: str = "sync_every") -> int:
         """Raise ``ValueError`` / ``TypeError`` naming the bad value (``steps_name``: what the caller
@@ -98,14 +111,14 @@ class LocalSteps:
                                  f"{steps_name}={h!r}, sync_every_s={s!r}")
             if isinstance(s, bool) or not isinstance(s, (int, float)) or not (math.isfinite(s) and s > 0):
                 raise ValueError(f"sync_every_s must be a number of seconds > 0, got {s!r}")
-        elif not _is_int(h) or h < 1:  # type: ignore[operator]
+        elif not is_int(h) or h < 1:  # type: ignore[operator]
             raise ValueError(f"{steps_name} must be an int >= 1 (inner steps per outer step), got {h!r}"
                              + (" (or give sync_every_s, a time budget in seconds)" if h is None else ""))
         if self.outer_optim is not None and not callable(self.outer_optim):
             raise TypeError(f"outer_optim must be callable ([a bucket's float32 global copy] -> Optimizer), got "
                             f"{type(self.outer_optim).__name__}")
         f, delay, alpha = self.fragments, self.fragment_sync_delay, self.fragment_update_alpha
-        if not _is_int(f) or f < 1:
+        if not is_int(f) or f < 1:
             raise ValueError(f"fragments must be an int >= 1, got {f!r}")
         if s is not None:
             if f > 1 or delay:
@@ -118,7 +131,7 @@ class LocalSteps:
                 raise ValueError(f"{steps_name}={h} must be a multiple of the number of fragments "
                                  f"({f}): one fragment is synchronised every {steps_name} / fragments steps")
             period = h // f
-            if not _is_int(delay) or not 0 <= delay < period:
+            if not is_int(delay) or not 0 <= delay < period:
                 raise ValueError(f"fragment_sync_delay must be an int in [0, {period}) ({steps_name} / fragments = "
                                  f"{period}: a fragment's exchange must complete before its next one), got {delay!r}")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
@@ -128,7 +141,30 @@ class LocalSteps:
                                  or not (math.isfinite(pull) and pull >= 0)):
             raise ValueError(f"outer_pull must be a number >= 0 (NoLoCo's gamma / the outer lr; 1.0 in its "
                              f"authors' code) or None, got {pull!r}")
+        if self.sparse is not None:
+            if not isinstance(self.sparse, SparseOuter):
+                raise TypeError(f"sparse must be a decentpy.SparseOuter or None, got {type(self.sparse).__name__}")
+            self.sparse.check()
+            if s is not None or pull is not None:
+                raise ValueError("sparse (SparseLoCo's outer exchange) takes neither sync_every_s (a time budget) nor "
+                                 f"outer_pull; got sync_every_s={s!r}, outer_pull={pull!r}")
         return period
+
+    def check_exchange(self, exact_average: bool, topology: str, compression: Any, comm: str = "torch") -> None:
+        """The rules between these settings and the outer exchange's topology, compression and
+        communicator (raise ``ValueError``): SparseLoCo's exchange averages over an exact-average
+        topology, uncompressed, point to point over torch.distributed (``comm`` 'torch' or 'auto')."""
+        if self.sparse is None:
+            return
+        if comm not in ("torch", "auto"):
+            raise ValueError(f"sparse (SparseLoCo's outer exchange) sends its messages over torch.distributed: use "
+                             f"comm='torch' or 'auto', got comm={comm!r}")
+        if compression is not None:
+            raise ValueError(f"sparse (SparseLoCo's outer exchange) is its own compression: give sparse= or "
+                             f"compression={getattr(compression, 'kind', compression)!r}, not both")
+        if not exact_average:
+            raise ValueError(f"sparse (SparseLoCo's outer exchange) averages over an exact-average topology "
+                             f"('complete'), got topology {topology!r}: a sparse gossip outer step is not built yet")
 
     @property
     def period(self) -> int:
@@ -146,7 +182,8 @@ class LocalSteps:
                 "sync_every_s": None if self.sync_every_s is None else float(self.sync_every_s),
                 "fragments": self.fragments, "fragment_sync_delay": self.fragment_sync_delay,
                 "fragment_update_alpha": float(self.fragment_update_alpha),
-                "outer_pull": None if self.outer_pull is None else float(self.outer_pull)}
+                "outer_pull": None if self.outer_pull is None else float(self.outer_pull),
+                "sparse": None if self.sparse is None else [self.sparse.k, self.sparse.chunk, float(self.sparse.decay)]}
 
     def check_checkpoint(self, state: Dict[str, Any]) -> None:
         """Raise ``ValueError`` naming both sides when ``state`` (a checkpoint's) was saved with other
@@ -154,7 +191,7 @@ class LocalSteps:
         mine = self.checkpoint_fields()
         theirs = {k: state.get(k, d) for k, d in (("local_steps", None), ("sync_every_s", None), ("fragments", 1),
                                                   ("fragment_sync_delay", 0), ("fragment_update_alpha", 0.0),
-                                                  ("outer_pull", None))}
+                                                  ("outer_pull", None), ("sparse", None))}
         if theirs != mine:
             raise ValueError("the checkpoint was saved with " + ", ".join(f"{k}={v}" for k, v in theirs.items())
                              + "; this run has " + ", ".join(f"{k}={v}" for k, v in mine.items()))
@@ -192,7 +229,7 @@ def resolve_local_steps(local_steps: Union[int, LocalSteps], **keywords: Any) ->
                              "give the local-steps settings in LocalSteps(...) or as keywords, not both")
         local_steps.check("local_steps")
         return local_steps
-    if not _is_int(local_steps):
+    if not is_int(local_steps):
         raise TypeError(f"local_steps must be an int >= 1 (inner steps per outer step) or a decentpy.LocalSteps, "
                         f"got {local_steps!r} ({type(local_steps).__name__})")
     if local_steps < 1:

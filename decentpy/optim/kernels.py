@@ -18,7 +18,7 @@ import decentpy._C as _C  # the compiled extension (a module of the package, not
 
 __all__ = ["OptKind", "GroupHyper", "MAX_GROUPS", "KERNEL_DTYPES", "StepArgs", "step", "fused_step", "compressed_step", "Compressor", "INT8_BLOCK", "compressed_bytes",
            "group_reduce", "wire_regions", "mix", "peer_mix", "peer_stats", "peer_sketch", "peer_rows", "peer_sampled_count", "SAMPLE_UNIT", "peer_pair_verdict", "peer_group_verdict", "PEER_PARTS", "PEER_STATS",
-           "scale_copy", "NORM_SLOTS",
+           "scale_copy", "NORM_SLOTS", "sparse_pack", "sparse_mean", "sparse_wire_bytes", "SPARSE_MAX_CHUNK",
            "peer_read_dtype", "segments_for_numel", "check_segments", "flat_alias", "assign_buckets", "aligned_offsets",
            "make_flat_block", "build_info"]
 
@@ -28,6 +28,8 @@ Compressor = _C.Compressor
 #: elements per int8 / int4 scale block of the compressed exchange (one fp32 scale each)
 INT8_BLOCK: int = int(_C.INT8_BLOCK)
 MAX_GROUPS: int = int(_C.MAX_GROUPS)
+#: most elements of one SparseLoCo chunk (csrc/kernels/sparse.h: uint16 offsets, the CUDA pack's shared keys)
+SPARSE_MAX_CHUNK: int = int(_C.SPARSE_MAX_CHUNK)
 # Parameter dtypes the kernels step (fp32 math, fp32 state); others take torch's path.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -119,6 +121,24 @@ def outer_decode(compressor: "_C.Compressor", wire: Tensor, out: Tensor) -> None
     """``out = D(wire)``: the float32 values of a compressed pseudo-gradient of ``out.numel()``
     elements, exactly as :func:`outer_apply` reads them."""
     _C.outer_decode(compressor=compressor, wire=wire, out=out)
+
+
+def sparse_wire_bytes(numel: int, chunk: int, k: int) -> int:
+    """Bytes of one SparseLoCo message of ``numel`` elements (csrc/kernels/sparse.h's layout: two fp32
+    scales per chunk, a uint16 offset and a 2-bit code per sent element)."""
+    return int(_C.sparse_wire_bytes(numel=numel, chunk=chunk, k=k))
+
+
+def sparse_pack(param: Tensor, theta: Tensor, error: Tensor, wire: Tensor, chunk: int, k: int, decay: float) -> None:
+    """SparseLoCo's pack (csrc/kernels/sparse.h): ``error = decay error + (theta - param)``, the ``k``
+    largest ``|error|`` of each chunk of ``chunk`` elements in 2 bits into ``wire``, what the wire
+    sends taken out of ``error``. Flat contiguous float32 tensors on one device."""
+    _C.sparse_pack(param=param, theta=theta, error=error, wire=wire, chunk=chunk, k=k, decay=float(decay))
+
+
+def sparse_mean(inputs: Sequence[Tensor], out: Tensor, chunk: int, k: int) -> None:
+    """``out`` = the mean of the members' SparseLoCo messages (their order: the rounding order)."""
+    _C.sparse_mean(inputs=list(inputs), out=out, chunk=chunk, k=k)
 
 
 def mix(param: Tensor, comm: Optional[Tensor], mix_a: float, mix_b: float, *, grad: Optional[Tensor] = None,

@@ -1,0 +1,82 @@
+// CPU kernels of SparseLoCo's outer exchange (contract and arithmetic: kernels/sparse.h, shared with
+// csrc/cuda/sparse.cu). Chunks in parallel (at::parallel_for); inside a chunk scalar code: the error
+// update, a partial selection of the k largest keys, the codes. The mean runs chunk by chunk, the
+// members in their order inside each chunk (the rounding order of the contract).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cpu/sparse_cpu.h"
+#include "kernels/sparse.h"
+
+namespace decentpy {
+
+void sparse_pack_cpu(const SparsePackArgs& A) {
+  const int64_t n = A.numel, chunk = A.chunk, k = A.k;
+  const int64_t chunks = sparse_chunks(n, chunk);
+  uint16_t* index = sparse_indices(A.wire, n, chunk);
+  uint8_t* codes = sparse_codes(A.wire, n, chunk, k);
+  float* scales = sparse_scales(A.wire);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<uint64_t> keys(static_cast<size_t>(chunk));
+    std::vector<float> vals(static_cast<size_t>(k));
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t base = c * chunk, size = sparse_chunk_size(n, chunk, c), kc = sparse_chunk_k(n, chunk, k, c);
+      float* E = A.error + base;
+      for (int64_t j = 0; j < size; ++j) {
+        E[j] = sparse_error(E[j], A.theta[base + j], A.param[base + j], A.decay);
+        keys[j] = sparse_key(E[j], j);
+      }
+      std::nth_element(keys.begin(), keys.begin() + (kc - 1), keys.begin() + size, std::greater<uint64_t>());
+      // the k largest keys, their offsets in ascending order
+      std::vector<uint32_t> sel(static_cast<size_t>(kc));
+      for (int64_t t = 0; t < kc; ++t) sel[t] = 0xffffffffu - static_cast<uint32_t>(keys[t] & 0xffffffffu);
+      std::sort(sel.begin(), sel.end());
+      const int64_t first = sparse_first_slot(c, k);
+      for (int64_t t = 0; t < kc; ++t) {
+        index[first + t] = static_cast<uint16_t>(sel[t]);
+        vals[t] = E[sel[t]];
+      }
+      float s_lo, s_hi;
+      const float a = sparse_scales_of([&](int64_t t) { return vals[t]; }, kc, &s_lo, &s_hi);
+      scales[2 * c] = s_lo;
+      scales[2 * c + 1] = s_hi;
+      uint8_t* Q = codes + first / 4;
+      for (int64_t b = 0; 4 * b < kc; ++b) {
+        uint32_t byte = 0;
+        for (int64_t j = 0; j < 4 && 4 * b + j < kc; ++j) {
+          const int64_t t = 4 * b + j;
+          const uint32_t code = sparse_code(vals[t], a);
+          byte |= code << (2 * j);
+          E[sel[t]] = vals[t] - sparse_value(code, s_lo, s_hi);
+        }
+        Q[b] = static_cast<uint8_t>(byte);
+      }
+    }
+  });
+}
+
+void sparse_mean_cpu(const SparseMeanArgs& A) {
+  const int64_t n = A.numel, chunk = A.chunk, k = A.k;
+  const int m = A.num_inputs;
+  const float inv_m = ScalarMath::div(1.f, static_cast<float>(m));
+  at::parallel_for(0, sparse_chunks(n, chunk), 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t base = c * chunk, size = sparse_chunk_size(n, chunk, c), kc = sparse_chunk_k(n, chunk, k, c);
+      const int64_t first = sparse_first_slot(c, k);
+      float* O = A.out + base;
+      std::fill(O, O + size, 0.f);
+      for (int t = 0; t < m; ++t) {
+        const void* w = A.inputs[t];
+        const uint16_t* I = sparse_indices(w, n, chunk) + first;
+        const uint8_t* Q = sparse_codes(w, n, chunk, k);
+        const float s_lo = sparse_scales(w)[2 * c], s_hi = sparse_scales(w)[2 * c + 1];
+        for (int64_t j = 0; j < kc; ++j) O[I[j]] += sparse_value(sparse_code_at(Q, first + j), s_lo, s_hi);
+      }
+      for (int64_t j = 0; j < size; ++j) O[j] = ScalarMath::mul(O[j], inv_m);
+    }
+  });
+}
+
+}  // namespace decentpy
