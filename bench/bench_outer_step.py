@@ -8,11 +8,19 @@ element, float32 parameters: the pack reads x, theta and writes d (12 bytes; int
 writes the excess, writes 1 code byte: 17 bytes + the scales); the apply reads d (int8: 1 byte),
 theta, the momentum and writes theta, the momentum, x (24 bytes; int8: 21).
 
+SparseLoCo's exchange (``sparse``, csrc/kernels/sparse.h, the defaults: 64 of every 4096 entries in 2
+bits, decay 0.95) is three passes: the pack (reads x, theta, the error buffer, writes it: 16 bytes,
+plus the chunk's selection in cache), the mean of four members' messages (writes d: 4 bytes) and the
+outer step theta - d (reads d and theta, writes theta and x: 16 bytes): 36 bytes per element.
+
 Compared with:
   (torch) the same work as torch ops: ``d = theta - x`` (int8: ``- excess``, the per-block amax,
           scale, round, clamp, the int8 cast, ``excess = D(q) - d``, the dequantisation before the
           step), torch's SGD(nesterov) over theta (fused where torch has it here, else foreach),
           ``x.copy_(theta)``;
+          sparse: the error update, ``topk`` of ``|e|`` per chunk row, the two centroids per row, the codes
+          packed four to a byte, ``e`` minus the decoded values (scatter), the four members' values
+          added into a zero buffer (``index_add_``) and averaged, ``theta -= d``, ``x.copy_(theta)``;
   (copy)  a same-run ``dst.copy_(src)`` moving the fused passes' bytes (read + write).
 
 Prints medians of interleaved runs, the ratios, and the machine; writes
@@ -34,7 +42,7 @@ from bench.common.machine import report_machine
 from bench.common.plots import finish_axes, finish_figure, pyplot
 from bench.common.tables import write_outputs
 from decentpy.optim import kernels
-from decentpy.local_steps import diloco_outer_optim
+from decentpy.local_steps import SparseOuter, diloco_outer_optim
 from decentpy.optim.outer import outer_step, pseudo_gradient
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -51,7 +59,77 @@ def _torch_sgd(theta: torch.Tensor) -> torch.optim.Optimizer:
         return torch.optim.SGD([theta], lr=0.7, momentum=0.9, nesterov=True, foreach=True)
 
 
+SPARSE = SparseOuter()
+MEMBERS = 4
+
+
+def bench_sparse(device: torch.device, numel: int, repeats: int) -> Dict[str, Any]:
+    """SparseLoCo's pack, the mean of four members' messages and its outer step: fused against torch ops."""
+    chunk, k = SPARSE.chunk, SPARSE.k
+    numel = max(chunk, numel // chunk * chunk)
+    rows = numel // chunk
+    gen = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(numel, generator=gen)
+    x0 = theta0 - 0.01 * torch.randn(numel, generator=gen)
+
+    x, theta = x0.to(device), theta0.to(device)
+    error = torch.zeros_like(theta)
+    wire = torch.empty(SPARSE.wire_bytes(numel), dtype=torch.uint8, device=device)
+    delta = torch.empty_like(theta)
+    opt = torch.optim.SGD([theta], lr=1.0)
+
+    def fused() -> None:
+        kernels.sparse_pack(x, theta, error, wire, chunk, k, SPARSE.decay)
+        kernels.sparse_mean([wire] * MEMBERS, delta, chunk, k)  # (four members' messages: the same bytes here)
+        assert outer_step(opt, [x], [theta], [delta], stepped=[theta])
+
+    tx, tth = x0.to(device), theta0.to(device)
+    te = torch.zeros_like(tth)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device)
+    base = (torch.arange(rows, device=device) * chunk)[:, None]
+
+    def torch_ops() -> None:
+        with torch.no_grad():
+            te.mul_(SPARSE.decay).add_(tth - tx)
+            e = te.view(rows, chunk)
+            idx = e.abs().topk(k, dim=1).indices.sort(dim=1).values
+            v = e.gather(1, idx)
+            m = v.abs()
+            a = m.mean(dim=1, keepdim=True)
+            hi = m >= a
+            s_hi = (m * hi).sum(1, keepdim=True) / hi.sum(1, keepdim=True).clamp(min=1)
+            s_lo = (m * ~hi).sum(1, keepdim=True) / (~hi).sum(1, keepdim=True).clamp(min=1)
+            code = (v < 0).to(torch.uint8) | (hi.to(torch.uint8) << 1)
+            _packed = (code.view(rows, k // 4, 4) << shifts).sum(-1, dtype=torch.uint8)  # (the wire's codes)
+            dec = torch.where(hi, s_hi, s_lo) * torch.where(v < 0, -1.0, 1.0)
+            e.scatter_add_(1, idx, -dec)
+            flat = (idx + base).view(-1)
+            d = torch.zeros_like(tth)
+            for _ in range(MEMBERS):
+                d.index_add_(0, flat, dec.view(-1))
+            tth.sub_(d.mul_(1.0 / MEMBERS))
+            tx.copy_(tth)
+
+    moved = 36 * numel
+    src = torch.empty(moved // 8, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    med = interleaved_medians({"fused": fused, "torch": torch_ops, "copy": lambda: dst.copy_(src)}, device, repeats)
+    pct = med["copy"] / med["fused"]
+    ratio = med["torch"] / med["fused"]
+    print(f"\n[{device}] SparseLoCo's exchange ({k} of every {chunk}, 2 bits) and outer step, {MEMBERS} members' "
+          f"messages, bucket {numel * 4 / 2**20:.1f} MiB fp32, median of {repeats} interleaved runs")
+    print(f"  fused pack + mean + apply {med['fused'] * 1e3:9.2f} ms  ({moved / med['fused'] / 1e9:6.1f} GB/s)")
+    print(f"  torch ops, same work      {med['torch'] * 1e3:9.2f} ms  -> fused is {ratio:.2f}x faster")
+    print(f"  copy of the same bytes    {med['copy'] * 1e3:9.2f} ms  -> fused runs at {100 * pct:.1f}% of copy")
+    return dict(device=device.type, kind="sparse", numel=numel, fused_ms=round(med["fused"] * 1e3, 3),
+                torch_ms=round(med["torch"] * 1e3, 3), copy_ms=round(med["copy"] * 1e3, 3),
+                speedup_vs_torch=round(ratio, 3), pct_of_copy=round(100 * pct, 1),
+                bytes_per_element=round(moved / numel, 2))
+
+
 def bench(device: torch.device, numel: int, repeats: int, kind: str) -> Dict[str, Any]:
+    if kind == "sparse":
+        return bench_sparse(device, numel, repeats)
     numel = max(BLOCK, numel // BLOCK * BLOCK)
     nb = numel // BLOCK
     gen = torch.Generator().manual_seed(0)
@@ -147,7 +225,7 @@ def main(argv: Any = None) -> int:
     gpu = torch.cuda.get_device_name() if any(d.type == "cuda" for d in devices) else ""
     rows = []
     for d in devices:
-        for kind in ("fp32", "int8"):
+        for kind in ("fp32", "int8", "sparse"):
             row = bench(d, int(args.size_mb * 2**20) // 4, max(args.repeats, 1), kind)
             row.update(cpu=machine["cpu"], cores=machine["cores"], torch=machine["torch"], gpu=gpu)
             rows.append(row)

@@ -83,9 +83,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="decentpy local steps: the outer SGD's Nesterov momentum (default DiLoCo's 0.9; 0: plain SGD)")
     p.add_argument("--outer-rule", choices=loop.OUTER_RULES, default="diloco",
-                   help="decentpy local steps: DiLoCo's outer step, or NoLoCo's (with --topology random-pairs: "
+                   help="decentpy local steps: DiLoCo's outer step, NoLoCo's (with --topology random-pairs: "
                         "heavy-ball momentum pulling each replica towards its peer; outer lr 0.7, momentum 0.5 "
-                        "unless given)")
+                        "unless given) or SparseLoCo's (with --topology complete: 64 of every 4096 entries of the "
+                        "error-fed pseudo-gradient in 2 bits; outer lr 1, no momentum)")
     p.add_argument("--state-avg-every", type=int, default=0, metavar="K",
                    help="decentpy: average the AdamW states over the workers every K steps "
                         "(decentpy.OptimizerStateAveraging; 0: never)")

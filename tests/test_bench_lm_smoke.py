@@ -189,3 +189,4 @@ def test_remedy_and_two_replica_arms_are_named_and_take_the_plain_arms_settings(
     pairs = dict(base, topology="random-pairs", local_steps=32)
     assert arm_name(pairs) == arm_name(dict(pairs, outer_rule="diloco")) == "diloco-32-random-pairs"
     assert arm_name(dict(pairs, outer_rule="noloco")) == "noloco-32"
+    assert arm_name(dict(base, local_steps=32, outer_rule="sparseloco")) == "sparseloco-32"

@@ -1,6 +1,7 @@
 // CPU kernels of SparseLoCo's outer exchange (contract and arithmetic: kernels/sparse.h, shared with
 // csrc/cuda/sparse.cu). Chunks in parallel (at::parallel_for); inside a chunk scalar code: the error
-// update, a partial selection of the k largest keys, the codes. The mean runs chunk by chunk, the
+// update, the k-th largest magnitude (a partial selection of 32-bit keys), one scan in offset order
+// for the selected elements, the codes. The mean runs chunk by chunk, the
 // members in their order inside each chunk (the rounding order of the contract).
 #include <ATen/Parallel.h>
 
@@ -19,37 +20,45 @@ void sparse_pack_cpu(const SparsePackArgs& A) {
   uint8_t* codes = sparse_codes(A.wire, n, chunk, k);
   float* scales = sparse_scales(A.wire);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<uint64_t> keys(static_cast<size_t>(chunk));
+    std::vector<uint32_t> mags(static_cast<size_t>(chunk));
+    std::vector<uint32_t> sel(static_cast<size_t>(k));
     std::vector<float> vals(static_cast<size_t>(k));
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t base = c * chunk, size = sparse_chunk_size(n, chunk, c), kc = sparse_chunk_k(n, chunk, k, c);
       float* E = A.error + base;
       for (int64_t j = 0; j < size; ++j) {
         E[j] = sparse_error(E[j], A.theta[base + j], A.param[base + j], A.decay);
-        keys[j] = sparse_key(E[j], j);
+        mags[j] = sparse_abs_bits(E[j]);
       }
-      std::nth_element(keys.begin(), keys.begin() + (kc - 1), keys.begin() + size, std::greater<uint64_t>());
-      // the k largest keys, their offsets in ascending order
-      std::vector<uint32_t> sel(static_cast<size_t>(kc));
-      for (int64_t t = 0; t < kc; ++t) sel[t] = 0xffffffffu - static_cast<uint32_t>(keys[t] & 0xffffffffu);
-      std::sort(sel.begin(), sel.end());
+      // The k-th largest magnitude t; the selection under the total order (|e| descending, then the
+      // lower offset) is every element above t and the lowest offsets at t, which one scan in offset
+      // order finds (already sorted).
+      std::nth_element(mags.begin(), mags.begin() + (kc - 1), mags.begin() + size, std::greater<uint32_t>());
+      const uint32_t t = mags[kc - 1];
+      int64_t above = 0;
+      for (int64_t j = 0; j < kc; ++j) above += mags[j] > t;  // (nth_element: the first kc hold the kc largest)
+      int64_t at_t = kc - above, got = 0;
+      for (int64_t j = 0; j < size && got < kc; ++j) {
+        const uint32_t m = sparse_abs_bits(E[j]);
+        if (m > t || (m == t && at_t-- > 0)) sel[got++] = static_cast<uint32_t>(j);
+      }
       const int64_t first = sparse_first_slot(c, k);
-      for (int64_t t = 0; t < kc; ++t) {
-        index[first + t] = static_cast<uint16_t>(sel[t]);
-        vals[t] = E[sel[t]];
+      for (int64_t q = 0; q < kc; ++q) {
+        index[first + q] = static_cast<uint16_t>(sel[q]);
+        vals[q] = E[sel[q]];
       }
       float s_lo, s_hi;
-      const float a = sparse_scales_of([&](int64_t t) { return vals[t]; }, kc, &s_lo, &s_hi);
+      const float a = sparse_scales_of([&](int64_t q) { return vals[q]; }, kc, &s_lo, &s_hi);
       scales[2 * c] = s_lo;
       scales[2 * c + 1] = s_hi;
       uint8_t* Q = codes + first / 4;
       for (int64_t b = 0; 4 * b < kc; ++b) {
         uint32_t byte = 0;
         for (int64_t j = 0; j < 4 && 4 * b + j < kc; ++j) {
-          const int64_t t = 4 * b + j;
-          const uint32_t code = sparse_code(vals[t], a);
+          const int64_t q = 4 * b + j;
+          const uint32_t code = sparse_code(vals[q], a);
           byte |= code << (2 * j);
-          E[sel[t]] = vals[t] - sparse_value(code, s_lo, s_hi);
+          E[sel[q]] = vals[q] - sparse_value(code, s_lo, s_hi);
         }
         Q[b] = static_cast<uint8_t>(byte);
       }

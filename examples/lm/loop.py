@@ -73,7 +73,7 @@ from .corpus import Corpus, train_batch, val_windows
 from .model import ByteTransformer, ModelConfig, count_parameters, preset
 
 __all__ = ["MODES", "COLUMNS", "RunSpec", "Schedule", "schedule", "run_arm", "bits_per_byte", "TorchftStandInManager",
-           "DILOCO_OUTER", "NOLOCO_OUTER", "OUTER_RULES", "outer_settings", "measure_throughput", "tokens_for_budget"]
+           "DILOCO_OUTER", "NOLOCO_OUTER", "SPARSELOCO_OUTER", "OUTER_RULES", "outer_settings", "measure_throughput", "tokens_for_budget"]
 
 MODES = ("ddp", "ddp-powersgd", "decentpy", "decent-dp", "torchft-diloco")
 FRAMEWORK = {"ddp": "torch", "ddp-powersgd": "torch", "decentpy": "decentpy", "decent-dp": "decent-dp",
@@ -86,8 +86,9 @@ EPS = 1e-8
 
 #: what ``state_avg`` may name: Adam's second moment, or both moments
 STATE_AVG = ("exp_avg_sq", "exp_avg,exp_avg_sq")
-#: the outer step of local steps: DiLoCo's (from the mixed global copy) or NoLoCo's (decentpy.LocalSteps.noloco)
-OUTER_RULES = ("diloco", "noloco")
+#: the outer step of local steps: DiLoCo's (from the mixed global copy), NoLoCo's (decentpy.LocalSteps.noloco)
+#: or SparseLoCo's (decentpy.LocalSteps.sparseloco: the error-fed sparse exchange, an outer SGD without momentum)
+OUTER_RULES = ("diloco", "noloco", "sparseloco")
 
 #: the columns of a row, in order (the benchmark's CSV writes them so)
 COLUMNS = ("framework", "mode", "topology", "compression", "intra_node", "local_steps", "fragments", "link_mbit",
@@ -368,12 +369,14 @@ def _bucket_mb(model: nn.Module, fragments: int) -> float:
 DILOCO_OUTER = (0.7, 0.9)
 #: NoLoCo's (Kolehmainen et al. 2025, its authors' code): heavy-ball SGD, lr 0.7, momentum 0.5
 NOLOCO_OUTER = (0.7, 0.5)
+#: SparseLoCo's (Sarfi et al. 2025): theta <- theta - alpha mean, alpha 1, no momentum (the error buffer's)
+SPARSELOCO_OUTER = (1.0, 0.0)
 
 
 def outer_settings(spec: RunSpec) -> Tuple[float, float]:
     """The outer SGD's (lr, momentum) of a local-steps arm: the spec's, else its rule's (DiLoCo's or
     NoLoCo's)."""
-    lr0, m0 = NOLOCO_OUTER if spec.outer_rule == "noloco" else DILOCO_OUTER
+    lr0, m0 = {"noloco": NOLOCO_OUTER, "sparseloco": SPARSELOCO_OUTER}.get(spec.outer_rule, DILOCO_OUTER)
     lr = spec.outer_lr if spec.outer_lr is not None else lr0
     momentum = spec.outer_momentum if spec.outer_momentum is not None else m0
     return lr, momentum
@@ -385,8 +388,9 @@ def _outer_sgd(lr: float, momentum: float, params: Any, nesterov: bool = True) -
 
 def _local_steps(spec: RunSpec) -> Any:
     """The wrapper's ``local_steps=``: 1, or the spec's settings as one decentpy.LocalSteps (NoLoCo:
-    heavy-ball momentum and the pull of weight lr, as its authors' code)."""
-    from decentpy import LocalSteps
+    heavy-ball momentum and the pull of weight lr, as its authors' code; SparseLoCo: the sparse
+    exchange at its defaults, 64 of every 4096 entries in 2 bits, the error buffer's decay 0.95)."""
+    from decentpy import LocalSteps, SparseOuter
 
     if spec.local_steps < 2:
         return 1
@@ -394,7 +398,8 @@ def _local_steps(spec: RunSpec) -> Any:
     return LocalSteps(sync_every=spec.local_steps, fragments=spec.fragments,
                       fragment_sync_delay=spec.fragment_sync_delay, fragment_update_alpha=spec.fragment_update_alpha,
                       outer_optim=functools.partial(_outer_sgd, *outer_settings(spec), nesterov=not noloco),
-                      outer_pull=1.0 if noloco else None)
+                      outer_pull=1.0 if noloco else None,
+                      sparse=SparseOuter() if spec.outer_rule == "sparseloco" else None)
 
 
 class _DecentpyArm(_Arm):
