@@ -27,7 +27,7 @@ def _layout(n: int, chunk: int, k: int) -> Tuple[int, List[int]]:
 def wire_bytes(n: int, chunk: int, k: int) -> int:
     chunks, ks = _layout(n, chunk, k)
     s = sum(ks)
-    return 8 * chunks + 2 * s + (s + 3) // 4
+    return 8 * chunks + (3 * s + 1) // 2 + (s + 3) // 4
 
 
 def pack(x: torch.Tensor, theta: torch.Tensor, error: torch.Tensor, chunk: int, k: int,
@@ -70,7 +70,13 @@ def pack(x: torch.Tensor, theta: torch.Tensor, error: torch.Tensor, chunk: int, 
     packed = bytearray((len(codes) + 3) // 4)
     for t, code in enumerate(codes):
         packed[t // 4] |= code << (2 * (t % 4))
-    wire = scales.tobytes() + np.asarray(offsets, dtype=np.uint16).tobytes() + bytes(packed)
+    twelve = bytearray((3 * len(offsets) + 1) // 2)  # 12 bits per offset, the lower slot first
+    for t, o in enumerate(offsets):
+        bit = 12 * t
+        for b in range(12):
+            if (o >> b) & 1:
+                twelve[(bit + b) // 8] |= 1 << ((bit + b) % 8)
+    wire = scales.tobytes() + bytes(twelve) + bytes(packed)
     assert len(wire) == wire_bytes(n, chunk, k)
     return wire, torch.from_numpy(e)
 
@@ -80,8 +86,9 @@ def decode(wire: bytes, n: int, chunk: int, k: int) -> torch.Tensor:
     chunks, ks = _layout(n, chunk, k)
     s = sum(ks)
     scales = np.frombuffer(wire[:8 * chunks], dtype=np.float32)
-    offsets = np.frombuffer(wire[8 * chunks:8 * chunks + 2 * s], dtype=np.uint16)
-    codes = wire[8 * chunks + 2 * s:]
+    twelve = wire[8 * chunks:8 * chunks + (3 * s + 1) // 2]
+    offsets = [sum(((twelve[(12 * t + b) // 8] >> ((12 * t + b) % 8)) & 1) << b for b in range(12)) for t in range(s)]
+    codes = wire[8 * chunks + (3 * s + 1) // 2:]
     out = np.zeros(n, dtype=np.float32)
     t = 0
     for c in range(chunks):

@@ -16,7 +16,7 @@ namespace decentpy {
 void sparse_pack_cpu(const SparsePackArgs& A) {
   const int64_t n = A.numel, chunk = A.chunk, k = A.k;
   const int64_t chunks = sparse_chunks(n, chunk);
-  uint16_t* index = sparse_indices(A.wire, n, chunk);
+  uint8_t* offsets = sparse_offsets(A.wire, n, chunk);
   uint8_t* codes = sparse_codes(A.wire, n, chunk, k);
   float* scales = sparse_scales(A.wire);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -43,10 +43,9 @@ void sparse_pack_cpu(const SparsePackArgs& A) {
         if (m > t || (m == t && at_t-- > 0)) sel[got++] = static_cast<uint32_t>(j);
       }
       const int64_t first = sparse_first_slot(c, k);
-      for (int64_t q = 0; q < kc; ++q) {
-        index[first + q] = static_cast<uint16_t>(sel[q]);
-        vals[q] = E[sel[q]];
-      }
+      for (int64_t q = 0; q < kc; ++q) vals[q] = E[sel[q]];
+      for (int64_t q = 0; q < kc; q += 2)  // (first is a multiple of 4: the pairs are this chunk's)
+        sparse_put_offsets(offsets, (first + q) / 2, sel[q], q + 1 < kc ? sel[q + 1] : 0u, q + 1 < kc);
       float s_lo, s_hi;
       const float a = sparse_scales_of([&](int64_t q) { return vals[q]; }, kc, &s_lo, &s_hi);
       scales[2 * c] = s_lo;
@@ -78,10 +77,11 @@ void sparse_mean_cpu(const SparseMeanArgs& A) {
       std::fill(O, O + size, 0.f);
       for (int t = 0; t < m; ++t) {
         const void* w = A.inputs[t];
-        const uint16_t* I = sparse_indices(w, n, chunk) + first;
+        const uint8_t* I = sparse_offsets(w, n, chunk);
         const uint8_t* Q = sparse_codes(w, n, chunk, k);
         const float s_lo = sparse_scales(w)[2 * c], s_hi = sparse_scales(w)[2 * c + 1];
-        for (int64_t j = 0; j < kc; ++j) O[I[j]] += sparse_value(sparse_code_at(Q, first + j), s_lo, s_hi);
+        for (int64_t j = 0; j < kc; ++j)
+          O[sparse_offset_at(I, first + j)] += sparse_value(sparse_code_at(Q, first + j), s_lo, s_hi);
       }
       for (int64_t j = 0; j < size; ++j) O[j] = ScalarMath::mul(O[j], inv_m);
     }

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kSparseThreads) pack_kernel(const __grid_const
   __shared__ float sc[3];
   const int64_t n = a.numel, chunk = a.chunk, k = a.k;
   const int64_t chunks = sparse_chunks(n, chunk);
-  uint16_t* index = sparse_indices(a.wire, n, chunk);
+  uint8_t* offsets = sparse_offsets(a.wire, n, chunk);
   uint8_t* codes = sparse_codes(a.wire, n, chunk, k);
   for (int64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
     const int64_t base = c * chunk, size = sparse_chunk_size(n, chunk, c), kc = sparse_chunk_k(n, chunk, k, c);
@@ -110,7 +110,10 @@ __global__ void __launch_bounds__(kSparseThreads) pack_kernel(const __grid_const
     }
     __syncthreads();
     const int64_t first = sparse_first_slot(c, k);
-    for (int64_t t = threadIdx.x; t < kc; t += blockDim.x) index[first + t] = static_cast<uint16_t>(keys[t]);
+    for (int64_t q = 2 * threadIdx.x; q < kc; q += 2 * blockDim.x) {  // (a pair's three bytes per thread)
+      sparse_put_offsets(offsets, (first + q) / 2, static_cast<uint32_t>(keys[q]),
+                         q + 1 < kc ? static_cast<uint32_t>(keys[q + 1]) : 0u, q + 1 < kc);
+    }
     for (int64_t b = threadIdx.x; 4 * b < kc; b += blockDim.x) {
       uint32_t byte = 0;
       for (int64_t j = 0; j < 4 && 4 * b + j < kc; ++j) {
@@ -138,10 +141,11 @@ __global__ void __launch_bounds__(kSparseThreads) mean_kernel(const __grid_const
     __syncthreads();
     for (int t = 0; t < a.num_inputs; ++t) {
       const void* w = a.inputs[t];
-      const uint16_t* I = sparse_indices(w, n, chunk) + first;
+      const uint8_t* I = sparse_offsets(w, n, chunk);
       const uint8_t* Q = sparse_codes(w, n, chunk, k);
       const float s_lo = sparse_scales(w)[2 * c], s_hi = sparse_scales(w)[2 * c + 1];
-      for (int64_t j = threadIdx.x; j < kc; j += blockDim.x) O[I[j]] += sparse_value(sparse_code_at(Q, first + j), s_lo, s_hi);
+      for (int64_t j = threadIdx.x; j < kc; j += blockDim.x)
+        O[sparse_offset_at(I, first + j)] += sparse_value(sparse_code_at(Q, first + j), s_lo, s_hi);
       __syncthreads();
     }
     for (int64_t j = threadIdx.x; j < size; j += blockDim.x) O[j] = ScalarMath::mul(O[j], inv_m);

@@ -21,10 +21,12 @@
 // message lists an element at most once), then one multiplication.
 //
 // Wire layout of one message (n, chunk, k fixed for a buffer): for each of the C = ceil(n / chunk)
-// chunks two fp32 scales (s_lo, s_hi); then the listed indices, uint16 offsets within their chunk,
-// chunk after chunk (S_total = sum_c k_c of them); then the 2-bit codes, four per byte, the lower
-// slot in the lower bits, in the same order. k is a multiple of 4, so a chunk's codes start on a
-// byte; the last byte of the last chunk may be partly unused (0).
+// chunks two fp32 scales (s_lo, s_hi); then the listed offsets within their chunk, 12 bits each,
+// chunk after chunk (S_total = sum_c k_c of them): slots 2m and 2m + 1 in bytes 3m..3m+2 (slot 2m in
+// byte 3m and the low nibble of 3m+1, slot 2m + 1 in the high nibble of 3m+1 and byte 3m+2); then the
+// 2-bit codes, four per byte, the lower slot in the lower bits, in the same order. k is a multiple of
+// 4, so a chunk's offsets and codes start on a byte (no byte holds two chunks'); the last bytes of
+// the last chunk may be partly unused (0). 1.75 bytes per sent entry.
 #pragma once
 
 #include <cstdint>
@@ -34,7 +36,7 @@
 
 namespace decentpy {
 
-// Most elements one chunk may have: its indices are uint16 and the CUDA pack sorts a chunk's keys in
+// Most elements one chunk may have: its offsets are 12 bits and the CUDA pack sorts a chunk's keys in
 // shared memory (8 bytes each: 32 KiB).
 constexpr int64_t kSparseMaxChunk = 4096;
 
@@ -86,24 +88,38 @@ DECENTPY_HD int64_t sparse_slots(int64_t n, int64_t chunk, int64_t k) {
 // Bytes of one message.
 inline int64_t sparse_wire_bytes(int64_t n, int64_t chunk, int64_t k) {
   const int64_t s = sparse_slots(n, chunk, k);
-  return 8 * sparse_chunks(n, chunk) + 2 * s + (s + 3) / 4;
+  return 8 * sparse_chunks(n, chunk) + (3 * s + 1) / 2 + (s + 3) / 4;
 }
 
 namespace {
 
 DECENTPY_HD float* sparse_scales(void* wire) { return static_cast<float*>(wire); }
 DECENTPY_HD const float* sparse_scales(const void* wire) { return static_cast<const float*>(wire); }
-DECENTPY_HD uint16_t* sparse_indices(void* wire, int64_t n, int64_t chunk) {
-  return reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(wire) + 8 * sparse_chunks(n, chunk));
+DECENTPY_HD uint8_t* sparse_offsets(void* wire, int64_t n, int64_t chunk) {
+  return static_cast<uint8_t*>(wire) + 8 * sparse_chunks(n, chunk);
 }
-DECENTPY_HD const uint16_t* sparse_indices(const void* wire, int64_t n, int64_t chunk) {
-  return reinterpret_cast<const uint16_t*>(static_cast<const uint8_t*>(wire) + 8 * sparse_chunks(n, chunk));
+DECENTPY_HD const uint8_t* sparse_offsets(const void* wire, int64_t n, int64_t chunk) {
+  return static_cast<const uint8_t*>(wire) + 8 * sparse_chunks(n, chunk);
 }
 DECENTPY_HD uint8_t* sparse_codes(void* wire, int64_t n, int64_t chunk, int64_t k) {
-  return static_cast<uint8_t*>(wire) + 8 * sparse_chunks(n, chunk) + 2 * sparse_slots(n, chunk, k);
+  return sparse_offsets(wire, n, chunk) + (3 * sparse_slots(n, chunk, k) + 1) / 2;
 }
 DECENTPY_HD const uint8_t* sparse_codes(const void* wire, int64_t n, int64_t chunk, int64_t k) {
-  return static_cast<const uint8_t*>(wire) + 8 * sparse_chunks(n, chunk) + 2 * sparse_slots(n, chunk, k);
+  return sparse_offsets(wire, n, chunk) + (3 * sparse_slots(n, chunk, k) + 1) / 2;
+}
+// The offset in slot s (12 bits: see the layout).
+DECENTPY_HD uint32_t sparse_offset_at(const uint8_t* offsets, int64_t s) {
+  const uint8_t* p = offsets + 3 * (s / 2);
+  return (s % 2 == 0) ? (static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1] & 0x0fu) << 8))
+                      : ((static_cast<uint32_t>(p[1]) >> 4) | (static_cast<uint32_t>(p[2]) << 4));
+}
+// Slots 2m and 2m + 1 (o1 ignored when the pair has one slot: the last of an odd count) into their
+// three bytes (the last one not written then: only its pair's bytes exist).
+DECENTPY_HD void sparse_put_offsets(uint8_t* offsets, int64_t m, uint32_t o0, uint32_t o1, bool two) {
+  uint8_t* p = offsets + 3 * m;
+  p[0] = static_cast<uint8_t>(o0 & 0xffu);
+  p[1] = static_cast<uint8_t>(((o0 >> 8) & 0x0fu) | (two ? ((o1 & 0x0fu) << 4) : 0u));
+  if (two) p[2] = static_cast<uint8_t>((o1 >> 4) & 0xffu);
 }
 
 // The new error of one element: decay * e + (theta - x), the difference rounded once, then one

@@ -35,8 +35,8 @@ class SparseOuter:
             64 x 64 blocks hold 4096).
         decay: the error-feedback buffer's decay ``beta`` in ``e <- beta e + delta`` (default 0.95).
 
-    Bytes per message of ``n`` elements: ``8 ceil(n / chunk)`` (two fp32 scales per chunk) + 2.25
-    per sent element (a uint16 offset in its chunk and a 2-bit code): 0.93% of the fp32 bytes at the
+    Bytes per message of ``n`` elements: ``8 ceil(n / chunk)`` (two fp32 scales per chunk) + 1.75
+    per sent element (a 12-bit offset in its chunk and a 2-bit code): 0.73% of the fp32 bytes at the
     default density.
     """
 
