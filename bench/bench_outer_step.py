@@ -48,7 +48,7 @@ from decentpy.optim.outer import outer_step, pseudo_gradient
 OUT = Path(__file__).resolve().parent / "out"
 BLOCK = kernels.INT8_BLOCK
 FIELDS = ["device", "kind", "numel", "fused_ms", "torch_ms", "copy_ms", "speedup_vs_torch", "pct_of_copy",
-          "bytes_per_element", "cpu", "cores", "torch", "gpu"]
+          "bytes_per_element", "pack_ms", "pack_pct_of_copy", "cpu", "cores", "torch", "gpu"]
 
 
 def _torch_sgd(theta: torch.Tensor) -> torch.optim.Optimizer:
@@ -113,7 +113,11 @@ def bench_sparse(device: torch.device, numel: int, repeats: int) -> Dict[str, An
     moved = 36 * numel
     src = torch.empty(moved // 8, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    med = interleaved_medians({"fused": fused, "torch": torch_ops, "copy": lambda: dst.copy_(src)}, device, repeats)
+    psrc = torch.empty(16 * numel // 8, dtype=torch.float32, device=device)  # the pack's own bytes (16 / element)
+    pdst = torch.empty_like(psrc)
+    med = interleaved_medians({"fused": fused, "torch": torch_ops, "copy": lambda: dst.copy_(src),
+                               "pack": lambda: kernels.sparse_pack(x, theta, error, wire, chunk, k, SPARSE.decay),
+                               "pack_copy": lambda: pdst.copy_(psrc)}, device, repeats)
     pct = med["copy"] / med["fused"]
     ratio = med["torch"] / med["fused"]
     print(f"\n[{device}] SparseLoCo's exchange ({k} of every {chunk}, 2 bits) and outer step, {MEMBERS} members' "
@@ -121,10 +125,14 @@ def bench_sparse(device: torch.device, numel: int, repeats: int) -> Dict[str, An
     print(f"  fused pack + mean + apply {med['fused'] * 1e3:9.2f} ms  ({moved / med['fused'] / 1e9:6.1f} GB/s)")
     print(f"  torch ops, same work      {med['torch'] * 1e3:9.2f} ms  -> fused is {ratio:.2f}x faster")
     print(f"  copy of the same bytes    {med['copy'] * 1e3:9.2f} ms  -> fused runs at {100 * pct:.1f}% of copy")
+    ppct = med["pack_copy"] / med["pack"]
+    print(f"  the pack pass alone       {med['pack'] * 1e3:9.2f} ms  -> {100 * ppct:.1f}% of a copy of its 16 bytes "
+          f"per element ({med['pack_copy'] * 1e3:.2f} ms)")
     return dict(device=device.type, kind="sparse", numel=numel, fused_ms=round(med["fused"] * 1e3, 3),
                 torch_ms=round(med["torch"] * 1e3, 3), copy_ms=round(med["copy"] * 1e3, 3),
                 speedup_vs_torch=round(ratio, 3), pct_of_copy=round(100 * pct, 1),
-                bytes_per_element=round(moved / numel, 2))
+                bytes_per_element=round(moved / numel, 2), pack_ms=round(med["pack"] * 1e3, 3),
+                pack_pct_of_copy=round(100 * ppct, 1))
 
 
 def bench(device: torch.device, numel: int, repeats: int, kind: str) -> Dict[str, Any]:
@@ -235,7 +243,8 @@ def main(argv: Any = None) -> int:
         table = [{"device": r["device"], "pseudo-gradient": r["kind"], "fused pack + apply ms": r["fused_ms"],
                   "torch ops ms": r["torch_ms"], "copy of the same bytes ms": r["copy_ms"],
                   "fused vs torch": f"{r['speedup_vs_torch']:.2f}x", "% of copy": r["pct_of_copy"],
-                  "bytes / element": r["bytes_per_element"]} for r in rows]
+                  "bytes / element": r["bytes_per_element"],
+                  "pack pass % of copy": r.get("pack_pct_of_copy", "")} for r in rows]
         write_outputs(docs / "data", "bench_outer_step", list(table[0]), table)
         plot(rows, machine, docs / "bench_outer_step.png")
     return 0

@@ -73,7 +73,7 @@ if want kernels; then
   TAIL=6 step tests_test_kernels_cuda 120 "${PYTEST[@]}" -n 8 tests/test_kernels_cuda.py ${KERNELS_K:+-k "$KERNELS_K"}
   TAIL=12 step tests_gpu 150 "${PYTEST[@]}" -v tests/test_gpu_wrapper.py tests/test_gpu_sharding.py \
     "tests/test_compression.py::test_kernel_cuda_matches_cpu" "tests/test_compression.py::test_group_reduce_cuda_matches_cpu" \
-    tests/test_outer_step.py
+    tests/test_outer_step.py tests/test_sparse_outer.py
 fi
 
 if want overhead; then
