@@ -230,8 +230,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                                      "comm='auto' or 'torch', which send the compressed bytes over torch.distributed")
                 comm = "torch"
             lws = local_world_size if local_world_size is not None else _local_world_size
+            self._node_processes: Optional[int] = None  # torchrun's LOCAL_WORLD_SIZE, where the nodes come from it
             if lws is None:
                 lws = self._group.local_world_size(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                self._node_processes = int(lws)
+                if self._world_size % lws:  # nodes of different sizes: named by the agreement below, not here
+                    lws = 1
             self._local_world_size = int(lws)
             self._intra_node = intra_node
             node_mode = NODE_MODES[intra_node]
@@ -285,6 +289,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             failure = exc
         settings: Dict[str, Any] = {} if failure is not None else {
             "topology": topology if isinstance(topology, str) else f"{type(topology).__name__} {topology.name!r}",
+            **({} if self._node_processes is None else {
+                "processes on this rank's node (torchrun's LOCAL_WORLD_SIZE)": self._node_processes}),
             "intra_node": intra_node, "local_world_size": self._local_world_size,
             "bucket_size_in_mb": bucket_size_in_mb, "comm": comm, "grad_clip_norm": self._grad_clip_norm,
             "scaler (GradScaler enabled)": scaler is not None and scaler.is_enabled(),
@@ -305,6 +311,10 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         # on every rank (a rank with another bucket size or topology would abort or hang in gloo).
         agree_across_ranks(failure, settings, "DecentralizedDataParallel", group=self._process_group,
                            explain={"model": _model_differs, "optimizer defines pre_average_hook": _hook_differs})
+        if self._node_processes is not None and self._world_size % self._node_processes:  # (every rank alike)
+            raise ValueError(f"LOCAL_WORLD_SIZE={self._node_processes} processes per node does not divide the "
+                             f"world of {self._world_size}: every node must run the same number of processes "
+                             "(torchrun --nproc_per_node), or pass local_world_size=")
         if wants_edges and not self._strategy.exchanges_whole_model:  # the same verdict on every rank (checked above)
             raise ValueError(
                 f"optimizers with decent-dp's pre_average_hook see each exchange of the whole model; with "
