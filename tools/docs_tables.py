@@ -33,10 +33,12 @@ TABLES: Dict[str, str] = {
                         "apply pass with the reset of the parameters, against torch's sequence of the same operations "
                         "(foreach SGD) and a same-run copy of the same bytes; medians of 15 interleaved runs. AMD EPYC, "
                         "2 cores, torch 2.13.0+cpu, AVX-512 kernels.",
-    "bench_lm_wide_summary": "`python -m bench.bench_lm --preset wide --arms ddp,diloco-32,diloco-32-int8 --links "
-                             "loopback` (then `--from-csv ... --docs --docs-name bench_lm_wide`): the `wide` preset "
-                             "(9,094,272 parameters, context 64, global batch 16: 976 steps for 999,424 tokens), seed 0, "
-                             "4 workers. AMD EPYC, 2 cores, torch 2.13.0+cpu, 2026-11-28.",
+    "bench_lm_wide_summary": "`python -m bench.bench_lm --preset wide --arms ddp,aer-int8,diloco-32,"
+                             "diloco-32-streaming-4 --links loopback --settings none` (then `--from-csv ... --docs "
+                             "--docs-name bench_lm_wide`): the `wide` preset (9,094,272 parameters, context 64, global "
+                             "batch 16: 976 steps for 999,424 tokens), seed 0, 4 workers, the shuffled split, gradients "
+                             "clipped to 1.0, warm-up 5% of the steps, every arm at the preset's settings (lr 1e-3; "
+                             "DiLoCo's outer Nesterov SGD 0.7 / 0.9). AMD EPYC, 2 cores, torch 2.13.0+cpu, 2026-11-29.",
     "bench_lm_sweep_summary": "`python -m bench.bench_lm --sweep --docs` (bench/bench_lm.py): each arm of the race "
                               "at 500k tokens on loopback, seed 0, the `small` preset, 4 workers, the shuffled split, "
                               "gradients clipped to 1.0, warm-up 5% of the steps: the inner peak lr x 0.5 / 1 / 2 of "
