@@ -153,6 +153,8 @@ FACE_CASES: Dict[str, Dict[str, Any]] = {
     "int8-gossip": dict(topology="ring", compression="int8"),
     # SparseLoCo's exchange: 3 chunks of 32 elements, 4 entries sent per chunk
     "sparse": dict(topology="complete", sparse=decentpy.SparseOuter(k=4, chunk=32, decay=0.95)),
+    "sparse-delay-alpha": dict(topology="complete", sparse=decentpy.SparseOuter(k=8, chunk=16, decay=0.9),
+                               fragment_sync_delay=1, fragment_update_alpha=0.5),
 }
 FACE_H = 3
 FACE_STEPS = 11
