@@ -28,11 +28,14 @@ LOCAL = ROOT / "bench" / "out"
 TABLES: Dict[str, str] = {
     "bench_kernels": "`make bench` (bench/bench_kernels.py): one 25 MiB fp32 bucket, median of 9 interleaved runs, "
                      "AVX-512 picked at run time. Intel Xeon, 2 cores, torch 2.13.0+cpu.",
-    "bench_outer_step": "`make bench-outer` (bench/bench_outer_step.py --docs --repeats 15): the outer step of one 25 MiB "
-                        "fp32 bucket, the pseudo-gradient pass (fp32, or int8 with error feedback) and DiLoCo's Nesterov "
-                        "apply pass with the reset of the parameters, against torch's sequence of the same operations "
-                        "(foreach SGD) and a same-run copy of the same bytes; medians of 15 interleaved runs. AMD EPYC, "
-                        "2 cores, torch 2.13.0+cpu, AVX-512 kernels.",
+    "bench_outer_step": "`make bench-outer` (bench/bench_outer_step.py --docs --device cpu --repeats 9): the outer step of "
+                        "one 25 MiB fp32 bucket, the pseudo-gradient pass (fp32, or int8 with error feedback) and "
+                        "DiLoCo's Nesterov apply pass with the reset of the parameters; `sparse`: SparseLoCo's pack (64 of "
+                        "every 4096 entries, 2 bits, error-fed), the mean of four members' messages and the outer step "
+                        "(SGD lr 1); each against torch's sequence of the same operations and a same-run copy of the "
+                        "same bytes ('pack pass % of copy': the sparse pack alone against a copy of its 16 bytes per "
+                        "element); medians of 9 interleaved runs. AMD EPYC, 2 cores, torch 2.13.0+cpu, AVX-512 "
+                        "kernels, 2026-11-29.",
     "bench_lm_wide_summary": "`python -m bench.bench_lm --preset wide --arms ddp,aer-int8,diloco-32,"
                              "diloco-32-streaming-4 --links loopback --settings none` (then `--from-csv ... --docs "
                              "--docs-name bench_lm_wide`): the `wide` preset (9,094,272 parameters, context 64, global "
@@ -92,6 +95,19 @@ TABLES: Dict[str, str] = {
                                   "DiLoCo's outer Nesterov SGD 0.7 / 0.9: the sweep ran on the small preset only), the "
                                   "shuffled split, clip 1.0, seed 0, 4 workers as two simulated nodes of 2. AMD EPYC, 2 "
                                   "cores shared by the 4 workers, torch 2.13.0+cpu, decent-dp 0.2.3, 2026-11-29.",
+    "bench_lm_outer_summary": "`python -m bench.bench_lm --preset small --arms ddp,diloco-32,diloco-32-int8,"
+                              "diloco-32-random-pairs,noloco-32,sparseloco-32 --links loopback --seeds 0,1,2` (then "
+                              "`--from-csv ... --docs --docs-name bench_lm_outer`): 1M tokens, the `small` preset, 4 "
+                              "workers, the shuffled split, clip 1.0; DDP and DiLoCo at the sweep's best settings, the "
+                              "other arms at their defaults (see the text); means of 3 seeds. AMD EPYC, 2 cores, torch "
+                              "2.13.0+cpu, 2026-11-29.",
+    "bench_lm_outer_race_summary": "`python -m bench.bench_lm --race --preset small --links 100 --seeds 0 --arms ddp,"
+                                   "diloco-32-int8,diloco-32-streaming-4,noloco-32,sparseloco-32,torchft-diloco-32` "
+                                   "(then `--from-csv ... --docs --docs-name bench_lm_outer_race`; torchft 0.2.0 from "
+                                   "BENCH_TORCHFT_PATH): T = DDP's time for 1M tokens from its probe behind 100 Mbit/s "
+                                   "per node, each arm's tokens from its own probe there; 4 workers as two simulated "
+                                   "nodes of 2, the `small` preset, seed 0, settings as in the equal-token table. AMD "
+                                   "EPYC, 2 cores shared by the 4 workers, torch 2.13.0+cpu, 2026-11-29.",
     "bench_train": "`make bench-train` (bench/bench_train.py): AdamW, gloo, 1 torch thread per worker, median step "
                    "time over 32 steps (CNN rows: 48), max over ranks; decent-dp 0.2.3 and torch DDP in the same "
                    "run. Intel Xeon, 2 cores shared by the 4 or 8 workers, torch 2.13.0+cpu.",
