@@ -86,6 +86,7 @@ def bench_sparse(device: torch.device, numel: int, repeats: int) -> Dict[str, An
     tx, tth = x0.to(device), theta0.to(device)
     te = torch.zeros_like(tth)
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=device)
+    packed = torch.empty(rows, k // 4, dtype=torch.uint8, device=device)
     base = (torch.arange(rows, device=device) * chunk)[:, None]
 
     def torch_ops() -> None:
@@ -100,7 +101,7 @@ def bench_sparse(device: torch.device, numel: int, repeats: int) -> Dict[str, An
             s_hi = (m * hi).sum(1, keepdim=True) / hi.sum(1, keepdim=True).clamp(min=1)
             s_lo = (m * ~hi).sum(1, keepdim=True) / (~hi).sum(1, keepdim=True).clamp(min=1)
             code = (v < 0).to(torch.uint8) | (hi.to(torch.uint8) << 1)
-            _packed = (code.view(rows, k // 4, 4) << shifts).sum(-1, dtype=torch.uint8)  # (the wire's codes)
+            packed.copy_((code.view(rows, k // 4, 4) << shifts).sum(-1, dtype=torch.uint8))  # (the wire's codes)
             dec = torch.where(hi, s_hi, s_lo) * torch.where(v < 0, -1.0, 1.0)
             e.scatter_add_(1, idx, -dec)
             flat = (idx + base).view(-1)
