@@ -59,6 +59,22 @@ def _torch_sgd(theta: torch.Tensor) -> torch.optim.Optimizer:
         return torch.optim.SGD([theta], lr=0.7, momentum=0.9, nesterov=True, foreach=True)
 
 
+def _report(device: torch.device, kind: str, numel: int, moved: int, med: Dict[str, float], repeats: int,
+            title: str, fused: str) -> Dict[str, Any]:
+    """Print one variant's medians and ratios (fused against torch's ops and a copy of ``moved`` bytes)
+    and return its row."""
+    pct = med["copy"] / med["fused"]
+    ratio = med["torch"] / med["fused"]
+    print(f"\n[{device}] {title}, bucket {numel * 4 / 2**20:.1f} MiB fp32, median of {repeats} interleaved runs")
+    print(f"  fused {fused:<17} {med['fused'] * 1e3:9.2f} ms  ({moved / med['fused'] / 1e9:6.1f} GB/s)")
+    print(f"  torch ops, same work    {med['torch'] * 1e3:9.2f} ms  -> fused is {ratio:.2f}x faster")
+    print(f"  copy of the same bytes  {med['copy'] * 1e3:9.2f} ms  -> fused runs at {100 * pct:.1f}% of copy")
+    return dict(device=device.type, kind=kind, numel=numel, fused_ms=round(med["fused"] * 1e3, 3),
+                torch_ms=round(med["torch"] * 1e3, 3), copy_ms=round(med["copy"] * 1e3, 3),
+                speedup_vs_torch=round(ratio, 3), pct_of_copy=round(100 * pct, 1),
+                bytes_per_element=round(moved / numel, 2))
+
+
 SPARSE = SparseOuter()
 MEMBERS = 4
 
@@ -119,21 +135,13 @@ def bench_sparse(device: torch.device, numel: int, repeats: int) -> Dict[str, An
     med = interleaved_medians({"fused": fused, "torch": torch_ops, "copy": lambda: dst.copy_(src),
                                "pack": lambda: kernels.sparse_pack(x, theta, error, wire, chunk, k, SPARSE.decay),
                                "pack_copy": lambda: pdst.copy_(psrc)}, device, repeats)
-    pct = med["copy"] / med["fused"]
-    ratio = med["torch"] / med["fused"]
-    print(f"\n[{device}] SparseLoCo's exchange ({k} of every {chunk}, 2 bits) and outer step, {MEMBERS} members' "
-          f"messages, bucket {numel * 4 / 2**20:.1f} MiB fp32, median of {repeats} interleaved runs")
-    print(f"  fused pack + mean + apply {med['fused'] * 1e3:9.2f} ms  ({moved / med['fused'] / 1e9:6.1f} GB/s)")
-    print(f"  torch ops, same work      {med['torch'] * 1e3:9.2f} ms  -> fused is {ratio:.2f}x faster")
-    print(f"  copy of the same bytes    {med['copy'] * 1e3:9.2f} ms  -> fused runs at {100 * pct:.1f}% of copy")
+    row = _report(device, "sparse", numel, moved, med, repeats,
+                  f"SparseLoCo's exchange ({k} of every {chunk}, 2 bits) and outer step, {MEMBERS} members' messages",
+                  "pack + mean + apply")
     ppct = med["pack_copy"] / med["pack"]
-    print(f"  the pack pass alone       {med['pack'] * 1e3:9.2f} ms  -> {100 * ppct:.1f}% of a copy of its 16 bytes "
+    print(f"  the pack pass alone     {med['pack'] * 1e3:9.2f} ms  -> {100 * ppct:.1f}% of a copy of its 16 bytes "
           f"per element ({med['pack_copy'] * 1e3:.2f} ms)")
-    return dict(device=device.type, kind="sparse", numel=numel, fused_ms=round(med["fused"] * 1e3, 3),
-                torch_ms=round(med["torch"] * 1e3, 3), copy_ms=round(med["copy"] * 1e3, 3),
-                speedup_vs_torch=round(ratio, 3), pct_of_copy=round(100 * pct, 1),
-                bytes_per_element=round(moved / numel, 2), pack_ms=round(med["pack"] * 1e3, 3),
-                pack_pct_of_copy=round(100 * ppct, 1))
+    return dict(row, pack_ms=round(med["pack"] * 1e3, 3), pack_pct_of_copy=round(100 * ppct, 1))
 
 
 def bench(device: torch.device, numel: int, repeats: int, kind: str) -> Dict[str, Any]:
@@ -186,17 +194,8 @@ def bench(device: torch.device, numel: int, repeats: int, kind: str) -> Dict[str
     src = torch.empty(moved // 8, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     med = interleaved_medians({"fused": fused, "torch": torch_ops, "copy": lambda: dst.copy_(src)}, device, repeats)
-    pct = med["copy"] / med["fused"]
-    ratio = med["torch"] / med["fused"]
-    print(f"\n[{device}] outer step ({kind}), DiLoCo's Nesterov SGD, bucket {numel * 4 / 2**20:.1f} MiB fp32, "
-          f"median of {repeats} interleaved runs")
-    print(f"  fused pack + apply      {med['fused'] * 1e3:9.2f} ms  ({moved / med['fused'] / 1e9:6.1f} GB/s)")
-    print(f"  torch ops, same work    {med['torch'] * 1e3:9.2f} ms  -> fused is {ratio:.2f}x faster")
-    print(f"  copy of the same bytes  {med['copy'] * 1e3:9.2f} ms  -> fused runs at {100 * pct:.1f}% of copy")
-    return dict(device=device.type, kind=kind, numel=numel, fused_ms=round(med["fused"] * 1e3, 3),
-                torch_ms=round(med["torch"] * 1e3, 3), copy_ms=round(med["copy"] * 1e3, 3),
-                speedup_vs_torch=round(ratio, 3), pct_of_copy=round(100 * pct, 1),
-                bytes_per_element=round(moved / numel, 2))
+    return _report(device, kind, numel, moved, med, repeats, f"outer step ({kind}), DiLoCo's Nesterov SGD",
+                   "pack + apply")
 
 
 def plot(rows: List[Dict[str, Any]], machine: Dict[str, str], path: Path) -> Any:

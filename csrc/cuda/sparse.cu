@@ -51,13 +51,7 @@ __device__ void bitonic(uint64_t* keys, int64_t p, bool descending) {
   }
 }
 
-int64_t pow2_at_least(int64_t v) {
-  int64_t p = 1;
-  while (p < v) p <<= 1;
-  return p;
-}
-
-__device__ int64_t pow2_at_least_d(int64_t v) {
+__host__ __device__ int64_t pow2_at_least(int64_t v) {
   int64_t p = 1;
   while (p < v) p <<= 1;
   return p;
@@ -87,7 +81,7 @@ __global__ void __launch_bounds__(kSparseThreads) pack_kernel(const __grid_const
     __syncthreads();
     bitonic(keys, chunk, true);
     // the selected offsets, then sorted ascending (the rest padded above every offset)
-    const int64_t kp = pow2_at_least_d(kc);
+    const int64_t kp = pow2_at_least(kc);
     for (int64_t t = threadIdx.x; t < kp; t += blockDim.x) {  // (each thread rewrites its own slots)
       keys[t] = t < kc ? static_cast<uint64_t>(0xffffffffu - static_cast<uint32_t>(keys[t] & 0xffffffffu)) : ~0ull;
     }

@@ -136,9 +136,9 @@ class InFlight:
     def receive(self, timeout: datetime.timedelta) -> Tensor:
         """The exchange's result (waits for it, bounded by ``timeout``)."""
         work, self.work = self.work, None
-        if isinstance(work, (BufferMix, CompressedMix, SparseGather)):
-            self.result = work.wait() if not isinstance(work, SparseGather) else work.wait(timeout)
-        elif work is not None:
+        if isinstance(work, (BufferMix, CompressedMix)):
+            self.result = work.wait()
+        elif work is not None:  # (a group exchange or SparseGather: completes into ``result``)
             work.wait(timeout)
         if self.weight is not None:
             self.total, self.weight = self.weight.wait(), None

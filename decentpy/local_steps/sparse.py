@@ -67,7 +67,8 @@ class SparseOuter:
 class SparseGather:
     """One outer exchange in flight: this rank's message to every other member of the group and
     theirs into one slot each (the communicator's ``send_recv``, the buffer's tag); :meth:`wait`
-    then writes the members' mean (rank order, this rank's own at its place) into ``out``."""
+    then writes the members' mean (rank order, this rank's own at its place) into ``out``, the
+    exchange's result (as a compressed group exchange's :meth:`wait` completes into its result bytes)."""
 
     def __init__(self, comm: Any, tag: int, ranks: Sequence[int], rank: int, settings: SparseOuter,
                  mine: Tensor, slots: Sequence[Tensor], out: Tensor, step: Optional[int]) -> None:
@@ -82,10 +83,9 @@ class SparseGather:
                 w.step = step
             self.works.append(w)
 
-    def wait(self, timeout: datetime.timedelta) -> Tensor:
+    def wait(self, timeout: datetime.timedelta) -> None:
         works, self.works = self.works, []
         for w in works:
             w.wait(timeout)
         kernels.sparse_mean(self.inputs, self.out, self.settings.chunk, self.settings.k)
-        return self.out
 
