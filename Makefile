@@ -50,6 +50,7 @@ BENCH_ARGS ?=
 TORCH_VERSION ?= 2.13.0
 DECENT_DP_VERSION ?= 0.2.3
 FAIRSCALE_VERSION ?= 0.4.13
+LIGHTNING_VERSION ?= 2.6.6
 NPROC   := $(shell nproc 2>/dev/null || echo 2)
 CMAKE   := $(shell command -v cmake 2>/dev/null)
 CMAKE_BUILD_DIR := build/cmake
@@ -86,10 +87,15 @@ $(DEPS_STAMP): | $(PY)
 # tests import; python-etcd is the client torch's EtcdStore is written for (the elastic tests with an
 # etcd rendezvous; they skip where the etcd server itself is not installed); tensorboard is what
 # examples/train_lm.py --tensorboard writes for (torch.utils.tensorboard needs it; without it that
-# option stops with a message and its test leaves it out). Its own stamp: a venv made before it gets
-# these without rebuilding the extension.
+# option stops with a message and its test leaves it out). PyTorch Lightning is what
+# decentpy.integrations.lightning is tested against (an optional dependency of decentpy; --no-deps:
+# it depends on an unpinned torch). Its own stamp: a venv made before it gets these without
+# rebuilding the extension.
 $(BENCH_DEPS_STAMP): $(DEPS_STAMP)
 	$(PIP) install $(PIP_Q) scipy python-etcd tensorboard
+	$(PIP) install $(PIP_Q) --no-deps "pytorch-lightning==$(LIGHTNING_VERSION)" "lightning-utilities==0.15.3" \
+	  "torchmetrics==1.9.0"
+	$(PIP) install $(PIP_Q) tqdm pyyaml fsspec packaging typing-extensions
 	@touch $@
 
 # The docs' tools (Sphinx, MyST, furo, matplotlib for the topology pictures); none pulls torch. Its own

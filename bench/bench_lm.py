@@ -81,6 +81,10 @@ ARMS: Dict[str, Dict[str, Any]] = {
     # SparseLoCo (Sarfi et al. 2025): 64 of every 4096 entries of the error-fed pseudo-gradient in 2 bits,
     # averaged exactly (an all-gather), the outer step theta - mean (decentpy.LocalSteps.sparseloco)
     "sparseloco-32": dict(mode="decentpy", topology="complete", local_steps=32, outer_rule="sparseloco"),
+    # the same messages in a gossip outer step (decentpy's own: CHOCO on [theta; delta] against public
+    # copies, one random peer per outer step as NoLoCo's), consensus step size decentpy's default
+    "sparseloco-32-random-pairs": dict(mode="decentpy", topology="random-pairs", local_steps=32,
+                                       outer_rule="sparseloco"),
     # compressed gossip outer steps (CHOCO on [theta; delta], int8) and H=128 on the gossip topologies
     "diloco-32-aer-int8": dict(mode="decentpy", topology="alternating-exp-ring", local_steps=32, compression="int8"),
     "diloco-32-random-pairs-int8": dict(mode="decentpy", topology="random-pairs", local_steps=32,

@@ -45,6 +45,7 @@ else:
     from . import hybrid  # noqa: E402  (compositions: decentralized pipelines)
     from .preemption import CheckpointError, PreemptionCheckpointer  # noqa: E402
     from .reduce_scatter import ReduceScatterBucketer  # noqa: E402
+    from .optim.shards import RankState  # noqa: E402
     from .state_averaging import OptimizerStateAveraging  # noqa: E402
     from .sharding import OSS, ShardedDataParallel, ShardedGradScaler  # noqa: E402
     from .topology import (  # noqa: E402
@@ -78,6 +79,7 @@ else:
         "PreemptionCheckpointer",
         "Join",
         "DiLoCo",
+        "RankState",
         "LocalSGD",
         "LocalSteps",
         "SparseOuter",

@@ -12,6 +12,7 @@ import datetime
 import logging
 import math
 import os
+import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -32,6 +33,7 @@ from .engine.layout import OptimFn, SchedulerFn
 from .engine.peer_check import DEFAULT_PEER_CHECK, PeerCheck, resolve_peer_check
 from .optim.grad_scaling import BucketGradScaling
 from .optim.hyperparams import check_hyperparameters, hyperparameters_of
+from .optim.shards import is_dtensor
 from .topology import Topology
 from .topology import hook_edges
 
@@ -200,6 +202,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             self._local_steps = resolve_local_steps(local_steps, **keywords)
             if not isinstance(model, nn.Module):
                 raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+            _check_unwrapped(model)
             if not callable(optim_fn):
                 raise TypeError(f"optim_fn must be callable (named params -> Optimizer), got {type(optim_fn).__name__}")
             if lr_scheduler_fn is not None and not callable(lr_scheduler_fn):
@@ -254,9 +257,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
                                        self._timeout)
             self._topology = setup.topology
             exchange_topology = setup.exchange_topology
-            if self._local_steps is not None:  # (SparseLoCo's exchange: an exact average, uncompressed)
-                self._local_steps.check_exchange(exchange_topology.is_exact_average(), exchange_topology.name,
-                                                 self._compression, comm if isinstance(comm, str) else repr(comm))
+            if self._local_steps is not None:  # (SparseLoCo's exchange: its own compression, over torch)
+                self._local_steps.check_exchange(self._compression, comm if isinstance(comm, str) else repr(comm))
                 if self._local_steps.sparse is not None:
                     comm = "torch"
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -340,6 +342,7 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         # whole-model collectives of public calls announce themselves first (decentpy.comm.arrival)
         self._arrivals = Arrivals(self._group.global_ranks, self._rank, self._timeout)
         self._module_hooks: List[Any] = self._strategy.module_hooks(model)
+        _WRAPPED[model] = weakref.ref(self)
         if self._rank == 0:
             logger.info("decentpy: %s, %s %d, local world size %d, bucket cap %.1f MiB",
                         self._topology.describe(),
@@ -477,6 +480,12 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         return [b.optimizer for b in self._settled_buckets()]
 
     @property
+    def optimizers(self) -> List[torch.optim.Optimizer]:
+        """The per-bucket optimizers, in bucket order (:attr:`_optims`, decent-dp's name): change a
+        hyper-parameter in their ``param_groups`` and the next step uses it."""
+        return self._optims
+
+    @property
     def state_optimizers(self) -> List[torch.optim.Optimizer]:
         """The optimizers that hold this rank's optimizer state, in bucket order: :attr:`_optims`, or
         with ``intra_node='shard'`` each bucket's shard optimizer (over 1-D pieces of the parameters;
@@ -510,6 +519,8 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         self._module_hooks = []
         self._strategy.close()
         self._closed = True
+        if _WRAPPED.get(self.module) is not None and _WRAPPED[self.module]() is self:
+            del _WRAPPED[self.module]
 
     def allow_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Let a torch optimizer of the user's step parameters that this wrapper also steps.
@@ -888,6 +899,33 @@ class DecentralizedDataParallel(nn.Module, Joinable):
         if self._scaler is not None and state_dict.get("scaler") is not None:
             self._scaler.load_state_dict(state_dict["scaler"])
         return result
+
+
+#: the modules a live wrapper trains (one wrapper per model: a second would hook every parameter twice)
+_WRAPPED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    """Refuse, at construction, a model the wrapper cannot train as it is: already wrapped (by this
+    wrapper, by torch's DDP, or trained by a live wrapper), or sharded by FSDP2 (DTensor parameters:
+    FSDP owns its backward's communication)."""
+    if isinstance(model, DecentralizedDataParallel):
+        raise TypeError("model is already a DecentralizedDataParallel: wrap the plain module once (ddp.module is "
+                        "the one it wraps)")
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise TypeError("model is wrapped by torch's DistributedDataParallel, which all-reduces the gradients "
+                        "itself: pass the plain module (model.module) to DecentralizedDataParallel instead")
+    live = _WRAPPED.get(model)
+    other = live() if live is not None else None
+    if other is not None and not other._closed:
+        raise ValueError("this model is already trained by a DecentralizedDataParallel that is not closed (two "
+                         "wrappers would step every parameter twice per backward): close() the first one, or "
+                         "wrap each model once")
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise TypeError("the model has DTensor parameters (FSDP2's fully_shard, or a DeviceMesh layout): "
+                        "DecentralizedDataParallel steps whole parameters inside the backward, which FSDP owns; "
+                        "for local steps across FSDP2 replicas use decentpy.DiLoCo(model, inner, outer, "
+                        "group=mesh['replicate'].get_group()) (docs/guide/local_sgd.md)")
 
 
 def _check_model_state(model: nn.Module, saved: Any, strict: bool, what: str = "the training state's model",

@@ -251,6 +251,41 @@ def c_model_not_a_module(rank: int, ctx: Ctx) -> Any:
     return DecentralizedDataParallel([nn.Parameter(torch.zeros(3))], decentpy_optim_fn("adam"))
 
 
+def c_model_wrapped_twice(rank: int, ctx: Ctx) -> Any:
+    """A DecentralizedDataParallel around another: refused at construction (it would hook every
+    parameter twice), the inner one still trains."""
+    inner = _ddp()
+    try:
+        return _ddp(inner)
+    finally:
+        inner.close()
+
+
+def c_model_in_a_live_wrapper(rank: int, ctx: Ctx) -> Any:
+    """One model in two live wrappers: refused; after the first is closed the model may be wrapped again."""
+    model = make_mlp(0)
+    first = _ddp(model)
+    try:
+        _ddp(model)
+    finally:
+        first.close()
+
+
+def c_model_in_torch_ddp(rank: int, ctx: Ctx) -> Any:
+    return _ddp(nn.parallel.DistributedDataParallel(make_mlp(0)))
+
+
+def c_model_rewrapped_after_close(rank: int, ctx: Ctx) -> Any:
+    """A closed wrapper frees its model: a new wrapper around it trains (no error)."""
+    model = make_mlp(0)
+    _ddp(model).close()
+    ddp = _ddp(model)
+    x, y = batch(rank, 0)
+    loss_fn(ddp(x), y).backward()
+    ddp.close()
+    return "ok"
+
+
 def c_process_group_string(rank: int, ctx: Ctx) -> Any:
     return _construct(ctx, process_group="world")
 
@@ -623,6 +658,14 @@ CASES: Dict[str, Tuple[Callable[[int, Ctx], Any], int, Expect]] = {
     "scaler_not_a_scaler": (c_scaler_not_a_scaler, 0, both("TypeError", ["scaler", "GradScaler", "str"])),
     "optim_fn_none": (c_optim_fn_none, 0, both("TypeError", ["optim_fn must be callable", "NoneType"])),
     "model_not_a_module": (c_model_not_a_module, 0, both("TypeError", ["model must be a torch.nn.Module", "list"])),
+    "model_wrapped_twice": (c_model_wrapped_twice, 0, both("TypeError", ["already a DecentralizedDataParallel",
+                                                                         "ddp.module"])),
+    "model_in_a_live_wrapper": (c_model_in_a_live_wrapper, 0, both("ValueError", ["already trained by a "
+                                                                                  "DecentralizedDataParallel",
+                                                                                  "close()"])),
+    "model_in_torch_ddp": (c_model_in_torch_ddp, 0, both("TypeError", ["torch's DistributedDataParallel",
+                                                                       "model.module"])),
+    "model_rewrapped_after_close": (c_model_rewrapped_after_close, 0, both(None, [])),
     "process_group_string": (c_process_group_string, 0, both("TypeError", ["process_group", "ProcessGroup", "str"])),
     # the wrapper's methods
     "adaptive_factor_above_one": (m_adaptive_factor_above_one, 0, both("ValueError", ["adaptive factor", "1.5",

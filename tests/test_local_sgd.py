@@ -618,6 +618,29 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
     out["sparse_engine"], saved = steps_engine("complete", sparse)
     out["sparse_engine_resumed"], _ = steps_engine("complete", sparse, saved, H)
     out["sparse_engine_bytes"] = saved is not None and "error" in saved["compression"]["buckets"][0]
+    # -- the sparse gossip outer step (one-peer-exp): the face against the rule, both resumed ----------
+    model = make_mlp(0)
+    inner = _inner(model)
+    with decentpy.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=SPARSE_LR), sync_every=H,
+                         sparse=SPARSE_GOSSIP, topology="one-peer-exp") as d:
+        _train(model, inner, rank, range(H + 1))
+        saved_face = copy.deepcopy((d.state_dict(), model.state_dict(), inner.state_dict()))
+        _train(model, inner, rank, range(H + 1, steps))
+    out["sparse_gossip_face"] = _flat(model)
+    model = make_mlp(0)
+    inner = _inner(model)
+    with decentpy.DiLoCo(model, inner, torch.optim.SGD(model.parameters(), lr=SPARSE_LR), sync_every=H,
+                         sparse=SPARSE_GOSSIP, topology="one-peer-exp") as d:
+        d.load_state_dict(saved_face[0])
+        model.load_state_dict(saved_face[1])
+        inner.load_state_dict(saved_face[2])
+        _train(model, inner, rank, range(H + 1, steps))
+    out["sparse_gossip_face_resumed"] = _flat(model)
+    out["sparse_gossip_ref"] = _sparse_gossip_reference(rank, world, steps)
+    gossip = decentpy.LocalSteps(sync_every=H, sparse=SPARSE_GOSSIP,
+                                 outer_optim=lambda p: torch.optim.SGD(p, lr=SPARSE_LR))
+    out["sparse_gossip_engine"], saved = steps_engine("one-peer-exp", gossip)
+    out["sparse_gossip_engine_resumed"], _ = steps_engine("one-peer-exp", gossip, saved, H)
 
     errors = {}
     for name, kw in {"zero": dict(local_steps=0),
@@ -626,8 +649,6 @@ def _worker(rank: int, world: int) -> Dict[str, Any]:
                      "alpha": dict(local_steps=4, fragment_update_alpha=-0.1),
                      "streaming_without_local_steps": dict(fragments=2),
                      "streaming_with_budget": dict(sync_every_s=2.0, fragments=2),
-                     "sparse_on_a_ring": dict(topology="ring", local_steps=decentpy.LocalSteps(sync_every=4,
-                                                                                               sparse=SPARSE)),
                      "sparse_compressed": dict(local_steps=decentpy.LocalSteps(sync_every=4, sparse=SPARSE),
                                                compression="int8")}.items():
         try:
@@ -749,6 +770,66 @@ def _sparse_reference() -> List[torch.Tensor]:
                     p.copy_(theta[i][at:at + p.numel()].view_as(p))
                     at += p.numel()
     return [_flat(m) for m in models]
+
+
+SPARSE_GOSSIP = SparseOuter(k=8, chunk=64, gamma=0.5)  # [theta; delta]: 550 elements, 9 chunks
+
+
+def _sparse_gossip_reference(rank: int, world: int, steps: int) -> torch.Tensor:
+    """The sparse gossip outer step on one-peer-exp, float32, written from
+    decentpy/local_steps/sparse.py's docstring: ``z = [theta; theta - x]`` (the DiLoCo face's buffer:
+    the parameters in order), per pair copies ``(zhat_i, M)`` from ``[theta_0; 0]``; ``q = S(z - zhat_i)``
+    (tests/sparse_reference.py's top-k and 2-bit codes of the difference), ``zhat_i += D(q)``,
+    ``M += mean(D(q_i), D(q_j))``, ``z += gamma s m (M - zhat_i)``; then ``theta = z_theta - lr z_delta``
+    (SGD, no momentum); torch's AdamW inside."""
+    import torch.distributed as dist
+    import sparse_reference as R
+    from compression_reference import one_peer_exp_partner, pair_schedule
+
+    schedule = pair_schedule(one_peer_exp_partner(world))
+    s = SPARSE_GOSSIP
+    ref = make_mlp(0)
+    inner = _inner(ref)
+    theta = _flat(ref)
+    n = theta.numel()
+    z0 = torch.cat([theta, torch.zeros_like(theta)])
+    copies: Dict[Tuple[int, ...], List[torch.Tensor]] = {}
+    for o in range(steps // H):
+        _train(ref, inner, rank, range(o * H, (o + 1) * H))
+        peers, nw = schedule(o, rank)
+        g = tuple(sorted(peers + [rank]))
+        own, mean = copies.setdefault(g, [z0.clone(), z0.clone()])
+        z = torch.cat([theta, theta - _flat(ref)])
+        wire, _ = R.pack(own, z, torch.zeros(2 * n), s.chunk, s.k, 0.0)
+        own += R.mean([wire], 2 * n, s.chunk, s.k)
+        mine = torch.tensor(list(wire), dtype=torch.uint8)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
+        mean += R.mean([bytes(every[j].tolist()) for j in g], 2 * n, s.chunk, s.k)
+        z += s.consensus * nw * len(g) * (mean - own)
+        theta = z[:n] - SPARSE_LR * z[n:]
+        with torch.no_grad():
+            at = 0
+            for p in ref.parameters():
+                p.copy_(theta[at:at + p.numel()].view_as(p))
+                at += p.numel()
+    return _flat(ref)
+
+
+def test_sparse_gossip_outer_step_matches_the_rule_and_resumes(results: List[Dict[str, Any]]) -> None:
+    """The sparse gossip outer step (SparseLoCo's messages as the compressor of a CHOCO mix on
+    one-peer-exp): the DiLoCo face equals the rule re-computed in float32 to float32 rounding; both
+    faces resume bit for bit (the face from a checkpoint one step into a window, the engine's with its
+    first exchange in flight); the replicas differ (a gossip step, not an average), and the exchange
+    moved them (the result is not what no exchange at all gives: each replica's own inner steps)."""
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["sparse_gossip_face"], r["sparse_gossip_ref"], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"rank {rank}: {m}")
+        assert torch.equal(r["sparse_gossip_face"], r["sparse_gossip_face_resumed"]), f"rank {rank}: face resume"
+        assert torch.equal(r["sparse_gossip_engine"], r["sparse_gossip_engine_resumed"]), f"rank {rank}: resume"
+        assert torch.isfinite(r["sparse_gossip_engine"]).all()
+    assert not torch.equal(results[0]["sparse_gossip_face"], results[1]["sparse_gossip_face"])
+    assert not torch.equal(results[0]["sparse_gossip_engine"], results[1]["sparse_gossip_engine"])
 
 
 def test_sparseloco_matches_the_rule_and_resumes(results: List[Dict[str, Any]]) -> None:
@@ -1015,7 +1096,6 @@ def test_engine_local_steps_bad_input(results: List[Dict[str, Any]]) -> None:
             "alpha": "fragment_update_alpha must be in [0, 1], got -0.1",
             "streaming_without_local_steps": "give local_steps=H (> 1) as well",
             "streaming_with_budget": "sync_every_s (a time budget) runs one fragment",
-            "sparse_on_a_ring": "averages over an exact-average topology ('complete'), got topology 'ring'",
             "sparse_compressed": "give sparse= or compression='int8', not both"}
     for rank, r in enumerate(results):
         for name, text in want.items():

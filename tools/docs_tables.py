@@ -96,13 +96,15 @@ TABLES: Dict[str, str] = {
                                   "shuffled split, clip 1.0, seed 0, 4 workers as two simulated nodes of 2. AMD EPYC, 2 "
                                   "cores shared by the 4 workers, torch 2.13.0+cpu, decent-dp 0.2.3, 2026-11-29.",
     "bench_lm_outer_summary": "`python -m bench.bench_lm --preset small --arms ddp,diloco-32,diloco-32-int8,"
-                              "diloco-32-random-pairs,noloco-32,sparseloco-32 --links loopback --seeds 0,1,2` (then "
+                              "diloco-32-random-pairs,noloco-32,sparseloco-32,sparseloco-32-random-pairs --links loopback --seeds 0,1,2` (then "
                               "`--from-csv ... --docs --docs-name bench_lm_outer`): 1M tokens, the `small` preset, 4 "
                               "workers, the shuffled split, clip 1.0; DDP and DiLoCo at the sweep's best settings, the "
                               "other arms at their defaults (see the text); means of 3 seeds. AMD EPYC, 2 cores, torch "
-                              "2.13.0+cpu, 2026-11-29.",
+                              "2.13.0+cpu, 2026-11-29 (the sparse gossip arm run apart the same day, same code "
+                              "otherwise).",
     "bench_lm_outer_race_summary": "`python -m bench.bench_lm --race --preset small --links 100 --seeds 0 --arms ddp,"
-                                   "diloco-32-int8,diloco-32-streaming-4,noloco-32,sparseloco-32,torchft-diloco-32` "
+                                   "diloco-32-int8,diloco-32-streaming-4,noloco-32,sparseloco-32,torchft-diloco-32` and "
+                                   "`sparseloco-32-random-pairs` (run apart with `--budget-s 175.75`) "
                                    "(then `--from-csv ... --docs --docs-name bench_lm_outer_race`; torchft 0.2.0 from "
                                    "BENCH_TORCHFT_PATH): T = DDP's time for 1M tokens from its probe behind 100 Mbit/s "
                                    "per node, each arm's tokens from its own probe there; 4 workers as two simulated "

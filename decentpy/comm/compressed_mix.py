@@ -38,7 +38,24 @@ from ..topology import Topology
 from .group_exchange import GroupExchange, GroupExchanger, other_members
 from .plans import ExchangePlan, plan_exchange
 
-__all__ = ["GossipCopies", "CompressedMix"]
+__all__ = ["GossipCopies", "CompressedMix", "gossip_partners"]
+
+
+def gossip_partners(topology: Topology, rank: int) -> Tuple[List[Tuple[int, ...]], List[Tuple[int, ...]], int]:
+    """``(pairs, groups, slots)`` over the topology's period seen from ``rank``: the distinct pairs
+    and the distinct groups of more than two ranks it mixes in (rank tuples in the plans' order), and the
+    most other members of one exchange (the receive slots it needs). A public copy follows one of them."""
+    pairs: List[Tuple[int, ...]] = []
+    groups: List[Tuple[int, ...]] = []
+    slots = 1
+    for step in range(topology.period):
+        plan = plan_exchange(topology.group_of(rank, step), rank)
+        members = other_members(plan, rank)
+        slots = max(slots, len(members))
+        g = tuple(plan.group.ranks)
+        if members and g not in pairs and g not in groups:
+            (pairs if len(members) == 1 else groups).append(g)
+    return sorted(pairs), sorted(groups), slots
 
 
 class GossipCopies:
@@ -50,18 +67,8 @@ class GossipCopies:
                  start: Optional[Tensor] = None) -> None:
         self.compression = compression
         self.numel = numel
-        peers: List[int] = []
-        groups: List[Tuple[int, ...]] = []
-        slots = 1
-        for step in range(topology.period):
-            plan = plan_exchange(topology.group_of(rank, step), rank)
-            members = other_members(plan, rank)
-            slots = max(slots, len(members))
-            if len(members) == 1 and members[0] not in peers:
-                peers.append(members[0])
-            elif len(members) > 1 and tuple(plan.group.ranks) not in groups:
-                groups.append(tuple(plan.group.ranks))
-        self.peers, self.groups = sorted(peers), sorted(groups)
+        peers, self.groups, slots = gossip_partners(topology, rank)
+        self.peers = sorted(j for g in peers for j in g if j != rank)
 
         def copy() -> Tensor:
             return start.detach().to(torch.float32, copy=True) if start is not None else \

@@ -29,6 +29,7 @@ from ..engine.step_checks import check_before_step
 from ..optim.hyperparams import check_hyperparameters, hyperparameters_of
 from ..optim.compression import Compression, resolve_compression
 from ..local_steps import LocalSteps, SparseOuter, WindowClock
+from ..optim.shards import local_shard, shard_layout
 from ..topology import Topology, make_topology
 from .outer import Fragment, TopologyMixer
 
@@ -78,11 +79,15 @@ class _LocalSteps:
             check_bool("broadcast_parameters", broadcast_parameters)
             found.append(_topology(topology, self._group.size))
             comp, extra = check(found[0])
-            options.check_exchange(found[0].is_exact_average(), found[0].name, comp, comm)
+            options.check_exchange(comp, comm)
             compression.append(comp)
             settings.update({
                 "model (parameter shapes and dtypes per module)": [
                     [(tuple(p.shape), str(p.dtype)) for p in m.parameters()] for m in modules],
+                # FSDP2: each exchange pairs a shard with the same shard of the other replicas
+                "shard of each DTensor parameter (placements, mesh coordinate, local shape; FSDP2: give "
+                "group=mesh['replicate'].get_group(), the ranks that hold one shard index)": [
+                    shard_layout(list(m.parameters())) for m in modules],
                 **options.settings(), "topology": found[0].name, "comm": comm,
                 "broadcast_parameters": broadcast_parameters, "compression": repr(comp),
                 "inner_optimizer (class and hyper-parameters)": (type(inner_optimizer),
@@ -110,7 +115,7 @@ class _LocalSteps:
                 src = self._group.to_global(0)
                 for m in modules:
                     for t in list(m.parameters()) + list(m.buffers()):
-                        dist.broadcast(t.data, src=src, group=pg)
+                        dist.broadcast(local_shard(t).data, src=src, group=pg)
         device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
         self._mixer = TopologyMixer(self.topology, self._group, default_timeout(), comm, device=device,
                                     compression=compression[0], replicas_equal=broadcast_parameters,
@@ -137,6 +142,12 @@ class _LocalSteps:
         if not self._closed:
             self._closed = True
             self._mixer.close()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Payload bytes this rank's outer exchanges put on the wire so far (DecentralizedDataParallel's
+        counter: a point-to-point send or this rank's buffer of an all-reduce)."""
+        return int(getattr(self._mixer.comm, "bytes_sent", 0))
 
     @property
     def local_step(self) -> int:

@@ -28,6 +28,7 @@ from ..comm.plans import BufferMix, ExchangeSchedule
 from ..local_steps.exchange import OuterBuffer, OuterLink, outer_needs, split
 from ..local_steps.sparse import SparseOuter
 from ..optim.compression import Compression
+from ..optim.shards import local_shard, local_state, restore_state
 from ..topology import Topology
 
 __all__ = ["TopologyMixer", "Fragment"]
@@ -66,7 +67,10 @@ class Fragment:
         self.index = index
         #: NoLoCo's pull towards the group's global copies (None: start from the mixed copy)
         self.pull = pull
-        self.params = list(params)
+        #: the parameters the optimizers hold (FSDP2: DTensors) and this rank's storage of each (their
+        #: local shards: what is packed, exchanged and reset; no all-gather)
+        self.stepped = list(params)
+        self.params = [local_shard(p) for p in self.stepped]
         self.outer = outer_optimizer
         self.alpha = float(alpha)
         groups: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
@@ -127,7 +131,7 @@ class Fragment:
         assert self.outer is not None
         for idx, buf in zip(self.groups, self.buffers):
             buf.apply(self.outer, [self.params[i] for i in idx], [self.backup[i] for i in idx], alpha=self.alpha,
-                      pull=self.pull)
+                      pull=self.pull, stepped=[self.stepped[i] for i in idx])
 
     @torch.no_grad()
     def average_params(self, mixer: TopologyMixer, step: int, tag: int) -> None:
@@ -144,7 +148,7 @@ class Fragment:
         for, so that a resume applies the same outer step at the same inner step)."""
         states = [b.state_dict(settled=True) for b in self.buffers]
         return {"backup": [b.clone() for b in self.backup],
-                "outer_optimizer": self.outer.state_dict() if self.outer is not None else None,
+                "outer_optimizer": local_state(self.outer.state_dict()) if self.outer is not None else None,
                 "in_flight": [st["in_flight"] for st in states] if self.in_flight else None,
                 "excess": [st["excess"] for st in states], "copies": [st["copies"] for st in states],
                 **({"error": [st["error"] for st in states]} if any("error" in st for st in states) else {})}
@@ -160,7 +164,7 @@ class Fragment:
         for b, s in zip(self.backup, backup):
             b.copy_(s)
         if self.outer is not None and state.get("outer_optimizer") is not None:
-            self.outer.load_state_dict(state["outer_optimizer"])  # type: ignore[arg-type]
+            self.outer.load_state_dict(restore_state(state["outer_optimizer"], self.outer))  # type: ignore[arg-type]
         flights = state.get("in_flight") or [None] * len(self.buffers)
         excess = state.get("excess") or [None] * len(self.buffers)
         copies = state.get("copies") or [None] * len(self.buffers)

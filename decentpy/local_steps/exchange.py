@@ -14,8 +14,9 @@ The exchange is chosen by three facts:
 - otherwise the buffer ``[theta; delta]`` is mixed (a gossip outer step, or once after an elastic
   re-formation on ``complete``: the members' global copies agree again); with ``compression`` on a
   gossip topology by compressed gossip against public copies (CHOCO, the replicas' mean unchanged);
-- ``sparse`` (SparseLoCo, an exact-average group): the error-fed chunk-wise top-k of ``delta`` in
-  2 bits travels, gathered from every member and averaged on arrival (:mod:`.sparse`);
+- ``sparse`` (SparseLoCo) on an exact-average group: the error-fed chunk-wise top-k of ``delta`` in
+  2 bits travels, gathered from every member and averaged on arrival; on a gossip topology the same
+  messages are the compressor of the CHOCO mix of ``[theta; delta]`` (:mod:`.sparse`);
 - a time budget weights the pseudo-gradients by the inner steps behind them: the weight travels as
   one more element of the buffer (:func:`~decentpy.comm.plans.weigh`), or with compression in its
   own uncompressed mix, shared by the outer step's buffers (:meth:`OuterLink.weight_mix`).
@@ -39,7 +40,7 @@ from ..optim import kernels
 from ..optim.compression import Compression
 from ..optim.outer import fusable_here, outer_step, pseudo_gradient
 from ..topology import Topology
-from .sparse import SparseGather, SparseOuter
+from .sparse import SparseCopies, SparseGather, SparseMix, SparseOuter
 
 __all__ = ["OuterLink", "OuterBuffer", "outer_needs", "split", "weigh", "unweigh", "WEIGHT_TAG"]
 
@@ -100,6 +101,11 @@ class OuterLink:
         """The topology averages exactly: the global copies stay home."""
         return self.topology.is_exact_average()
 
+    @property
+    def tracked(self) -> bool:
+        """A compressed or sparse gossip outer step: the buffers mix against public copies."""
+        return (self.compression is not None or self.sparse is not None) and not self.exact
+
     def plan(self, outer_step: int) -> ExchangePlan:
         return self.plans.at(outer_step)
 
@@ -121,7 +127,7 @@ class InFlight:
     due: int
     #: the exchange (None once received); ``result``: where its result lands -- the mixed buffer
     #: ``[theta;] delta [; weight]``, or with a compressed mean its wire bytes
-    work: Union[None, BufferMix, CompressedMix, GroupExchange, SparseGather]
+    work: Union[None, BufferMix, CompressedMix, SparseMix, GroupExchange, SparseGather]
     result: Tensor
     compressed: bool
     #: a time budget with compression: the inner-step weights' own mix (shared by the outer step's
@@ -136,7 +142,7 @@ class InFlight:
     def receive(self, timeout: datetime.timedelta) -> Tensor:
         """The exchange's result (waits for it, bounded by ``timeout``)."""
         work, self.work = self.work, None
-        if isinstance(work, (BufferMix, CompressedMix)):
+        if isinstance(work, (BufferMix, CompressedMix, SparseMix)):
             self.result = work.wait()
         elif work is not None:  # (a group exchange or SparseGather: completes into ``result``)
             work.wait(timeout)
@@ -167,7 +173,7 @@ class OuterBuffer:
         self.pending: Optional[InFlight] = None
         self.excess: Optional[Tensor] = None
         self.wires: List[Tensor] = []  # q, result, then one receive slot per other member
-        self.copies: Optional[GossipCopies] = None
+        self.copies: Union[None, GossipCopies, SparseCopies] = None
         self._buf: Optional[Tensor] = None
         self._scratch: Optional[Tensor] = None  # a time budget with a compressed mean: w delta, then zeros
         #: SparseLoCo: the error-feedback buffer, this rank's message and one slot per other member, the mean
@@ -175,7 +181,7 @@ class OuterBuffer:
         self._sparse_wires: List[Tensor] = []
         self._sparse_mean: Optional[Tensor] = None
         sp = link.sparse
-        if sp is not None:
+        if sp is not None and link.exact:
             self.error = torch.zeros(numel, dtype=torch.float32, device=device)
             size = sp.wire_bytes(numel)
             self._sparse_wires = [torch.empty(size, dtype=torch.uint8, device=device)
@@ -189,16 +195,22 @@ class OuterBuffer:
                           for _ in range(1 + max(1, link.topology.world_size))]
 
     def new_copies(self, theta: Optional[Tensor]) -> None:
-        """A compressed gossip outer step's public copies of ``[theta; delta]``: from ``[theta; 0]``,
-        which every replica holds alike while they are equal (the broadcast start), else from zero."""
-        comp = self.link.compression
-        if comp is None or self.link.exact:
+        """A compressed or sparse gossip outer step's public copies of ``[theta; delta]``: from
+        ``[theta; 0]``, which every replica holds alike while they are equal (the broadcast start), else
+        from zero."""
+        link = self.link
+        if not link.tracked:
             return
         start = None
         if self.link.replicas_equal and theta is not None:
             start = torch.cat([theta.reshape(-1).float(), torch.zeros(self.numel, dtype=torch.float32,
                                                                       device=theta.device)])
-        self.copies = GossipCopies(self.link.topology, self.link.rank, 2 * self.numel, comp, self.device, start)
+        if link.sparse is not None:
+            self.copies = SparseCopies(link.topology, link.rank, 2 * self.numel, link.sparse, self.device, start)
+        else:
+            assert link.compression is not None
+            self.copies = GossipCopies(link.topology, link.rank, 2 * self.numel, link.compression, self.device,
+                                       start)
 
     @torch.no_grad()
     def launch(self, x: Tensor, theta: Tensor, outer_step: int, tag: int, *, send_globals: bool,
@@ -242,12 +254,15 @@ class OuterBuffer:
             weigh(buf[at:at + n], buf[-1:], float(weight))  # type: ignore[arg-type]
         elif weight is not None:
             buf[at:at + n].mul_(float(weight))
-        if comp is not None and not link.exact:  # a compressed gossip outer step: [theta; delta], CHOCO
+        mix: Union[BufferMix, CompressedMix, SparseMix]
+        if link.tracked:  # a compressed or sparse gossip outer step: [theta; delta], CHOCO
             if self.copies is None:
                 self.new_copies(theta)
-            assert self.copies is not None
-            mix: Union[BufferMix, CompressedMix] = CompressedMix(plan, link.comm, link.exchanger, tag, buf,
-                                                                 self.copies, link.timeout, step)
+            if isinstance(self.copies, SparseCopies):
+                mix = SparseMix(plan, link.comm, tag, buf, self.copies, link.timeout, step)
+            else:
+                assert self.copies is not None
+                mix = CompressedMix(plan, link.comm, link.exchanger, tag, buf, self.copies, link.timeout, step)
         else:
             mix = BufferMix(plan, link.comm, tag, buf, link.timeout)
         self.pending = InFlight(due, mix, buf, compressed=False, weight=weight_mix, weight_inside=inside)
@@ -371,13 +386,13 @@ class OuterBuffer:
                 raise ValueError(f"{what}the checkpoint was saved without compression's error feedback; this run "
                                  f"compresses the outer exchange ({comp!r})")
             self.excess.copy_(state["excess"])
-        if comp is not None and not self.link.exact:
+        if self.link.tracked:
             saved = state.get("copies")
             if not copies:
                 self.copies = None  # (made afresh at the next exchange, from the global copy)
             elif saved is None:
                 raise ValueError(f"{what}the checkpoint was saved without the compressed gossip outer step's public "
-                                 f"copies; this run compresses it ({comp!r})")
+                                 f"copies; this run compresses it ({comp or self.link.sparse!r})")
             else:
                 if self.copies is None:
                     self.new_copies(None)

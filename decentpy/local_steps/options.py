@@ -150,10 +150,11 @@ class LocalSteps:
                                  f"outer_pull; got sync_every_s={s!r}, outer_pull={pull!r}")
         return period
 
-    def check_exchange(self, exact_average: bool, topology: str, compression: Any, comm: str = "torch") -> None:
-        """The rules between these settings and the outer exchange's topology, compression and
-        communicator (raise ``ValueError``): SparseLoCo's exchange averages over an exact-average
-        topology, uncompressed, point to point over torch.distributed (``comm`` 'torch' or 'auto')."""
+    def check_exchange(self, compression: Any, comm: str = "torch") -> None:
+        """The rules between these settings and the outer exchange's compression and communicator
+        (raise ``ValueError``): SparseLoCo's exchange is its own compression and runs point to point
+        over torch.distributed (``comm`` 'torch' or 'auto'); it averages over an exact-average topology
+        and is a sparse gossip outer step over any other."""
         if self.sparse is None:
             return
         if comm not in ("torch", "auto"):
@@ -162,9 +163,6 @@ class LocalSteps:
         if compression is not None:
             raise ValueError(f"sparse (SparseLoCo's outer exchange) is its own compression: give sparse= or "
                              f"compression={getattr(compression, 'kind', compression)!r}, not both")
-        if not exact_average:
-            raise ValueError(f"sparse (SparseLoCo's outer exchange) averages over an exact-average topology "
-                             f"('complete'), got topology {topology!r}: a sparse gossip outer step is not built yet")
 
     @property
     def period(self) -> int:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from .shards import is_dtensor, like_param, local_shard
 from . import kernels
 from .fused import mark_stepped
 from .kernels import KERNEL_DTYPES, OptKind, flat_alias
@@ -83,6 +84,8 @@ def fusable_here(optimizer: Optimizer, stepped: Sequence[Tensor], params: Sequen
     if why is not None:
         return why
     for s, p, th, d in zip(stepped, params, thetas, deltas):
+        if is_dtensor(s):
+            return "a DTensor parameter (FSDP2) steps through the optimizer's own step"
         if _group_of(optimizer, s) is None:
             return "a stepped tensor is not among the outer optimizer's parameters"
         if th.dtype != torch.float32 or not th.is_contiguous() or th.device != p.device or th.numel() != p.numel():
@@ -151,13 +154,16 @@ def _generic(optimizer: Optimizer, stepped: Sequence[Tensor], params: Sequence[T
             if id(q) not in mine:
                 stash.append((q, q.grad))
                 q.grad = None
-    local = [p.detach().clone() if alpha > 0.0 and any(p is s for s in stepped) else None for p in params]
+    # (the parameters before the step, for the merge: a stepped tensor, or a DTensor's local shard, is overwritten)
+    local = [p.detach().clone() if alpha > 0.0 and (any(p is s for s in stepped) or any(map(is_dtensor, stepped)))
+             else None for p in params]
     try:
         for i, (s, th, d) in enumerate(zip(stepped, thetas, deltas)):
             start = theta_mix[i] if theta_mix is not None else th
+            own = local_shard(s)  # (a DTensor's shard: the tensors here are this rank's shards)
             if start is not s:
-                s.copy_(start.view_as(s))
-            s.grad = d.view_as(s).to(s.dtype)
+                own.copy_(start.view_as(own))
+            s.grad = like_param(d.view_as(own).to(s.dtype), s)
         optimizer.step()
     finally:
         for s in stepped:
@@ -166,7 +172,7 @@ def _generic(optimizer: Optimizer, stepped: Sequence[Tensor], params: Sequence[T
             q.grad = gq
     for s, p, th, x in zip(stepped, params, thetas, local):
         if s is not th:
-            th.copy_(s.view_as(th))
+            th.copy_(local_shard(s).view_as(th))
         if alpha == 0.0:
             if p is not s:
                 p.copy_(th.view_as(p))
