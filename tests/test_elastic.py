@@ -129,7 +129,12 @@ def survivor_worker(member: int, port: int, topo: str, kills: Dict[int, int],
     is the test's TCPStore, or an etcd server (``etcd_endpoint``)."""
     from decentpy.elastic import ElasticGossip, connect
 
-    if etcd_endpoint is not None:
+    if etcd_endpoint is not None and etcd_endpoint.startswith("v3:"):  # etcd's v3 API (its HTTP/JSON gateway)
+        from decentpy.elastic.etcd_v3 import connect_etcd_v3
+
+        store = connect_etcd_v3(etcd_endpoint[3:], prefix=f"/decentpy-test-{port}",
+                                timeout=datetime.timedelta(seconds=20))
+    elif etcd_endpoint is not None:
         from decentpy.elastic.etcd import connect_etcd
 
         store = connect_etcd(etcd_endpoint, prefix=f"/decentpy-test-{port}", timeout=datetime.timedelta(seconds=20))
@@ -270,10 +275,9 @@ def test_a_member_dying_during_the_membership_change() -> None:
           f"whole test {elapsed:.1f} s")
 
 
-@pytest.fixture(scope="module")
-def etcd_server(tmp_path_factory: Any) -> Any:
-    """An etcd server (v2 API on) on free ports, for the test's lifetime; skipped where etcd or the
-    python-etcd client is not installed (Debian: etcd-server; pip: python-etcd)."""
+def _etcd(tmp_path_factory: Any, v2: bool, ready: Any) -> Any:
+    """An etcd server on free ports (its v2 API on or off) until the generator ends; skipped where
+    etcd is not installed (Debian: etcd-server). ``ready(endpoint)`` raises until it serves."""
     import shutil
     import subprocess
 
@@ -281,11 +285,10 @@ def etcd_server(tmp_path_factory: Any) -> Any:
 
     if shutil.which("etcd") is None:
         pytest.skip("etcd is not installed (Debian package etcd-server)")
-    pytest.importorskip("etcd", reason="the python-etcd client (torch's EtcdStore is written for it) is not installed")
     client_port, peer_port = free_port(), free_port()
     data = tmp_path_factory.mktemp("etcd")
     proc = subprocess.Popen(
-        ["etcd", "--data-dir", str(data / "data"), "--enable-v2=true",
+        ["etcd", "--data-dir", str(data / "data"), f"--enable-v2={'true' if v2 else 'false'}",
          "--listen-client-urls", f"http://127.0.0.1:{client_port}",
          "--advertise-client-urls", f"http://127.0.0.1:{client_port}",
          "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
@@ -294,12 +297,10 @@ def etcd_server(tmp_path_factory: Any) -> Any:
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     endpoint = f"127.0.0.1:{client_port}"
     try:
-        from decentpy.elastic.etcd import connect_etcd
-
         deadline = time.monotonic() + 20
         while True:
             try:
-                connect_etcd(endpoint, timeout=datetime.timedelta(seconds=2))
+                ready(endpoint)
                 break
             except Exception:  # noqa: BLE001 - not up yet
                 assert proc.poll() is None and time.monotonic() < deadline, "etcd did not start"
@@ -310,11 +311,26 @@ def etcd_server(tmp_path_factory: Any) -> Any:
         proc.wait(timeout=10)
 
 
-def test_etcd_store_operations(etcd_server: str) -> None:
-    """The store decentpy's membership uses, on etcd: c10d's semantics for every operation it calls."""
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory: Any) -> Any:
+    """An etcd server with its v2 API on; skipped where the python-etcd client (torch's EtcdStore
+    is written for it) is not installed."""
+    pytest.importorskip("etcd", reason="the python-etcd client (torch's EtcdStore is written for it) is not installed")
     from decentpy.elastic.etcd import connect_etcd
 
-    store = connect_etcd(etcd_server, prefix="/decentpy-test-ops")
+    yield from _etcd(tmp_path_factory, True, lambda e: connect_etcd(e, timeout=datetime.timedelta(seconds=2)))
+
+
+@pytest.fixture(scope="module")
+def etcd_v3_server(tmp_path_factory: Any) -> Any:
+    """An etcd server with its v2 API off (as etcd 3.6 has none): the v3 API only."""
+    from decentpy.elastic.etcd_v3 import connect_etcd_v3
+
+    yield from _etcd(tmp_path_factory, False, lambda e: connect_etcd_v3(e, timeout=datetime.timedelta(seconds=2)))
+
+
+def _store_operations(store: Any) -> None:
+    """c10d's semantics for every operation decentpy's membership calls."""
     store.set("a", "x")
     assert store.get("a") == b"x" and store.check(["a"]) and not store.check(["missing"])
     assert store.add("n", 2) == 2 and store.add("n", 0) == 2 and store.add("n", 3) == 5
@@ -325,12 +341,55 @@ def test_etcd_store_operations(etcd_server: str) -> None:
     assert store.delete_key("a") and not store.delete_key("a") and not store.check(["a"])
 
 
-def test_survivors_go_on_with_an_etcd_rendezvous(etcd_server: str) -> None:
+def test_etcd_v3_store_operations(etcd_v3_server: str) -> None:
+    """The v3 store (no client library) with c10d's semantics for every operation decentpy's membership
+    and the gloo rendezvous call; add is atomic under 4 threads adding at once; a wait times out with
+    LookupError; the v2 API is off on this server (the v2 store cannot reach it)."""
+    import threading
+
+    from decentpy.elastic import RendezvousError
+    from decentpy.elastic.etcd_v3 import connect_etcd_v3
+
+    store = connect_etcd_v3(etcd_v3_server, prefix="/decentpy-test-ops")
+    _store_operations(store)
+    store.set(b"bin\x00", bytes(range(256)))
+    assert store.get(b"bin\x00") == bytes(range(256))
+    assert store.num_keys() == 3  # n, d, bin (and nothing outside the prefix)
+    threads = [threading.Thread(target=lambda: [store.add("c", 1) for _ in range(25)]) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert int(store.get("c")) == 100
+    t0 = time.monotonic()
+    with pytest.raises(LookupError, match="timed out"):
+        store.wait(["never"], datetime.timedelta(seconds=0.3))
+    assert time.monotonic() - t0 < 5
+    try:
+        from decentpy.elastic.etcd import connect_etcd
+
+        with pytest.raises(RendezvousError, match="v2 API"):
+            connect_etcd(etcd_v3_server, timeout=datetime.timedelta(seconds=1))
+    except ImportError:
+        pass
+
+
+def test_etcd_store_operations(etcd_server: str) -> None:
+    """The store decentpy's membership uses, on etcd: c10d's semantics for every operation it calls."""
+    from decentpy.elastic.etcd import connect_etcd
+
+    _store_operations(connect_etcd(etcd_server, prefix="/decentpy-test-ops"))
+
+
+@pytest.mark.parametrize("api", ["v2", "v3"])
+def test_survivors_go_on_with_an_etcd_rendezvous(api: str, request: Any) -> None:
     """The whole membership (heartbeats, epochs, the per-epoch gloo rendezvous) in etcd instead of a
-    TCPStore: a SIGKILLed member is dropped and the survivors end exactly where the float64
-    re-computation over them does."""
+    TCPStore, on its v2 API or its v3 API (a server without the v2 API): a SIGKILLed member is
+    dropped and the survivors end exactly where the float64 re-computation over them does."""
+    endpoint = (request.getfixturevalue("etcd_server") if api == "v2"
+                else "v3:" + request.getfixturevalue("etcd_v3_server"))
     kills = {2: 5}
-    res = run_members(survivor_worker, [0, 1, 2, 3], ("ring", kills, None, 30.0, etcd_server), timeout=150,
+    res = run_members(survivor_worker, [0, 1, 2, 3], ("ring", kills, None, 30.0, endpoint), timeout=150,
                       expect_dead=[2])
     survivors = ["0", "1", "3"]
     assert sorted(res) == [0, 1, 3]

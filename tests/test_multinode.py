@@ -33,15 +33,19 @@ def _env() -> Dict[str, str]:
 
 
 def _hosts(net: "netlink.ThrottledNetwork", procs: Tuple[int, int], job: str, port: int,
-           timeout: float = 240.0) -> List[subprocess.CompletedProcess]:
-    """One torchrun per simulated host, both started at once; their results."""
+           timeout: float = 240.0, etcd_v3: str = "") -> List[subprocess.CompletedProcess]:
+    """One torchrun per simulated host, both started at once; their results. ``etcd_v3``: the
+    rendezvous on that etcd (decentpy's torchrun backend over etcd's v3 API, an elastic 1:2 nodes)
+    instead of c10d's on node 0."""
     runs = []
     for node, n in enumerate(procs):
+        rdzv = (["--nnodes=1:2", "--rdzv-backend=decentpy-etcd-v3", f"--rdzv-endpoint={etcd_v3}",
+                 "--rdzv-conf=last_call_timeout=15"] if etcd_v3 else
+                ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint={net.node_address(0)}:{port}",
+                 f"--rdzv-conf=is_host={int(node == 0)}"])
         cmd = ["ip", "netns", "exec", net.node_ns[node], sys.executable, "-m", "torch.distributed.run",
-               "--nnodes=2", f"--nproc_per_node={n}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint={net.node_address(0)}:{port}", f"--rdzv-id={job}",
-               f"--local-addr={net.node_address(node)}", f"--rdzv-conf=is_host={int(node == 0)}", "--max-restarts=0",
-               SCRIPT, "--steps", "12"]
+               *rdzv, f"--nproc_per_node={n}", f"--rdzv-id={job}", f"--local-addr={net.node_address(node)}",
+               "--max-restarts=0", SCRIPT, "--steps", "12"]
         runs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                                      cwd=str(ROOT)))
     out = []
@@ -69,6 +73,63 @@ def net():
         yield n
 
 
+@pytest.fixture(scope="module")
+def etcd_on_node0(net, tmp_path_factory):
+    """An etcd server (v3 API only, as etcd 3.6) inside node 0's namespace, on its address."""
+    import shutil
+    import time
+
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed (Debian package etcd-server)")
+    addr, data = net.node_address(0), tmp_path_factory.mktemp("etcd")
+    client, peer = 23790 + os.getpid() % 100, 24790 + os.getpid() % 100
+    proc = subprocess.Popen(["ip", "netns", "exec", net.node_ns[0], "etcd", "--data-dir", str(data / "d"),
+                             "--enable-v2=false", "--listen-client-urls", f"http://{addr}:{client}",
+                             "--advertise-client-urls", f"http://{addr}:{client}",
+                             "--listen-peer-urls", f"http://{addr}:{peer}",
+                             "--initial-advertise-peer-urls", f"http://{addr}:{peer}",
+                             "--initial-cluster", f"default=http://{addr}:{peer}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:  # (reachable from node 1, as the torchruns will reach it)
+            probe = subprocess.run(["ip", "netns", "exec", net.node_ns[1], sys.executable, "-c",
+                                    "import datetime, sys; from decentpy.elastic.etcd_v3 import connect_etcd_v3; "
+                                    f"connect_etcd_v3('{addr}:{client}', timeout=datetime.timedelta(seconds=2))"],
+                                   capture_output=True, text=True, env=_env(), cwd=str(ROOT))
+            if probe.returncode == 0:
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, probe.stderr[-2000:]
+            time.sleep(0.3)
+        yield f"{addr}:{client}"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def _one_host_run() -> Dict[int, Dict[str, object]]:
+    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", SCRIPT,
+                          "--steps", "12", "--local-world-size", "2"], capture_output=True, text=True, env=_env(),
+                         cwd=str(ROOT), timeout=240)
+    assert one.returncode == 0, one.stderr[-3000:]
+    return {int(r["rank"]): r for r in _lines(one.stdout)}
+
+
+@pytest.mark.timeout(400)
+def test_two_torchruns_on_an_etcd_v3_rendezvous_equal_the_one_host_run(net, etcd_on_node0) -> None:
+    """torchrun --rdzv-backend=decentpy-etcd-v3 (elastic: --nnodes=1:2) on a server without the v2
+    API: both hosts join one rendezvous, the nodes come from torchrun's environment, and the run
+    equals the one-host run rank for rank."""
+    hosts = _hosts(net, (2, 2), f"decentpy-etcd-{os.getpid()}", 0, etcd_v3=etcd_on_node0)
+    for h in hosts:
+        assert h.returncode == 0, h.stderr[-3000:]
+    got = {int(r["rank"]): r for h in hosts for r in _lines(h.stdout)}
+    assert sorted(got) == [0, 1, 2, 3] and {r["node"] for r in got.values()} == {0, 1}
+    want = _one_host_run()
+    for rank in range(4):
+        assert got[rank]["checksum"] == want[rank]["checksum"], (rank, got[rank], want[rank])
+
+
 @pytest.mark.timeout(400)
 def test_two_torchruns_find_their_nodes_and_equal_the_one_host_run(net) -> None:
     port = 29400 + os.getpid() % 500
@@ -79,11 +140,7 @@ def test_two_torchruns_find_their_nodes_and_equal_the_one_host_run(net) -> None:
     assert sorted(got) == [0, 1, 2, 3]
     assert {r["node"] for r in got.values()} == {0, 1}
     assert all(r["replicas"] == 2 and r["topology"] == "alternating-exp-ring" for r in got.values())
-    one = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", SCRIPT,
-                          "--steps", "12", "--local-world-size", "2"], capture_output=True, text=True, env=_env(),
-                         cwd=str(ROOT), timeout=240)
-    assert one.returncode == 0, one.stderr[-3000:]
-    want = {int(r["rank"]): r for r in _lines(one.stdout)}
+    want = _one_host_run()
     for rank in range(4):
         assert got[rank]["checksum"] == want[rank]["checksum"], (rank, got[rank], want[rank])
     assert got[0]["checksum"] != got[2]["checksum"]  # (two replicas: the nodes' models differ)

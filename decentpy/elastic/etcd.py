@@ -22,7 +22,7 @@ from typing import Any, Optional, Tuple, Union
 
 from .membership import RendezvousError
 
-__all__ = ["EtcdRendezvousStore", "connect_etcd"]
+__all__ = ["EtcdRendezvousStore", "connect_etcd", "tls_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class EtcdRendezvousStore(_EtcdStore):  # type: ignore[misc,valid-type]
             return False
 
 
-def _tls_options(protocol: str, ca_cert: Optional[str], cert: Union[None, str, Tuple[str, str]],
+def tls_options(protocol: str, ca_cert: Optional[str], cert: Union[None, str, Tuple[str, str]],
                  username: Optional[str], password: Optional[str]) -> dict:
     """python-etcd's ``Client`` keywords for TLS and authentication, checked: ValueError naming
     what is wrong and what would be valid."""
@@ -93,11 +93,12 @@ def _tls_options(protocol: str, ca_cert: Optional[str], cert: Union[None, str, T
         raise ValueError("etcd authentication needs both username= and password= (python-etcd ignores one alone), "
                          f"got {'username' if username is not None else 'password'} only")
     if username is not None and protocol == "http":
-        logger.warning("decentpy.elastic: connect_etcd sends the etcd password in plain text over http; use "
-                       "protocol='https' with ca_cert=")
+        logger.warning("decentpy.elastic: the etcd password travels in plain text over http; use https "
+                       "with ca_cert=")
     if protocol == "https" and ca_cert is None:
-        logger.warning("decentpy.elastic: connect_etcd over https without ca_cert=: python-etcd does not verify "
-                       "the server's certificate then; pass the CA that signed it")
+        logger.warning("decentpy.elastic: etcd over https without ca_cert=: the server's certificate is checked "
+                       "against the system's CAs only (python-etcd does not verify it at all); pass the CA that "
+                       "signed it")
     options: dict = {"protocol": protocol}
     if ca_cert is not None:
         options["ca_cert"] = ca_cert
@@ -120,7 +121,7 @@ def connect_etcd(endpoint: str = "127.0.0.1:2379", prefix: str = "/decentpy",
     ``ca_cert``: the CA file that signed the server's certificate (verified when given);
     ``cert``: this client's certificate, a PEM file holding certificate and key or a pair
     ``(certificate file, key file)``; ``username`` and ``password``: etcd's authentication (both)."""
-    options = _tls_options(protocol, ca_cert, cert, username, password)
+    options = tls_options(protocol, ca_cert, cert, username, password)
     if _etcd is None:
         raise _missing_client()
     host, _, port = endpoint.rpartition(":")
