@@ -239,3 +239,43 @@ def test_diloco_over_the_world_on_fsdp2_shards_is_refused_on_every_rank(results:
     for r in results:
         msg = r["world_group"]
         assert msg is not None and "shard of each DTensor parameter" in msg and "group=mesh['replicate']" in msg, msg
+
+
+def _gossip_worker(rank: int, world: int) -> Dict[str, Any]:
+    """4 replicas of one shard each (a (4, 1) mesh: DTensor parameters whose shard is the whole
+    tensor): DiLoCo's gossip outer step on a ring, against decentpy's on the plain model."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from reference import batch, loss_fn, make_mlp
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    out: Dict[str, Any] = {}
+    for name, model in (("fsdp", _fsdp_model(mesh)), ("plain", make_mlp(0))):
+        inner = _inner(model.parameters())
+        with decentpy.DiLoCo(model, inner, _outer(model.parameters()), sync_every=H, topology="ring",
+                             group=mesh["replicate"].get_group()) as d:
+            for k in range(STEPS):
+                x, y = batch(rank, k)
+                inner.zero_grad()
+                loss_fn(model(x), y).backward()
+                inner.step()
+            out[f"{name}_outer_steps"] = d.outer_steps
+        out[name] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_the_gossip_outer_step_on_fsdp2_parameters_equals_the_plain_one() -> None:
+    """A gossip outer step ([theta; delta] mixed with the ring's neighbours) over DTensor parameters
+    equals the same DiLoCo on plain parameters to float32 rounding, and it is a gossip step: the
+    replicas differ."""
+    pytest.importorskip("torch.distributed.fsdp")
+    from dist_harness import run_workers
+
+    results = run_workers(_gossip_worker, 4, timeout=240)
+    for r in results:
+        assert r["fsdp_outer_steps"] == r["plain_outer_steps"] == STEPS // H
+        for a, b in zip(r["fsdp"], r["plain"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not all(torch.equal(a, b) for a, b in zip(results[0]["fsdp"], results[1]["fsdp"]))
