@@ -31,10 +31,16 @@
 #                honours DECENTPY_CUDA_ARCHS, CUDA_HOME, DECENTPY_NO_CUDA (docs/wheels.md)
 #   make docs    the documentation site (Sphinx, warnings are errors) into docs/_build/html
 #   make clean   remove build outputs (keeps .venv);  make distclean  also removes .venv
+#   make help    this list
 #
-# The first run creates .venv and installs torch==2.13.0 only when no torch is importable there
-# (an unpinned torch would pull the CUDA wheels). Later runs do nothing unless csrc/, setup.py or
-# pyproject.toml changed, in which case the extension is rebuilt.
+# Everything is installed into .venv: run .venv/bin/python, .venv/bin/torchrun, or `source .venv/bin/activate`.
+#
+# The first run creates .venv and installs torch 2.13.0 only when no torch is importable there: the CPU
+# build where no NVIDIA GPU is visible (torch==2.13.0+cpu from the configured index, else from
+# download.pytorch.org's CPU index; TORCH_CUDA=1 asks for the CUDA build), the CUDA build where one is.
+# The CUDA kernels are compiled only against a CUDA torch (DECENTPY_BUILD_CUDA=1: against any).
+# Later runs do nothing unless csrc/, setup.py or pyproject.toml changed, in which case the extension
+# is rebuilt.
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := build
@@ -61,7 +67,12 @@ DOCS_DEPS_STAMP := $(VENV)/.docs-deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 EXT_INPUTS  := $(shell find csrc -type f 2>/dev/null) $(wildcard setup.py pyproject.toml)
 
-.PHONY: build deps docs-deps docs wheel train test ctest pytest bench clean distclean
+.PHONY: build deps docs-deps docs wheel train test ctest pytest bench clean distclean help
+
+# The header of this file, without its comment marks.
+help:
+	@sed -n '1,/^$$/p' $(firstword $(MAKEFILE_LIST)) | sed -e 's/^# \{0,1\}//'
+
 
 build: $(BUILD_STAMP) $(BENCH_DEPS_STAMP)
 deps: $(DEPS_STAMP) $(BENCH_DEPS_STAMP)
@@ -75,24 +86,30 @@ $(PY):
 $(DEPS_STAMP): | $(PY)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
 	  echo "torch $$($(PY) -c 'import torch; print(torch.__version__)') already in $(VENV)"; \
+	elif [[ "$(TORCH_CUDA)" != 1 ]] && ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  echo "no NVIDIA GPU here: installing the CPU build of torch $(TORCH_VERSION) into $(VENV) (about 200 MB;" \
+	       "TORCH_CUDA=1 installs the CUDA one)"; \
+	  $(PIP) install $(PIP_Q) "torch==$(TORCH_VERSION)+cpu" 2>/dev/null || \
+	  $(PIP) install $(PIP_Q) --index-url https://download.pytorch.org/whl/cpu "torch==$(TORCH_VERSION)" || \
+	  { echo "no CPU build of torch $(TORCH_VERSION) in the configured index or download.pytorch.org;" \
+	         "installing torch==$(TORCH_VERSION) as the index serves it"; $(PIP) install $(PIP_Q) "torch==$(TORCH_VERSION)"; }; \
 	else \
-	  echo "installing torch==$(TORCH_VERSION) into $(VENV)"; \
+	  echo "installing torch==$(TORCH_VERSION) (the CUDA build: 1 GB or more with its CUDA libraries) into $(VENV)"; \
 	  $(PIP) install $(PIP_Q) "torch==$(TORCH_VERSION)"; \
 	fi
-	$(PIP) install $(PIP_Q) numpy pytest pytest-timeout scikit-learn ninja pybind11 setuptools wheel
+	$(PIP) install $(PIP_Q) numpy pytest pytest-timeout scikit-learn ninja pybind11 setuptools wheel tensorboard tqdm
 	$(PIP) install $(PIP_Q) --no-deps "decent-dp==$(DECENT_DP_VERSION)" loguru
 	@touch $@
 
+# tensorboard (above) is what examples/train_lm.py --tensorboard writes for, tqdm its progress bar.
 # scipy is for the bench only (the runtime model's calibration, tools/runtime_model/fit.py), which the
 # tests import; python-etcd is the client torch's EtcdStore is written for (the elastic tests with an
-# etcd rendezvous; they skip where the etcd server itself is not installed); tensorboard is what
-# examples/train_lm.py --tensorboard writes for (torch.utils.tensorboard needs it; without it that
-# option stops with a message and its test leaves it out). PyTorch Lightning is what
+# etcd rendezvous; they skip where the etcd server itself is not installed). PyTorch Lightning is what
 # decentpy.integrations.lightning is tested against (an optional dependency of decentpy; --no-deps:
 # it depends on an unpinned torch). Its own stamp: a venv made before it gets these without
 # rebuilding the extension.
 $(BENCH_DEPS_STAMP): $(DEPS_STAMP)
-	$(PIP) install $(PIP_Q) scipy python-etcd tensorboard
+	$(PIP) install $(PIP_Q) scipy python-etcd
 	$(PIP) install $(PIP_Q) --no-deps "pytorch-lightning==$(LIGHTNING_VERSION)" "lightning-utilities==0.15.3" \
 	  "torchmetrics==1.9.0"
 	$(PIP) install $(PIP_Q) tqdm pyyaml fsspec packaging typing-extensions
@@ -112,9 +129,13 @@ docs: $(BUILD_STAMP) $(DOCS_DEPS_STAMP)
 	@echo "docs: $(abspath docs/_build/html/index.html)"
 
 # --no-build-isolation: build against the torch installed above, never a freshly pulled one.
+# The compiler's progress ([done/total] per source) is shown; the whole log stays in $(VENV)/build.log.
 $(BUILD_STAMP): $(DEPS_STAMP) $(EXT_INPUTS)
 	@echo "building decentpy (compiles decentpy._C: a few minutes the first time, then only what changed)"
-	$(PIP) install $(PIP_Q) --no-build-isolation -e .
+	@$(PIP) install -v --no-build-isolation -e . 2>&1 | tee $(VENV)/build.log | \
+	  grep --line-buffered -E '^ *\[[0-9]+/[0-9]+\] |^decentpy: ' | cut -c1-150; \
+	  status=$${PIPESTATUS[0]}; if [[ $$status -ne 0 ]]; then \
+	    tail -n 40 $(VENV)/build.log; echo "the build failed; its whole log: $(VENV)/build.log"; exit $$status; fi
 	@touch $@
 
 # Wheel of the extension built against the torch in $(VENV) (it requires that torch major.minor).

@@ -1,12 +1,15 @@
 """Build of decentpy and its C++ extension decentpy._C.
 
 Always built: the CPU kernels, bucket packing and bindings (a torch CppExtension, so a CPU-only
-torch works). When nvcc is found, every csrc/cuda/*.cu is compiled by nvcc into an object file
+torch works). When nvcc is found and torch is a CUDA build (or DECENTPY_BUILD_CUDA=1 asks for it
+against a CPU torch, as CI does to compile every source), every csrc/cuda/*.cu is compiled by nvcc into an object file
 (no torch headers in .cu files), linked into the same extension together with the static CUDA
 runtime, and DECENTPY_WITH_CUDA is defined for the .cpp files.
 
 Environment:
   DECENTPY_NO_CUDA=1         never build the CUDA kernels
+  DECENTPY_BUILD_CUDA=1      build them against a CPU torch too (by default a CPU torch gets none:
+                             nothing could run them, and minutes of nvcc would be spent for nothing)
   CUDA_HOME / CUDA_PATH      CUDA toolkit to use (else /usr/local/cuda, else nvcc on PATH)
   DECENTPY_CUDA_ARCHS        semicolon/comma separated SM list, default "80;90" (+PTX of the highest)
   DECENTPY_CPU_ARCH          optional -march for all C++ files: avx2 (= x86-64-v3), avx512
@@ -79,6 +82,12 @@ def env_flag(name):
 def find_nvcc():
     """Path of nvcc and the CUDA root, or (None, None)."""
     if env_flag("DECENTPY_NO_CUDA"):
+        return None, None
+    import torch
+
+    if torch.version.cuda is None and not env_flag("DECENTPY_BUILD_CUDA"):
+        print("decentpy: a CPU build of torch: the CUDA kernels are not compiled (DECENTPY_BUILD_CUDA=1 compiles "
+              "them anyway)", flush=True)
         return None, None
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(var)

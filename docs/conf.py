@@ -46,3 +46,16 @@ napoleon_numpy_docstring = False
 html_theme = "furo"
 html_title = f"decentpy {release}"
 html_static_path = []
+
+
+def _drop_sourceless_modules(app):  # noqa: ANN001, ANN201 - a Sphinx event handler
+    """viewcode lists in _modules/index.html every module it looked at, also those without a source
+    page (the compiled decentpy._C): a broken link. Drop them before its pages are collected."""
+    modules = getattr(app.env, "_viewcode_modules", None) or {}
+    for name in [n for n, entry in modules.items() if not entry]:
+        del modules[name]
+    return []
+
+
+def setup(app):  # noqa: ANN001, ANN201
+    app.connect("html-collect-pages", _drop_sourceless_modules, priority=400)  # (before viewcode's, at 500)

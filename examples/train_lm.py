@@ -8,6 +8,7 @@ Launch (CPU workers over gloo, or one GPU per worker over NCCL when GPUs are vis
     torchrun --standalone --nproc_per_node=4 examples/train_lm.py --topology alternating-exp-ring \\
         --compression int8 --intra-node shard --local-world-size 2
     torchrun --standalone --nproc_per_node=4 examples/train_lm.py --mode decent-dp --topology ring
+    torchrun --standalone --nproc_per_node=4 examples/train_lm.py --topology complete --local-steps 32  # DiLoCo
     torchrun --standalone --nproc_per_node=2 examples/train_lm.py --preset wide --tokens 500000 \\
         --tensorboard runs/lm                     # then: tensorboard --logdir runs/lm
 
@@ -54,12 +55,27 @@ def _count(text: str) -> int:
     return int(value)
 
 
+#: the launch lines of the module's docstring, for --help
+_LAUNCH = "\n".join(l.replace("    torchrun ", "  .venv/bin/torchrun ") for l in __doc__.split("\n\n")[2].splitlines())
+
+
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults appended once: not where the help text already says its default (or has none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> Optional[str]:
+        text = action.help or ""
+        if "default" in text.lower() or action.default in (None, False):
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=_Help,
+                                epilog="launch (after make train, from the clone's root):\n" + _LAUNCH)
     p.add_argument("--mode", default="decentpy", choices=loop.MODES,
-                   help="torch DDP, DDP with PowerSGD, decentpy, or the decent-dp package")
+                   help="torch DDP, DDP with PowerSGD, decentpy, the decent-dp package, or torchft 0.2.0's own "
+                        "DiLoCo (torchft-diloco: give --local-steps H >= 2; torchft importable, see docs/elastic.md)")
     p.add_argument("--topology", default=None, help="gossip topology (decentpy, decent-dp; default ring): e.g. "
                    "complete, ring, one-peer-exp, alternating-exp-ring (decentpy.available_topologies())")
     p.add_argument("--compression", default="none", choices=["none", "int8"], help="compressed gossip (decentpy)")
@@ -173,9 +189,34 @@ def _tensorboard_writer(path: Optional[str], rank: int) -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
+        if rank != 0:  # (rank 0 says why, once)
+            raise SystemExit(2) from None
         raise SystemExit(f"--tensorboard {path}: torch.utils.tensorboard needs the tensorboard package ({e}); "
-                         "install it (pip install tensorboard) or leave out --tensorboard") from None
+                         "`make train` installs it into .venv (or: .venv/bin/pip install tensorboard), or leave out "
+                         "--tensorboard") from None
     return SummaryWriter(log_dir=path) if rank == 0 else None
+
+
+def _local_steps_text(spec: Any) -> str:
+    """The header's words for local steps (nothing when every step communicates)."""
+    if spec.local_steps < 2:
+        return ""
+    text = f" local steps H={spec.local_steps} outer rule {spec.outer_rule}"
+    if spec.fragments > 1:
+        text += (f" fragments {spec.fragments} (sync delay {spec.fragment_sync_delay}, "
+                 f"alpha {spec.fragment_update_alpha:g})")
+    return text
+
+
+def _progress_bar(steps: int, rank: int) -> Any:
+    """A tqdm bar on rank 0 when its stderr is a terminal (None otherwise, or without tqdm)."""
+    if rank != 0 or not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=steps, unit="step", dynamic_ncols=True, leave=False)
 
 
 def _mb(b: Optional[float]) -> str:
@@ -217,12 +258,18 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
             f"AdamW lr {cfg.lr:g} (warm-up {sched.warmup} steps, cosine to {0.1 * cfg.lr:g}), gradients clipped to "
             f"{spec.grad_clip:g}, data split {spec.data_split}", flush=True)
         arm = (f"{spec.mode}" + (f" topology {spec.topology}" if spec.mode in ("decentpy", "decent-dp") else "")
-               + (f" compression {args.compression} intra-node {spec.intra_node}" if spec.mode == "decentpy" else ""))
+               + (f" compression {args.compression} intra-node {spec.intra_node}" if spec.mode == "decentpy" else "")
+               + _local_steps_text(spec))
         out(f"mode {arm}; {len(sched.eval_steps)} evaluations on {spec.val_windows} held-out windows", flush=True)
+
+        bar = _progress_bar(sched.steps, rank)
+        if bar is not None:  # (the lines go above the bar)
+            out = lambda *a, **k: bar.write(" ".join(map(str, a)))  # noqa: E731
 
         def on_eval(row: Dict[str, Any]) -> None:
             out(f"step {row['step']:>6}/{sched.steps}  tokens {row['tokens']:>11,}  "
-                f"{_f(row['tokens_per_s'], ',.0f'):>8} tok/s  train {_f(row['train_bits_per_byte'], '.4f')} b/B  "
+                f"{_f(row['tokens_per_s'], ',.0f'):>8} tok/s  train (ranks' mean) "
+                f"{_f(row['train_bits_per_byte'], '.4f')} b/B  "
                 f"val {row['val_bits_per_byte']:.4f} b/B (workers {row['val_bits_per_byte_workers_mean']:.4f})  "
                 f"sent {_mb(row['bytes_sent_per_worker'])}/worker  consensus {row['consensus_distance']:.3e}  "
                 f"skipped {_f(row['skipped_steps'], 'd')}  wall {row['wall_s']:.1f}s", flush=True)
@@ -246,7 +293,11 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
             if writer is not None:
                 writer.add_scalar("loss/train_bits_per_byte_rank0", info["train_bits_per_byte"], info["tokens"])
 
-        rows = loop.run_arm(spec, corpus, args.device_, on_eval=on_eval, on_log=on_log)
+        rows = loop.run_arm(spec, corpus, args.device_, on_eval=on_eval, on_log=on_log,
+                            on_step=None if bar is None else (lambda done: bar.update(done - bar.n)))
+        if bar is not None:
+            bar.close()
+            out = print
         if writer is not None:
             writer.close()
         if rank == 0 and args.csv:
@@ -261,6 +312,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
             f"initial={rows[0]['val_bits_per_byte']:.4f} tokens={last['tokens']} wall_s={last['wall_s']:.1f} "
             f"bytes_sent_per_worker={last['bytes_sent_per_worker']:.0f} mode={spec.mode} "
             f"topology={last['topology']} compression={last['compression']} intra_node={last['intra_node']} "
+            f"local_steps={last['local_steps']} fragments={last['fragments']} "
+            f"{('outer_rule=' + str(last.get('outer_rule')) + ' ') if spec.local_steps > 1 else ''}"
             f"workers={world} preset={spec.preset} seed={spec.seed} corpus_bytes={corpus.n_bytes} "
             f"corpus_hash={corpus.list_hash}", flush=True)
         return rows

@@ -237,6 +237,11 @@ def c_budget_nan(rank: int, ctx: Ctx) -> Any:
     return _construct(ctx, sync_every_s=NAN)
 
 
+def c_scheduler_class_without_partial(rank: int, ctx: Ctx) -> Any:
+    """torch's StepLR given as lr_scheduler_fn (it needs step_size too): the hint names functools.partial."""
+    return _ddp(lr_scheduler_fn=torch.optim.lr_scheduler.StepLR)
+
+
 def c_scaler_not_a_scaler(rank: int, ctx: Ctx) -> Any:
     return _construct(ctx, scaler="yes")
 
@@ -656,6 +661,9 @@ CASES: Dict[str, Tuple[Callable[[int, Ctx], Any], int, Expect]] = {
                                                                                 "not both"])),
     "budget_nan": (c_budget_nan, 0, both("ValueError", ["sync_every_s", "nan"])),
     "scaler_not_a_scaler": (c_scaler_not_a_scaler, 0, both("TypeError", ["scaler", "GradScaler", "str"])),
+    "scheduler_class_without_partial": (c_scheduler_class_without_partial, 0,
+                                        both("TypeError", ["lr_scheduler_fn=StepLR", "functools.partial",
+                                                           "step_size"])),
     "optim_fn_none": (c_optim_fn_none, 0, both("TypeError", ["optim_fn must be callable", "NoneType"])),
     "model_not_a_module": (c_model_not_a_module, 0, both("TypeError", ["model must be a torch.nn.Module", "list"])),
     "model_wrapped_twice": (c_model_wrapped_twice, 0, both("TypeError", ["already a DecentralizedDataParallel",

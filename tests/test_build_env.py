@@ -420,3 +420,15 @@ def test_ddp_with_comm_nccl_fails_in_its_construction_agreement() -> None:
             decentpy.DecentralizedDataParallel(torch.nn.Linear(4, 2), partial(optim_fn_adamw, lr=1e-3), comm="nccl")
     frames = [entry.name for entry in info.traceback]
     assert "agree_across_ranks" in frames and "select_communicator" not in frames, frames
+
+
+def test_make_help_lists_the_targets_and_where_the_tools_are() -> None:
+    """`make help` prints the Makefile's header: every entry point and the .venv's tools."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "-s", "help"], cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for words in ("make train", "make test", "make docs", "make bench-lm", "make help", ".venv/bin/torchrun"):
+        assert words in out.stdout, (words, out.stdout)
+    assert not any(line.startswith("#") for line in out.stdout.splitlines())

@@ -5,8 +5,9 @@ The rules the pages follow (docs/index.md says so to readers):
   or ``run with: python ...`` is a complete script: it is run here, as pasted (N = 2 workers);
 - any other ``python`` block begins ``# not run:`` with the reason (a fragment of a larger script);
 - a shell block (``bash``) either only runs ``make <target>`` (checked to be a Makefile target;
-  CI's .ci/run runs ``make test`` and ``make docs``) or begins ``# not run by the docs tests:``
-  with the reason (cluster launches, wheel builds);
+  CI's .ci/run runs ``make test`` and ``make docs``), or commands of the virtual environment
+  ``make train`` makes (``.venv/bin/...``, run here as pasted from the clone's root), or begins
+  ``# not run by the docs tests:`` with the reason (cluster launches, wheel builds);
 - ``literalinclude`` of a script: the migration pairs and the quickstart, run here too.
 The README's quickstart must be examples/quickstart.py verbatim (the docs include that file); every
 script prints its result (each migration script one line on rank 0). Scripts run in a temporary
@@ -81,6 +82,8 @@ def test_every_block_is_marked() -> None:
                 if first.startswith("# not run by the docs tests:"):
                     continue
                 for cmd in (l.split("#")[0].strip() for l in code.splitlines()):
+                    if cmd.startswith(".venv/bin/"):  # run as pasted (test_commands_run_as_pasted)
+                        continue
                     if cmd and not (cmd.startswith("make ") and cmd.split()[1] in targets):
                         problems.append(f"{where}: {cmd!r} is neither a Makefile target nor marked not run")
             elif info.startswith("{literalinclude}"):
@@ -242,3 +245,28 @@ def test_run_blocks_and_migration_scripts(tmp_path) -> None:
     tf0, tf1 = r0["torchft_diloco_after"], r1["torchft_diloco_after"]
     assert tf0["losses"][-1] < tf0["losses"][0] and tf0["accuracy"] >= 0.8, tf0
     assert tf0["accuracy"] == tf1["accuracy"], (tf0, tf1)
+
+
+def test_commands_run_as_pasted() -> None:
+    """Every ``.venv/bin/...`` shell block of the pages, as pasted, from the clone's root (what a
+    user types after ``make train``); each distinct block once."""
+    import subprocess
+    import sys
+
+    venv_bin = Path(sys.executable).parent
+    if not (ROOT / ".venv" / "bin").is_dir() or venv_bin.resolve() != (ROOT / ".venv" / "bin").resolve():
+        pytest.skip("the tests do not run from the clone's own .venv (make test does)")
+    seen = set()
+    for page in PAGES:
+        for info, code, line in blocks(page):
+            if info not in ("bash", "sh", "shell") or code.startswith("# not run by the docs tests:"):
+                continue
+            if not any(l.strip().startswith(".venv/bin/") for l in code.splitlines()) or code in seen:
+                continue
+            seen.add(code)
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            env.pop("LOCAL_WORLD_SIZE", None)
+            proc = subprocess.run(["bash", "-e", "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=300)
+            assert proc.returncode == 0, f"{page.relative_to(ROOT)}:{line}: {proc.stderr[-2000:]}"
+    assert seen, "no .venv/bin command block found"

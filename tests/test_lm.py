@@ -243,6 +243,33 @@ def test_the_command_line_refuses_what_a_mode_cannot_do(argv: Any, message: str,
     assert T.parse_args(["--tokens", "2M"]).tokens == 2_000_000 and T.parse_args([]).topology == "ring"
 
 
+def test_help_says_each_default_once_and_how_to_launch(capsys: Any) -> None:
+    import examples.train_lm as T
+
+    with pytest.raises(SystemExit):
+        T.parse_args(["--help"])
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())
+    assert "(default: None)" not in text and "launch (after make train" in text
+    assert "torchft 0.2.0's own DiLoCo" in flat  # (the mode's help)
+    assert ".venv/bin/torchrun --standalone" in text and "--local-steps 32" in text
+    for option in ("--topology", "--warmup-steps", "--lr"):  # help that says its default, once
+        block = text.split(f"  {option}", 1)[1].split("\n  --", 1)[0]
+        assert block.lower().count("default") == 1, block
+
+
+def test_the_progress_bar_is_for_a_terminal_on_rank_0(monkeypatch: Any) -> None:
+    import examples.train_lm as T
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert T._progress_bar(10, 0) is None
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert T._progress_bar(10, 1) is None
+    bar = T._progress_bar(10, 0)
+    assert bar is not None and bar.total == 10
+    bar.close()
+
+
 def test_tensorboard_missing_is_one_clear_message(monkeypatch: Any) -> None:
     import examples.train_lm as T
 
@@ -291,7 +318,8 @@ def _every_mode(rank: int, world: int, small_dir: str) -> Dict[str, Any]:
     budget_out = io.StringIO()
     with contextlib.redirect_stdout(budget_out):  # the race from the command line: a probe sizes the tokens
         budget_rows = run_example_main("train_lm.py", ["--mode", "decentpy", "--topology", "complete", "--corpus",
-                                                       small_dir, "--budget-s", "2", "--evals", "1", *TINY])
+                                                       small_dir, "--budget-s", "2", "--evals", "1",
+                                                       "--local-steps", "2", *TINY])
     corpus = C.load_corpus(small_dir)
     runs = []
     for mode, kw in (("ddp-powersgd", {}), ("decentpy", {"compression": "int8", "topology": "complete"}),
@@ -341,6 +369,11 @@ def test_every_mode_trains_from_the_same_model_and_reports_its_rows(small_dir: s
     tps, tokens = (int(g.replace(",", "")) for g in probed.groups())
     assert tokens == budget[-1]["tokens"], (tokens, budget[-1])
     assert tokens == 8 * per_step or -1 <= 2 * tps - tokens < per_step + 1, (tokens, tps, per_step)  # tps is rounded
+    # local steps are said in the header and the summary
+    assert re.search(r"^mode decentpy topology complete .* local steps H=2 outer rule diloco;", ranks[0]["budget_stdout"],
+                     re.M), ranks[0]["budget_stdout"]
+    s = _summary(ranks[0]["budget_stdout"])
+    assert s["local_steps"] == "2" and s["fragments"] == "1" and s["outer_rule"] == "diloco"
 
 
 def _torchft_anchor(rank: int, world: int, small_dir: str) -> List[List[Dict[str, Any]]]:

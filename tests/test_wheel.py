@@ -42,8 +42,11 @@ def _env_flag(name):
 
 
 def _find_nvcc():
-    """nvcc as setup.py finds it (DECENTPY_NO_CUDA, CUDA_HOME, CUDA_PATH, /usr/local/cuda, PATH)."""
-    if _env_flag("DECENTPY_NO_CUDA"):
+    """nvcc as setup.py finds it (DECENTPY_NO_CUDA; a CPU torch without DECENTPY_BUILD_CUDA; CUDA_HOME,
+    CUDA_PATH, /usr/local/cuda, PATH)."""
+    import torch
+
+    if _env_flag("DECENTPY_NO_CUDA") or (torch.version.cuda is None and not _env_flag("DECENTPY_BUILD_CUDA")):
         return None
     for var in ("CUDA_HOME", "CUDA_PATH"):
         home = os.environ.get(var)

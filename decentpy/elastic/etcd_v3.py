@@ -20,6 +20,7 @@ import base64
 import datetime
 import json
 import logging
+import os
 import ssl
 import time
 import urllib.error
@@ -28,10 +29,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch.distributed as dist
 
-from .etcd import tls_options
 from .membership import RendezvousError
 
-__all__ = ["EtcdV3Store", "connect_etcd_v3"]
+__all__ = ["EtcdV3Store", "connect_etcd_v3", "tls_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +197,46 @@ class EtcdV3Store(dist.Store):
         return int(reply.get("count", 0))
 
 
+def tls_options(protocol: str, ca_cert: Optional[str], cert: Union[None, str, Tuple[str, str]],
+                 username: Optional[str], password: Optional[str]) -> dict:
+    """python-etcd's ``Client`` keywords for TLS and authentication, checked: ValueError naming
+    what is wrong and what would be valid."""
+    if protocol not in ("http", "https"):
+        raise ValueError(f"protocol must be 'http' or 'https', got {protocol!r}")
+    if protocol == "http" and (ca_cert is not None or cert is not None):
+        raise ValueError("ca_cert= and cert= need protocol='https' (TLS); with protocol='http' etcd's traffic is "
+                         "plain text and no certificate is used")
+    if isinstance(cert, (tuple, list)):
+        if len(cert) != 2 or not all(isinstance(c, str) and c for c in cert):
+            raise ValueError(f"cert must be a file name (certificate and key in one PEM file) or a pair (certificate "
+                             f"file, key file), got {cert!r}")
+        cert = (cert[0], cert[1])
+    elif cert is not None and not (isinstance(cert, str) and cert):
+        raise ValueError(f"cert must be a file name or a pair (certificate file, key file), got {cert!r}")
+    files = [("ca_cert", ca_cert)] + ([("cert", c) for c in cert] if isinstance(cert, tuple) else [("cert", cert)])
+    for what, path in files:
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{what}: no such file {path!r}")
+    if (username is None) != (password is None):
+        raise ValueError("etcd authentication needs both username= and password= (python-etcd ignores one alone), "
+                         f"got {'username' if username is not None else 'password'} only")
+    if username is not None and protocol == "http":
+        logger.warning("decentpy.elastic: the etcd password travels in plain text over http; use https "
+                       "with ca_cert=")
+    if protocol == "https" and ca_cert is None:
+        logger.warning("decentpy.elastic: etcd over https without ca_cert=: the server's certificate is checked "
+                       "against the system's CAs only (python-etcd does not verify it at all); pass the CA that "
+                       "signed it")
+    options: dict = {"protocol": protocol}
+    if ca_cert is not None:
+        options["ca_cert"] = ca_cert
+    if cert is not None:
+        options["cert"] = cert
+    if username is not None:
+        options.update(username=username, password=password)
+    return options
+
+
 def connect_etcd_v3(endpoint: str = "http://127.0.0.1:2379", prefix: str = "/decentpy",
                     timeout: datetime.timedelta = datetime.timedelta(seconds=30), ca_cert: Optional[str] = None,
                     cert: Union[None, str, Tuple[str, str]] = None, username: Optional[str] = None,
@@ -210,7 +250,7 @@ def connect_etcd_v3(endpoint: str = "http://127.0.0.1:2379", prefix: str = "/dec
     host, _, port = rest.rstrip("/").rpartition(":")
     if scheme not in ("http", "https") or not host or not port.isdigit():
         raise ValueError(f"endpoint must be 'host:port' or 'http[s]://host:port', got {endpoint!r}")
-    options = tls_options(scheme, ca_cert, cert, username, password)  # (the v2 store's checks and warnings)
+    options = tls_options(scheme, ca_cert, cert, username, password)
     context = None
     if scheme == "https":
         context = ssl.create_default_context(cafile=options.get("ca_cert"))

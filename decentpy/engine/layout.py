@@ -11,7 +11,7 @@ new storage, dtype or device since construction).
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -31,6 +31,20 @@ SchedulerFn = Callable[[Optimizer], LRScheduler]
 #: what a rank steps of a bucket of ``numel`` elements: None (all of it) or a shard ``(lo, hi)``
 ShardFn = Callable[[int], Optional[Tuple[int, int]]]
 
+
+
+def _build_scheduler(scheduler_fn: Optional[Callable[[Any], Any]], opt: Any, bucket: int) -> Any:
+    """``scheduler_fn(opt)``; a TypeError from it (torch's scheduler classes take more than the
+    optimizer) says how to give the other arguments."""
+    if scheduler_fn is None:
+        return None
+    try:
+        return scheduler_fn(opt)
+    except TypeError as exc:
+        name = getattr(scheduler_fn, "__name__", type(scheduler_fn).__name__)
+        raise TypeError(f"lr_scheduler_fn={name} failed on bucket {bucket}'s optimizer ({exc}): it is called with the "
+                        "optimizer alone; give the other arguments with functools.partial, e.g. "
+                        "lr_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100)") from exc
 
 class BucketLayout:
     """The buckets over ``params``, their optimizers and schedulers, and the layout's history."""
@@ -165,7 +179,7 @@ class BucketLayout:
                     f"pre_average_hook for bucket {bi} after the first iteration regrouped the buckets, unlike at "
                     "construction; it must return the same kind of optimizer every time")
             opt = fuse_torch_optimizer(opt)
-            sched = self.scheduler_fn(opt) if self.scheduler_fn is not None else None
+            sched = _build_scheduler(self.scheduler_fn, opt, bi)
             if old:
                 carry_over_state(old, opt, sched)
             shard = self.shard_of(flat.block.numel()) if self.shard_of is not None else None

@@ -535,7 +535,8 @@ def optim_fn_accum_adamw(params: List[Tuple[str, Tensor]], lr: float = 1e-3, bet
 
 def lr_scheduler_fn_cosine_with_warmup(optimizer: Optimizer, t_max: int, t_warmup: int,
                                        cosine_eta_min: float = 1e-6, warmup_decay: float = 0.01) -> LRScheduler:
-    """Linear warm-up for ``t_warmup`` steps, then cosine annealing over ``t_max`` steps."""
+    """Linear warm-up for ``t_warmup`` steps, then cosine annealing over the next ``t_max`` steps (the
+    minimum is reached at step ``t_warmup + t_max``: for a run of ``n`` steps give ``t_max = n - t_warmup``)."""
     main = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=t_max, eta_min=cosine_eta_min)
     warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=warmup_decay, total_iters=t_warmup)
     return torch.optim.lr_scheduler.SequentialLR(optimizer, schedulers=[warm, main], milestones=[t_warmup])

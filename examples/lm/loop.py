@@ -756,11 +756,13 @@ def tokens_for_budget(budget_s: float, tokens_per_s: float, tokens_per_step: int
 
 def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None,
             on_eval: Optional[Callable[[Dict[str, Any]], None]] = None,
-            on_log: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Dict[str, Any]]:
+            on_log: Optional[Callable[[Dict[str, Any]], None]] = None,
+            on_step: Optional[Callable[[int], None]] = None) -> List[Dict[str, Any]]:
     """Train one arm for one seed in the initialized default process group; return its rows (one per
     evaluation, :data:`COLUMNS`), the same on every rank. ``on_eval(row)`` is called on every rank
     after each evaluation; ``on_log({"step", "tokens", "train_bits_per_byte", "lr"})`` every
-    ``spec.log_every`` steps with this rank's own training loss (no collective)."""
+    ``spec.log_every`` steps with this rank's own training loss (no collective); ``on_step(steps
+    done)`` after every step (a progress bar; no synchronisation)."""
     if not dist.is_initialized():
         raise RuntimeError("run_arm needs torch.distributed: call init_process_group first")
     device = device or torch.device("cpu")
@@ -819,6 +821,8 @@ def run_arm(spec: RunSpec, corpus: Corpus, device: Optional[torch.device] = None
             loss = arm.train_step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             loss_sum += loss
             loss_steps += 1
+            if on_step is not None:
+                on_step(step + 1)
             if on_log is not None and spec.log_every > 0 and (step + 1) % spec.log_every == 0:
                 on_log({"step": step + 1, "tokens": (step + 1) * sched.tokens_per_step,
                         "train_bits_per_byte": bits_per_byte(float(loss)), "lr": arm.lr()})

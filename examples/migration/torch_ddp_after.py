@@ -62,7 +62,7 @@ def main(epochs=4, checkpoint_dir=None):
         losses.append(loss.item())
 
     if checkpoint_dir:                                                             # CHANGED (4)
-        model.wait()                  # the exchange in flight is part of the state
+        # (training_state_dict completes the exchange in flight itself and saves it: no wait() first)
         torch.save(model.training_state_dict(), os.path.join(checkpoint_dir, f"rank{rank}.pt"))
     model.global_avg()                # CHANGED (3): every rank now holds the exact average
     model.eval()
