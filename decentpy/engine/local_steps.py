@@ -103,17 +103,13 @@ class LocalStepsExchange(Exchange):
         #: ``fragment_sync_delay`` inner steps later, merged with ``fragment_update_alpha``
         options.check("local_steps")
         self.options = options
-        self.fragments = options.fragments
-        self.delay = options.fragment_sync_delay
-        self.alpha = float(options.fragment_update_alpha)
         #: the window and fragment clock (ticked once per iteration, at its first bucket's launch)
         self.clock = WindowClock(options, lambda: CLOCK())
         self._decided: Tuple[int, Optional[int]] = (-1, None)  # (iteration, the fragment it launches, or None)
         self._weight_at: Tuple[int, Optional[BufferMix]] = (-1, None)  # (iteration, its weight mix)
-        self.outer_optim = options.outer_optimizer
         self.compression = compression
         if compression is not None and self.exact:  # (the mean's wire is decoded inside the fused step)
-            why = fused_outer_reason(self.outer_optim([torch.zeros(1)]))
+            why = fused_outer_reason(options.outer_optimizer([torch.zeros(1)]))
             if why is not None:
                 raise ValueError(f"local_steps with compression={compression.kind!r} runs the fused outer step, and "
                                  f"the outer optimizer is not fusable: {why}; use torch's SGD, Adam or AdamW")
@@ -154,7 +150,7 @@ class LocalStepsExchange(Exchange):
         feedback (a joiner receives its neighbour's: the whole training state travels); on an exact
         topology the next outer exchange averages the global copies as well, once."""
         self._load(state, copies=False)
-        self._resync = set(range(self.fragments)) if self.exact else set()
+        self._resync = set(range(self.options.fragments)) if self.exact else set()
 
     def state_of(self, b: Bucket) -> OuterState:
         st: Optional[OuterState] = b.exchange_state
@@ -169,17 +165,17 @@ class LocalStepsExchange(Exchange):
                 for p, off in zip(b.params, b.offsets):
                     whole[off:off + p.numel()].copy_(self._window_start[id(p)].reshape(-1))
                 theta.copy_(whole[b.lo:b.hi])
-            st = OuterState(theta, self.outer_optim([theta]),
+            st = OuterState(theta, self.options.outer_optimizer([theta]),
                             OuterBuffer(self._link, theta.numel(), theta.device, weighted=self.weighted))
             b.exchange_state = st
             if layout.final and all(c.exchange_state is not None for c in self.strategy.buckets):
                 self._window_start = None
-            if layout.final and len(self.strategy.buckets) < self.fragments and not self._few_buckets_logged:
+            if layout.final and len(self.strategy.buckets) < self.options.fragments and not self._few_buckets_logged:
                 self._few_buckets_logged = True
                 logger.warning("local_steps: %d buckets for fragments=%d: fragments %s hold no bucket and their "
                                "outer steps exchange nothing (a smaller bucket_size_in_mb gives more buckets)",
-                               len(self.strategy.buckets), self.fragments,
-                               list(range(len(self.strategy.buckets), self.fragments)))
+                               len(self.strategy.buckets), self.options.fragments,
+                               list(range(len(self.strategy.buckets), self.options.fragments)))
         return st
 
     def _launching(self) -> Optional[int]:
@@ -206,7 +202,7 @@ class LocalStepsExchange(Exchange):
         """After the window's last inner step: the pseudo-gradient's outer exchange (kept here, not
         in ``b.work``: it completes in :meth:`wait_params`, before the next forward)."""
         fragment = self._launching()
-        if fragment is None or b.index % self.fragments != fragment:
+        if fragment is None or b.index % self.options.fragments != fragment:
             return None
         s = self.strategy
         st = self.state_of(b)
@@ -215,7 +211,7 @@ class LocalStepsExchange(Exchange):
         weight = float(self.clock.inner_steps) if self.weighted else None
         st.outer.launch(b.param, st.theta, self.clock.outer_steps, b.index, send_globals=not self.exact or resync,
                         weight=weight, weight_mix=self._weight_mix() if weight is not None and self.compression
-                        is not None else None, due=s.step + 1 + self.delay, step=s.step)
+                        is not None else None, due=s.step + 1 + self.options.fragment_sync_delay, step=s.step)
         return None
 
     def _weight_mix(self) -> BufferMix:
@@ -251,10 +247,10 @@ class LocalStepsExchange(Exchange):
                 st.outer.drop()
                 done = True  # the peer check dropped this outer step (not finite): theta and the parameters stay
                 continue
-            st.outer.apply(st.optimizer, [b.param], [st.theta], stepped=[st.theta], alpha=self.alpha,
+            st.outer.apply(st.optimizer, [b.param], [st.theta], stepped=[st.theta], alpha=float(self.options.fragment_update_alpha),
                            pull=self.options.outer_pull)
             self.strategy.node_mode.part_changed(b)  # (intra_node='shard': the node all-gathers the shards)
-            self._resync.discard(b.index % self.fragments)
+            self._resync.discard(b.index % self.options.fragments)
             done = True
         if done:
             self.clock.applied()
