@@ -14,7 +14,9 @@ otherwise), reading and writing the optimizer's own state, so ``state_dict`` / `
 and a later generic step see what torch would have. Otherwise the optimizer's own ``step()`` runs
 over ``.grad`` set to the pseudo-gradients, its other parameters' gradients stashed (torchft 0.2.0
 steps a shared outer optimizer's other fragments with their inner gradients: 0.875 max abs
-difference on its own test model, docs/migration/torchft.md).
+difference on its own test model, docs/migration/torchft.md). FSDP2's DTensor parameters take that
+path too: the tensors here are this rank's local shards, the optimizer's ``.grad`` the shard laid out
+as its DTensor (:mod:`decentpy.optim.shards`).
 
 :func:`pseudo_gradient` is the pass before the exchange: ``theta - x``, or its compressed form with
 error feedback (int8 / int4 / bf16: the wire formats of compressed gossip).
@@ -29,10 +31,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .shards import is_dtensor, like_param, local_shard
 from . import kernels
 from .fused import mark_stepped
 from .kernels import KERNEL_DTYPES, OptKind, flat_alias
+from .shards import is_dtensor, like_param, local_shard
 
 __all__ = ["fused_outer_reason", "fusable_here", "outer_step", "pseudo_gradient"]
 
