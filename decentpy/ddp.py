@@ -22,7 +22,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim.lr_scheduler import LRScheduler
 
 from .arguments import check_bool, check_int, check_real, check_timedelta
-from .comm import CommGroup, agree_across_ranks, default_timeout, raise_if_any_rank_failed
+from .comm import CommGroup, agree_across_ranks, average_, default_timeout, raise_if_any_rank_failed
 from .comm.arrival import Arrivals
 from .comm import DEFAULT_LIVENESS_TIMEOUT, PeerWatch, check_comm, or_world, resolve_comm, select_communicator
 from .engine import NODE_MODES, BackwardDriver, DriverJoinHook, GossipStrategy, check_intra_node, exchange_for, ownership
@@ -645,9 +645,9 @@ class DecentralizedDataParallel(nn.Module, Joinable):
             else:
                 torch._foreach_copy_(self._backups, tensors)
             self._skip_mix_before_avg = [b.skip_mix for b in r.buckets]
-        _average_(tensors, self._world_size, self._process_group)
+        average_(tensors, self._world_size, self._process_group)
         if self._sync_buffer_in_global_avg if sync_buffers is None else sync_buffers:
-            _average_([b for b in self._model.buffers() if b.dtype in self.FLOAT_DTYPES], self._world_size,
+            average_([b for b in self._model.buffers() if b.dtype in self.FLOAT_DTYPES], self._world_size,
                       self._process_group)
         r.mark_equal()
         if return_d2c:
@@ -983,15 +983,3 @@ def _with_model_prefix(state_dict: Mapping[str, Any], expected: List[str]) -> Di
     return max(candidates, key=lambda c: len(want.intersection(c)))  # first wins a tie
 
 
-@torch.no_grad()
-def _average_(tensors: List[Tensor], world_size: int, group: Optional[dist.ProcessGroup] = None) -> None:
-    """In-place exact average over the ``world_size`` ranks of ``group`` (low-precision tensors
-    reduced in fp32)."""
-    if world_size == 1:
-        return
-    for t in tensors:
-        buf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-        dist.all_reduce(buf, group=group)
-        buf.div_(world_size)
-        if buf is not t:
-            t.copy_(buf)

@@ -26,7 +26,7 @@ from .agreement import (SettingsMismatchError, agree_across_ranks, check_on_ever
                         first_difference_across_ranks, raise_if_any_rank_failed)
 from .failures import (DEFAULT_LIVENESS_TIMEOUT, FaultyPeerError, NonFiniteGradientError, PeerFaultyError,
                        PeerReportedError, PeerUnreachableError, PeerWatch, peer_monitor)
-from .groups import CommGroup, SubGroup, group_ranks, or_world
+from .groups import CommGroup, SubGroup, average_, group_ranks, or_world
 from .nccl import (NcclCommunicator, NcclExchange, nccl_available, nccl_compiled, nccl_library_candidates,
                    nccl_unavailable_reason)
 from .protocol import Communicator, Work
@@ -37,7 +37,7 @@ from .wire import MalformedMessageError
 
 __all__ = ["Communicator", "Work", "TorchCommunicator", "Exchange", "NcclCommunicator", "NcclExchange",
            "nccl_available", "nccl_compiled", "nccl_library_candidates", "nccl_unavailable_reason", "COMM_CHOICES",
-           "check_comm", "resolve_comm", "select_communicator", "CommGroup", "SubGroup", "group_ranks", "or_world",
+           "check_comm", "resolve_comm", "select_communicator", "CommGroup", "SubGroup", "average_", "group_ranks", "or_world",
            "check_on_every_rank", "everyone", "first_difference_across_ranks", "raise_if_any_rank_failed", "PeerTimeoutError",
            "default_timeout", "wait_bounded", "agree_across_ranks", "comparable", "SettingsMismatchError",
            "MalformedMessageError",

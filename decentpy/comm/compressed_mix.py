@@ -38,7 +38,15 @@ from ..topology import Topology
 from .group_exchange import GroupExchange, GroupExchanger, other_members
 from .plans import ExchangePlan, plan_exchange
 
-__all__ = ["GossipCopies", "CompressedMix", "gossip_partners"]
+__all__ = ["GossipCopies", "CompressedMix", "gossip_partners", "public_copy"]
+
+
+def public_copy(start: Optional[Tensor], numel: int, device: torch.device) -> Tensor:
+    """A public copy's first value: the buffer every rank holds alike (``start``), else zero (the
+    replicas differ): both ends of an exchange start from the same value either way."""
+    if start is not None:
+        return start.detach().to(torch.float32, copy=True)
+    return torch.zeros(numel, dtype=torch.float32, device=device)
 
 
 def gossip_partners(topology: Topology, rank: int) -> Tuple[List[Tuple[int, ...]], List[Tuple[int, ...]], int]:
@@ -71,8 +79,7 @@ class GossipCopies:
         self.peers = sorted(j for g in peers for j in g if j != rank)
 
         def copy() -> Tensor:
-            return start.detach().to(torch.float32, copy=True) if start is not None else \
-                torch.zeros(numel, dtype=torch.float32, device=device)
+            return public_copy(start, numel, device)
 
         self.self_copy: Dict[int, Tensor] = {j: copy() for j in self.peers}
         self.peer_copy: Dict[int, Tensor] = {j: copy() for j in self.peers}

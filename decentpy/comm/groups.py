@@ -8,10 +8,11 @@ import itertools
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["SubGroup", "CommGroup", "group_ranks", "or_world"]
+__all__ = ["SubGroup", "CommGroup", "group_ranks", "or_world", "average_"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +180,17 @@ class CommGroup:
         logger.debug("process group %s does not fill nodes of %d ranks evenly; its local world size is 1",
                     list(self.global_ranks), env)
         return 1
+
+
+@torch.no_grad()
+def average_(tensors: List[Tensor], world_size: int, group: Optional[dist.ProcessGroup] = None) -> None:
+    """In-place exact average over the ``world_size`` ranks of ``group`` (low-precision tensors
+    reduced in fp32). A collective: every rank of the group calls it with the same tensors."""
+    if world_size == 1:
+        return
+    for t in tensors:
+        buf = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+        dist.all_reduce(buf, group=group)
+        buf.div_(world_size)
+        if buf is not t:
+            t.copy_(buf)

@@ -32,7 +32,6 @@ SchedulerFn = Callable[[Optimizer], LRScheduler]
 ShardFn = Callable[[int], Optional[Tuple[int, int]]]
 
 
-
 def _build_scheduler(scheduler_fn: Optional[Callable[[Any], Any]], opt: Any, bucket: int) -> Any:
     """``scheduler_fn(opt)``; a TypeError from it (torch's scheduler classes take more than the
     optimizer) says how to give the other arguments."""
@@ -45,6 +44,7 @@ def _build_scheduler(scheduler_fn: Optional[Callable[[Any], Any]], opt: Any, buc
         raise TypeError(f"lr_scheduler_fn={name} failed on bucket {bucket}'s optimizer ({exc}): it is called with the "
                         "optimizer alone; give the other arguments with functools.partial, e.g. "
                         "lr_scheduler_fn=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100)") from exc
+
 
 class BucketLayout:
     """The buckets over ``params``, their optimizers and schedulers, and the layout's history."""

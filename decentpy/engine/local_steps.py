@@ -247,8 +247,8 @@ class LocalStepsExchange(Exchange):
                 st.outer.drop()
                 done = True  # the peer check dropped this outer step (not finite): theta and the parameters stay
                 continue
-            st.outer.apply(st.optimizer, [b.param], [st.theta], stepped=[st.theta], alpha=float(self.options.fragment_update_alpha),
-                           pull=self.options.outer_pull)
+            st.outer.apply(st.optimizer, [b.param], [st.theta], stepped=[st.theta],
+                           alpha=float(self.options.fragment_update_alpha), pull=self.options.outer_pull)
             self.strategy.node_mode.part_changed(b)  # (intra_node='shard': the node all-gathers the shards)
             self._resync.discard(b.index % self.options.fragments)
             done = True

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from ..comm import average_
 from ..ddp import DecentralizedDataParallel
 from ..local_sgd import DiLoCo
 
@@ -84,8 +85,8 @@ class _BucketOptimizers:
         built = [dict({k: v for k, v in src[i].items() if k != "params"}, params=ps) for i, ps in groups.items()]
         cls = type(self.optimizer)
         # (the groups carry every hyper-parameter; the constructor gets those of its defaults it names)
-        named = inspect.signature(cls.__init__).parameters
-        return cls(built, **{k: v for k, v in self.optimizer.defaults.items() if k in named})
+        accepted = inspect.signature(cls.__init__).parameters
+        return cls(built, **{k: v for k, v in self.optimizer.defaults.items() if k in accepted})
 
     def follow(self, optimizers: Sequence[Optimizer]) -> None:
         """Each bucket group takes its origin group's current lr and weight decay (a scheduler's)."""
@@ -103,16 +104,10 @@ class _BucketOptimizers:
 def _averaged_state_dict(module: nn.Module) -> Dict[str, Any]:
     """The module's state dict averaged over the world (floating tensors; the rest as this rank's).
     A collective: every rank calls it (Lightning dumps a checkpoint on every rank)."""
-    out: Dict[str, Any] = {}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    for k, v in module.state_dict().items():
-        if isinstance(v, Tensor) and v.is_floating_point() and world > 1:
-            t = v.detach().to(torch.float64 if v.dtype == torch.float64 else torch.float32, copy=True)
-            dist.all_reduce(t)
-            out[k] = t.div_(world).to(v.dtype)
-        else:
-            out[k] = v
-    return out
+    state = module.state_dict()
+    floats = {k: v.detach().clone() for k, v in state.items() if isinstance(v, Tensor) and v.is_floating_point()}
+    average_(list(floats.values()), dist.get_world_size() if dist.is_initialized() else 1)
+    return {**state, **floats}
 
 
 class _RankCheckpoints:

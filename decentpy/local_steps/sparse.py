@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from ..arguments import is_int
-from ..comm.compressed_mix import gossip_partners
+from ..comm.compressed_mix import gossip_partners, public_copy
 from ..comm.group_exchange import other_members
 from ..comm.plans import ExchangePlan
 from ..optim import kernels
@@ -135,12 +135,8 @@ class SparseCopies:
         pairs, groups, slots = gossip_partners(topology, rank)
         self.groups = sorted(pairs + groups)
 
-        def copy() -> Tensor:
-            return start.detach().to(torch.float32, copy=True) if start is not None else \
-                torch.zeros(numel, dtype=torch.float32, device=device)
-
-        self.own: Dict[Tuple[int, ...], Tensor] = {g: copy() for g in self.groups}
-        self.mean: Dict[Tuple[int, ...], Tensor] = {g: copy() for g in self.groups}
+        self.own: Dict[Tuple[int, ...], Tensor] = {g: public_copy(start, numel, device) for g in self.groups}
+        self.mean: Dict[Tuple[int, ...], Tensor] = {g: public_copy(start, numel, device) for g in self.groups}
         size = settings.wire_bytes(numel)
         self.wires = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(1 + slots)]  # q, slots
         self._residual = torch.empty(numel, dtype=torch.float32, device=device)  # the pack's (not kept)
@@ -158,7 +154,7 @@ class SparseCopies:
     # -- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         s = self.settings
-        return {"kind": f"sparse-{s.k}/{s.chunk}", "peers": [], "groups": [list(g) for g in self.groups],
+        return {"kind": f"sparse-{s.k}/{s.chunk}", "groups": [list(g) for g in self.groups],
                 "group_copies": {g: (self.own[g].clone(), self.mean[g].clone()) for g in self.groups}}
 
     @torch.no_grad()

@@ -157,8 +157,8 @@ def _generic(optimizer: Optimizer, stepped: Sequence[Tensor], params: Sequence[T
                 stash.append((q, q.grad))
                 q.grad = None
     # (the parameters before the step, for the merge: a stepped tensor, or a DTensor's local shard, is overwritten)
-    local = [p.detach().clone() if alpha > 0.0 and (any(p is s for s in stepped) or any(map(is_dtensor, stepped)))
-             else None for p in params]
+    sharded = any(map(is_dtensor, stepped))
+    local = [p.detach().clone() if alpha > 0.0 and (sharded or any(p is s for s in stepped)) else None for p in params]
     try:
         for i, (s, th, d) in enumerate(zip(stepped, thetas, deltas)):
             start = theta_mix[i] if theta_mix is not None else th

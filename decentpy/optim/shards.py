@@ -62,8 +62,7 @@ def shard_layout(params: Sequence[Tensor]) -> List[Optional[Tuple[str, Tuple[int
 def local_state(state: Dict[str, Any]) -> Dict[str, Any]:
     """An optimizer's ``state_dict()`` with its DTensor states as their local shards (a per-rank
     checkpoint; :func:`restore_state` undoes it)."""
-    return {**state, "state": {k: {n: (local_shard(v) if is_dtensor(v) else v) for n, v in s.items()}
-                               for k, s in state["state"].items()}}
+    return {**state, "state": {k: {n: local_shard(v) for n, v in s.items()} for k, s in state["state"].items()}}
 
 
 def restore_state(state: Dict[str, Any], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
@@ -73,8 +72,8 @@ def restore_state(state: Dict[str, Any], optimizer: torch.optim.Optimizer) -> Di
     out: Dict[Any, Dict[str, Any]] = {}
     for k, s in state["state"].items():
         p = params[int(k)] if int(k) < len(params) else None
-        out[k] = {n: (like_param(v, p) if p is not None and is_dtensor(p) and isinstance(v, Tensor)
-                      and v.dim() > 0 else v) for n, v in s.items()}
+        out[k] = {n: (like_param(v, p) if p is not None and isinstance(v, Tensor) and v.dim() > 0 else v)
+                  for n, v in s.items()}
     return {**state, "state": out}
 
 
